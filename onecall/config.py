@@ -1,0 +1,84 @@
+"""EngineConfig: the one frozen configuration of an engine, validated when built.
+
+What the engine only learns at load time (the model's shape, EOS ids, how many KV
+blocks fit the budget) is kept in `RuntimeInfo` (engine/engine.py), never written
+back here. `device` and `dtype` are resolved once, by properties, so every layer
+below receives concrete values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from onecall.errors import InvalidParameterError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+# Default KV budget on CPU. SmolLM2-135M needs 45 KiB per token in float32, so 1 GiB holds about
+# 23k tokens: a few full 8k contexts. On CUDA the default is a fraction of the memory left after
+# the weights are loaded (see Engine).
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+DEFAULT_GPU_KV_CACHE_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an engine. None means "pick the default for this model/device"."""
+
+    model: str | None = None  # GGUF file, HF folder, or None for the embedded SmolLM2-135M-Instruct
+    device: str | None = None  # "cpu", "cuda", "cuda:1"...; None: cuda if available else cpu
+    dtype: str | None = None  # float32 | bfloat16 | float16; None: see default_dtype()
+    max_model_len: int | None = None  # context window; None: the model's, capped by the KV budget
+    block_size: int = 16  # tokens per KV block
+    kv_cache_gib: float | None = None  # KV budget; None: DEFAULT_CPU_KV_CACHE_GIB / a GPU fraction
+    max_num_seqs: int = 64  # most sequences running at once
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise InvalidParameterError("dtype", f"must be one of float32, bfloat16, float16; got {self.dtype!r}")
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise InvalidParameterError("device", f"not a torch device: {self.device!r} ({e})") from None
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise InvalidParameterError("device", f"{self.device!r} asked for, but CUDA is not available here")
+        for name, lo in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise InvalidParameterError(name, f"must be an integer >= {lo}, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise InvalidParameterError("max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_gib is not None and not (self.kv_cache_gib > 0):
+            raise InvalidParameterError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise InvalidParameterError("num_threads", f"must be an integer >= 1, got {self.num_threads!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return _DTYPES[self.dtype]
+        return default_dtype(self.torch_device)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA. On CPU float32: see the README's "dtype on CPU" note (measured there)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,0 +1,305 @@
+"""Engine: add_request() / step() / abort(), the one loop every entry point drives.
+
+    request -> token ids -> add_request -> step(): schedule -> run model -> sample
+            -> postprocess (append, detokenize, stop checks, prefix-cache insert, free)
+            -> RequestOutputs (text deltas + trace)
+
+The LLM facade, the CLI, the server and the lab all call `step()` in a loop;
+nothing else advances a request. Loading (files -> model + tokenizer + KV pool)
+lives in engine/loading.py; this module is the loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from onecall.config import EngineConfig
+from onecall.engine.kv_cache import KVCacheManager
+from onecall.engine.loading import LoadedEngineParts, load_engine_parts
+from onecall.engine.model_runner import ModelRunner
+from onecall.engine.postprocess import postprocess_token
+from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from onecall.engine.sequence import FinishReason, Sequence, TextState
+from onecall.engine.trace import RequestTrace, StepRecord
+from onecall.errors import ContextLengthExceededError, InvalidParameterError
+from onecall.sampling.sampler import SampleResult, SamplingRequest, TokenConstraint, sample
+from onecall.sampling_params import SamplingParams
+from onecall.text.chat_template import RenderedPrompt
+from onecall.text.detokenizer import IncrementalDetokenizer
+from onecall.text.stop import StopStringMatcher
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far. `text`/`token_ids` are cumulative; `delta_*` is this step's."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    trace: RequestTrace
+    logprobs: list[float | None] | None = None  # per output token, when asked for
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters for metrics; monotonically increasing totals plus current gauges."""
+
+    num_prompt_tokens_total: int = 0
+    num_generation_tokens_total: int = 0
+    num_prefix_cache_query_tokens_total: int = 0
+    num_prefix_cache_hit_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    num_steps_total: int = 0
+    finished_traces: list[RequestTrace] = field(default_factory=list, repr=False)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, parts: LoadedEngineParts | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.parts = parts or load_engine_parts(self.config)
+        p = self.parts
+        self.tokenizer = p.tokenizer
+        self.model_config = p.model_config
+        self.device = p.device
+        self.max_model_len = p.max_model_len
+        self.kv = KVCacheManager(p.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.runner = ModelRunner(p.model, p.kv_cache, self.kv, self.device)
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._step_counter = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | RenderedPrompt,
+        params: SamplingParams | None = None,
+        *,
+        constraint: TokenConstraint | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; it joins the running batch at the next step. Validates everything a
+        caller can get wrong (typed errors), so a bad request never reaches the step loop."""
+        params = params or SamplingParams()
+        if request_id in self._seqs:
+            raise InvalidParameterError("request_id", f"{request_id!r} is already running")
+        params.validate_vocab(self.tokenizer.vocab_size)
+        trace = RequestTrace(request_id=request_id, arrival_time=arrival_time or time.perf_counter())
+        ids = self._prompt_ids(prompt, trace)
+        self._check_length(len(ids), params.max_tokens)
+        trace.sampling = _resolved_sampling(params)
+        trace.device, trace.dtype, trace.model = (
+            str(self.device),
+            str(self.parts.dtype),
+            self.parts.model_name,
+        )
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed % 2**64)
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            max_total_tokens=self.max_model_len,
+            trace=trace,
+            generator=gen,
+            constraint=constraint,
+        )
+        seq.text_state = TextState(
+            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
+            StopStringMatcher(params.stop) if params.stop else None,
+        )
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _prompt_ids(self, prompt: str | list[int] | RenderedPrompt, trace: RequestTrace) -> list[int]:
+        special = self.tokenizer.special_ids
+        if isinstance(prompt, RenderedPrompt):
+            ids, trace.prompt_text, trace.prompt_is_control = (
+                list(prompt.token_ids),
+                prompt.text,
+                list(prompt.is_control),
+            )
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            trace.prompt_text = prompt
+            trace.prompt_is_control = [i in special for i in ids]
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
+            if bad:
+                raise InvalidParameterError(
+                    "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.tokenizer.vocab_size})"
+                )
+            trace.prompt_is_control = [i in special for i in ids]
+        else:
+            raise InvalidParameterError(
+                "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise InvalidParameterError("prompt", "is empty: at least one token is needed")
+        trace.prompt_token_ids = ids
+        return ids
+
+    def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise ContextLengthExceededError(num_prompt_tokens, self.max_model_len)
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(num_prompt_tokens, self.max_model_len, max_tokens)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request now: its KV blocks are freed before this returns."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        seq.trace.finish_reason = FinishReason.ABORT.value
+        seq.trace.finish_time = time.perf_counter()
+        return self._output(seq, "", [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, postprocess. Returns outputs of requests that
+        produced a token or finished in this step."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self._step_counter += 1
+        self.stats.num_steps_total += 1
+        self.stats.num_preemptions_total += len(sched.preempted)
+        t0 = time.perf_counter()
+        self._note_first_schedule(sched, t0)
+        logits = self.runner.execute(sched.scheduled)
+        sampling = [s for s in sched.scheduled if s.samples]
+        result = sample(logits, [self._sampling_request(s.seq) for s in sampling]) if sampling else None
+        duration = time.perf_counter() - t0
+        return self._postprocess(sched, sampling, result, duration)
+
+    def _note_first_schedule(self, sched: SchedulerOutput, now: float) -> None:
+        for item in sched.scheduled:
+            seq = item.seq
+            if seq.trace.first_scheduled_time is None:
+                seq.trace.first_scheduled_time = now
+                self.stats.num_prompt_tokens_total += seq.num_prompt_tokens
+                self.stats.num_prefix_cache_query_tokens_total += seq.num_prompt_tokens
+                self.stats.num_prefix_cache_hit_tokens_total += seq.num_cached_tokens
+
+    def _sampling_request(self, seq: Sequence) -> SamplingRequest:
+        banned: Iterable[int] = ()
+        if seq.num_output_tokens < seq.params.min_tokens:
+            banned = sorted(self.tokenizer.eos_token_ids | set(seq.params.stop_token_ids))
+        return SamplingRequest(
+            params=seq.params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=seq.generator,
+            constraint=seq.constraint,
+            banned_token_ids=list(banned),
+        )
+
+    def _postprocess(
+        self, sched: SchedulerOutput, sampling: list[ScheduledSeq], result: SampleResult | None, duration: float
+    ) -> list[RequestOutput]:
+        now = time.perf_counter()
+        batch_size, num_batched = len(sched.scheduled), sched.num_batched_tokens
+        row = {id(s.seq): i for i, s in enumerate(sampling)}
+        outputs: list[RequestOutput] = []
+        for item in sched.scheduled:
+            seq = item.seq
+            kind = "prefill" if seq.is_prefilling else "decode"
+            seq.num_computed_tokens += item.num_new_tokens
+            record = StepRecord(
+                self._step_counter, kind, item.num_new_tokens, batch_size, num_batched, duration
+            )
+            seq.trace.steps.append(record)
+            if id(seq) not in row:
+                continue
+            if seq.num_output_tokens == 0 and seq.trace.prefill_done_time is None:
+                seq.trace.prefill_done_time = now
+                self.kv.commit(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
+            assert result is not None, "a sampling row always has a sample result"
+            delta_text, finish = postprocess_token(
+                seq, result, row[id(seq)], record, self.tokenizer.eos_token_ids
+            )
+            self.stats.num_generation_tokens_total += 1
+            if seq.trace.first_token_time is None:
+                seq.trace.first_token_time = now
+            if finish is not None:
+                self._retire(seq, finish, now)
+            outputs.append(self._output(seq, delta_text, [seq.token_ids[-1]]))
+        return outputs
+
+    def _retire(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.trace.finish_reason = reason.value
+        seq.trace.finish_time = now
+        self._seqs.pop(seq.request_id, None)
+        self.stats.finished_traces.append(seq.trace)
+        del self.stats.finished_traces[:-64]  # keep the recent ones only
+
+    def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+        want_lp = seq.params.logprobs is not None
+        ts = seq.text_state
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=ts.text if ts else "",
+            token_ids=seq.output_token_ids,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            trace=seq.trace,
+            logprobs=list(seq.output_logprobs) if want_lp else None,
+            top_logprobs=list(seq.output_top_logprobs) if want_lp else None,
+        )
+
+
+def _resolved_sampling(p: SamplingParams) -> dict[str, object]:
+    d: dict[str, object] = {
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k,
+        "min_p": p.min_p,
+        "seed": p.seed,
+        "max_tokens": p.max_tokens,
+        "repetition_penalty": p.repetition_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "stop": list(p.stop),
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+        "logprobs": p.logprobs,
+    }
+    if p.logit_bias:
+        d["logit_bias"] = dict(p.logit_bias)
+    d["mode"] = "greedy" if p.is_greedy else "sample"
+    return d

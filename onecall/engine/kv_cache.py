@@ -1,0 +1,295 @@
+"""KV cache bookkeeping: which physical blocks each sequence uses, which are shared, what to copy.
+
+Pure Python, no tensors. The K/V themselves live in the model's PagedKVCache, where slot
+s = block * block_size + offset; this module hands out block ids and slot ids, and queues
+(src_slot, dst_slot) copies that the model runner applies before the next forward. Within one
+drain no slot is written twice (targets are fresh blocks; a copy into a block that was freed and
+handed out again is dropped) and no slot is read after an earlier op wrote it (targets enter the
+tree only on commit, after the forward), so applying them in order and applying them as one
+batched gather-then-scatter (cache[dst] = cache[src]) give the same result.
+
+Who holds a block (refcount[b] is the number of holders, free iff 0):
+
+    | holder                | counted                                  | released by                 |
+    |-----------------------|------------------------------------------|-----------------------------|
+    | a sequence            | once per sequence whose table has b      | free(seq_id)                |
+    | the radix tree        | once while tree_tokens[b] > 0            | eviction / reset            |
+
+    free list      == {b : refcount[b] == 0}
+    evictable      == {b : refcount[b] == 1 and tree_tokens[b] > 0}   (held by the tree only)
+    used           == everything else (some sequence holds it)
+
+Prefix reuse at token granularity (begin): the prompt's longest cached path gives one slot
+per matched position (at most len(prompt) - 1 of them, so the model still computes a token).
+Logical block i of the match is then either
+
+    | case                                                | action                          |
+    |-----------------------------------------------------|---------------------------------|
+    | all block_size positions matched, all in ONE block  | share it (refcount + 1)          |
+    | partly matched (the last one), or "mixed" (its      | allocate a fresh block and copy |
+    | positions sit in different physical blocks)         | the matched slots into it        |
+
+A sequence never writes into a shared block: shared blocks are full and lie entirely below
+num_cached_tokens, and every block it writes to is one it allocated itself. Running
+sequences hold their blocks directly, so evicting tree entries never frees memory in use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from onecall.engine.radix_cache import RadixCache, TreeNode
+from onecall.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a prompt leaves the longest cached path."""
+
+    index: int  # token position where the prompt and the cache first differ
+    prompt_token: int
+    cached_token: int  # from the branch the path would have continued on (the MRU one)
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What a prompt reuses from the prefix cache."""
+
+    num_cached_tokens: int  # tokens whose KV is reused (shared blocks + copied slots)
+    divergence: Divergence | None  # None when the cached path simply ended (or no cache)
+    is_capped: bool = False  # the whole prompt was cached; reuse stopped at len(prompt) - 1
+
+
+class BlockPool:
+    """Free list and holder counts of the physical blocks (see the table above)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.refcount = [0] * num_blocks  # holders: sequences + (1 if tree_tokens > 0)
+        self.tree_tokens = [0] * num_blocks  # tree positions whose slot lies in the block
+        self._free = list(range(num_blocks - 1, -1, -1))  # stack: low ids come out first
+        self._num_evictable = 0  # running count of blocks held by the tree only
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return self._num_evictable
+
+    def free_blocks(self) -> list[int]:
+        return list(self._free)
+
+    def allocate(self) -> int:
+        block = self._free.pop()
+        assert self.refcount[block] == 0 and self.tree_tokens[block] == 0
+        self.refcount[block] = 1
+        return block
+
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of these already-held blocks (the hot path of begin)."""
+        refcount, tree_tokens = self.refcount, self.tree_tokens
+        for block in blocks:
+            assert refcount[block] > 0, "sharing a free block"
+            if refcount[block] == 1 and tree_tokens[block] > 0:
+                self._num_evictable -= 1  # two holders now: no longer the tree's alone
+            refcount[block] += 1
+
+    def decref(self, block: int) -> None:
+        self._change(block, -1, 0)
+
+    def add_tree_tokens(self, block: int, count: int) -> None:
+        self._change(block, 1 if self.tree_tokens[block] == 0 else 0, count)
+
+    def remove_tree_tokens(self, block: int, count: int) -> None:
+        self._change(block, -1 if self.tree_tokens[block] == count else 0, -count)
+
+    def is_evictable(self, block: int) -> bool:
+        return self.refcount[block] == 1 and self.tree_tokens[block] > 0
+
+    def _change(self, block: int, d_ref: int, d_tree: int) -> None:
+        was_evictable = self.is_evictable(block)
+        self.refcount[block] += d_ref
+        self.tree_tokens[block] += d_tree
+        assert self.refcount[block] >= 0 and self.tree_tokens[block] >= 0
+        self._num_evictable += self.is_evictable(block) - was_evictable
+        if d_ref < 0 and self.refcount[block] == 0:
+            self._free.append(block)
+
+
+class KVCacheManager:
+    """Block tables per sequence plus the radix prefix cache over the same blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise InvalidParameterError("num_blocks", f"must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise InvalidParameterError("block_size", f"must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.tree = RadixCache(self.pool, block_size)
+        self._tables: dict[int, list[int]] = {}  # seq_id -> block ids, logical order
+        self._copy_ops: list[tuple[int, int]] = []  # pending (src_slot, dst_slot), in order
+
+    # ---- accounting ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks on the free list (not counting cache that could be evicted)."""
+        return self.pool.num_free
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks held only by the prefix cache: free for the taking after eviction."""
+        return self.pool.num_evictable
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - self.pool.num_free - self.pool.num_evictable
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences; cache-only blocks count as available."""
+        return self.num_used_blocks / self.num_blocks
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return self.pool.num_free + self.pool.num_evictable >= num_blocks
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._tables[seq_id])
+
+    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Slot ids of positions [start, end) of the sequence."""
+        table, bs = self._tables[seq_id], self.block_size
+        assert 0 <= start <= end <= len(table) * bs, (start, end, len(table) * bs)
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def take_copy_ops(self) -> list[tuple[int, int]]:
+        """Drain the pending (src_slot, dst_slot) copies (see the module docstring)."""
+        ops, self._copy_ops = self._copy_ops, []
+        return ops
+
+    # ---- prefix matching ----------------------------------------------------------------------
+    def peek(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """What begin() would reuse right now (read-only)."""
+        return self._prefix_match(list(token_ids))[0]
+
+    def _prefix_match(self, tokens: list[int]) -> tuple[PrefixMatch, list[int], list[TreeNode]]:
+        """The match, the slots of its num_cached_tokens positions, and the nodes it used."""
+        if not self.enable_prefix_caching or not tokens:
+            return PrefixMatch(0, None), [], []
+        path = self.tree.match(tokens)
+        num_cached = min(path.num_matched, len(tokens) - 1)
+        divergence = None
+        if path.next_cached_token is not None:
+            i = path.num_matched
+            divergence = Divergence(i, tokens[i], path.next_cached_token)
+        match = PrefixMatch(num_cached, divergence, is_capped=path.num_matched == len(tokens))
+        return match, path.slots[:num_cached], path.nodes
+
+    def begin(self, seq_id: int, token_ids: Sequence[int]) -> PrefixMatch | None:
+        """Start a sequence on its cached prefix. None (and no change at all) if the blocks to
+        copy into cannot be allocated even after evicting every other cached path."""
+        assert seq_id not in self._tables, f"sequence {seq_id} already started"
+        match, cached_slots, nodes = self._prefix_match(list(token_ids))
+        bs, n = self.block_size, match.num_cached_tokens
+
+        # 1. plan: for each logical block of the match, the block to share or None (= copy)
+        plan: list[int | None] = list(cached_slots) if bs == 1 else []  # bs 1: every block is whole
+        for start in range(0, n if bs > 1 else 0, bs):
+            seg = cached_slots[start : start + bs]
+            full_and_whole = len(seg) == bs and seg == list(range(seg[0], seg[0] + bs))
+            plan.append(seg[0] // bs if full_and_whole else None)
+        num_copies = plan.count(None)
+
+        # 2. make room without evicting the matched path (its slots are the copy sources)
+        if num_copies > self.pool.num_free:
+            if self.pool.num_free + self.tree.num_evictable_blocks(nodes) < num_copies:
+                return None
+            self.tree.evict(num_copies, protected=nodes)
+            assert self.pool.num_free >= num_copies
+
+        # 3. build the block table: share whole blocks, copy the rest slot by slot
+        table = [b for b in plan if b is not None]
+        self.pool.share(table)
+        if num_copies:
+            table = []
+            for i, shared in enumerate(plan):
+                block = self._allocate() if shared is None else shared
+                table.append(block)
+                if shared is None:
+                    for p in range(i * bs, min((i + 1) * bs, n)):
+                        self._copy_ops.append((cached_slots[p], block * bs + p % bs))
+        self._tables[seq_id] = table
+        self.tree.touch(nodes)
+        return match
+
+    # ---- growth, commit, release --------------------------------------------------------------
+    def ensure_capacity(self, seq_id: int, num_tokens: int) -> bool:
+        """Grow the sequence's table to hold num_tokens positions, evicting cache if needed.
+        False (and no change) if even that is not enough: the scheduler must preempt."""
+        table = self._tables[seq_id]
+        need = -(-num_tokens // self.block_size) - len(table)
+        if need <= 0:
+            return True
+        if not self.can_allocate(need):
+            return False
+        self.tree.evict(need)
+        table.extend(self._allocate() for _ in range(need))
+        return True
+
+    def _allocate(self) -> int:
+        block = self.pool.allocate()
+        if self._copy_ops:  # copies still queued into this block's previous life are dead
+            bs = self.block_size
+            self._copy_ops = [op for op in self._copy_ops if op[1] // bs != block]
+        return block
+
+    def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """KV of token_ids (the sequence's tokens so far) is written: cache that path. Positions
+        the tree already has keep the tree's slots (e.g. a copied block's matched part)."""
+        if not self.enable_prefix_caching:
+            return
+        tokens = list(token_ids)
+        table = self._tables[seq_id]
+        assert len(tokens) <= len(table) * self.block_size, "committing tokens without KV slots"
+
+        def slots_of(start: int, end: int) -> list[int]:
+            new = self.slots(seq_id, start, end)
+            if self._copy_ops:  # the drain guarantee above: a queued copy target is not yet KV
+                assert not set(new) & {dst for _, dst in self._copy_ops}, "commit before copies ran"
+            return new
+
+        self.tree.insert(tokens, slots_of)
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence's references (finish, abort, preemption). Unknown ids: no-op."""
+        for block in self._tables.pop(seq_id, ()):
+            self.pool.decref(block)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the whole tree; blocks held by sequences stay theirs."""
+        self.tree.reset()
+
+    # ---- checking -----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Recompute every count from scratch and compare (for tests; O(blocks + tree))."""
+        pool = self.pool
+        # 1. the tree: shape, slot offsets, each slot referenced once, tokens per block
+        tree_tokens = self.tree.check_and_count(self.num_blocks)
+        assert tree_tokens == pool.tree_tokens, "tree-token counts drifted"
+        # 2. holders: sequences (each block at most once per table) + the tree
+        holders = [int(c > 0) for c in tree_tokens]
+        for seq_id, table in self._tables.items():
+            assert len(set(table)) == len(table), f"sequence {seq_id} holds a block twice"
+            for block in table:
+                holders[block] += 1
+        assert holders == pool.refcount, "refcounts != recomputed holders"
+        # 3. free list and the evictable count
+        free = pool.free_blocks()
+        assert len(free) == len(set(free)), "block on the free list twice"
+        assert set(free) == {b for b, r in enumerate(holders) if r == 0}, "free list != unheld blocks"
+        assert pool.num_evictable == sum(pool.is_evictable(b) for b in range(self.num_blocks))

@@ -1,0 +1,67 @@
+"""ModelRunner: a scheduled batch -> tensors -> model -> logits of the rows that sample.
+
+The only engine module that touches tensors. Per step it
+  1. applies the KV manager's pending copy-on-write slot copies,
+  2. flattens every scheduled chunk into one packed batch (input ids, positions,
+     block tables, sequence and query lengths -> AttentionMetadata),
+  3. runs the model once, and
+  4. returns the logits at the last fed position of each sequence that samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from onecall.engine.kv_cache import KVCacheManager
+from onecall.engine.scheduler import ScheduledSeq
+from onecall.model.attention import build_attention_metadata
+from onecall.model.decoder import DecoderLM
+from onecall.model.kv_cache import PagedKVCache
+
+
+class ModelRunner:
+    def __init__(
+        self, model: DecoderLM, kv_cache: PagedKVCache, kv: KVCacheManager, device: torch.device
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv = kv
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, batch: Seq[ScheduledSeq]) -> torch.Tensor:
+        """Run one step; returns (num_sampling_seqs, vocab_size) float32 logits, in batch order."""
+        # 1. copy-on-write of partially matched prefix blocks
+        copies = self.kv.take_copy_ops()
+        if copies:
+            self.kv_cache.copy_slots([s for s, _ in copies], [d for _, d in copies])
+
+        # 2. pack the chunks
+        input_ids: list[int] = []
+        positions: list[int] = []
+        block_tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        sample_rows: list[int] = []
+        for item in batch:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            block_tables.append(self.kv.block_table(seq.seq_id))
+            seq_lens.append(start + n)
+            query_lens.append(n)
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+        meta = build_attention_metadata(block_tables, seq_lens, query_lens, self.kv.block_size, self.device)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+
+        # 3. one forward over the packed batch; 4. logits only where a token is sampled
+        hidden = self.model(ids_t, pos_t, self.kv_cache, meta)  # (num_tokens, hidden_size)
+        if not sample_rows:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))

@@ -1,0 +1,245 @@
+"""Token-granularity radix tree over cached KV slots, with LRU leaf eviction.
+
+Each edge holds a run of token ids (`key`) and, position by position, the KV slot that
+holds that token's K/V (`slots`, slot = block * block_size + offset). A root-to-node path
+spells a token prefix; the slots along it are KV computed for exactly that prefix, so any
+prompt that starts with the same tokens can reuse them (SGLang's radix cache, not vLLM's
+hash per full block, so nothing is lost at a block boundary).
+
+The tree knows nothing about sequences. It tells the block pool (`TreeBlockRefs`) how
+many of its tokens live in each block; the pool turns "at least one tree token" into one
+reference on the block. Invariants kept here (checked by KVCacheManager.check_invariants):
+
+    | what                         | invariant                                                |
+    |------------------------------|----------------------------------------------------------|
+    | node.key, node.slots         | same length, >= 1 (root: both empty)                     |
+    | parent.children              | keyed by child.key[0]; siblings start with distinct ids   |
+    | slot of path position p      | slot % block_size == p % block_size (offset = position)  |
+    | a slot                       | referenced by at most one tree position                  |
+    | pool.tree_tokens[b]          | number of tree positions whose slot is in block b        |
+    | slots along a path           | hold K/V computed for exactly that path's tokens         |
+
+Splitting an edge after k tokens moves key/slots[:k] into a new parent node: no slot changes
+hands, so the per-block counts stay as they are. Eviction removes whole leaves, least recently used
+first, preferring leaves whose removal frees at least one block.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class TreeBlockRefs(Protocol):
+    """What the tree needs from the block pool (KVCacheManager's BlockPool)."""
+
+    refcount: list[int]
+    tree_tokens: list[int]
+
+    @property
+    def num_free(self) -> int: ...
+    @property
+    def num_evictable(self) -> int: ...
+    def add_tree_tokens(self, block: int, count: int) -> None: ...
+    def remove_tree_tokens(self, block: int, count: int) -> None: ...
+
+
+class TreeNode:
+    """One edge of the tree plus the node it leads to."""
+
+    __slots__ = ("key", "slots", "children", "parent", "last_access")
+
+    def __init__(self, key: list[int], slots: list[int], parent: TreeNode | None, last_access: int) -> None:
+        self.key = key  # token ids on the edge from parent to this node
+        self.slots = slots  # KV slot of each of those tokens
+        self.children: dict[int, TreeNode] = {}  # first token of the child's key -> child
+        self.parent = parent
+        self.last_access = last_access  # logical clock of the last match/insert through here
+
+
+@dataclass
+class PathMatch:
+    """The longest cached path that is a prefix of some token list."""
+
+    num_matched: int  # tokens matched (may run into the middle of the last node's edge)
+    slots: list[int]  # (num_matched,) slot of each matched position
+    nodes: list[TreeNode]  # nodes whose edges the match went through, root excluded
+    next_cached_token: int | None  # cached token where the match stopped, None if the path ended
+
+
+def _common_prefix_len(key: list[int], tokens: list[int], start: int) -> int:
+    """Length of the common prefix of key and tokens[start:]."""
+    limit = min(len(key), len(tokens) - start)
+    if tokens[start : start + limit] == key[:limit]:  # C-speed fast path
+        return limit
+    for i in range(limit):
+        if key[i] != tokens[start + i]:
+            return i
+    return limit
+
+
+class RadixCache:
+    """Prefix tree of token ids -> KV slots, reporting its block usage to a pool."""
+
+    def __init__(self, pool: TreeBlockRefs, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.root = TreeNode([], [], None, 0)
+        self._clock = 0
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def match(self, tokens: list[int]) -> PathMatch:
+        """Walk the tree along tokens, comparing whole edges at a time. Read-only."""
+        node, pos, n = self.root, 0, len(tokens)
+        slots: list[int] = []
+        nodes: list[TreeNode] = []
+        next_cached: int | None = None
+        while pos < n:
+            child = node.children.get(tokens[pos])
+            if child is None:  # the prompt leaves the tree at a node: report the MRU branch
+                if node.children:
+                    next_cached = max(node.children.values(), key=lambda c: c.last_access).key[0]
+                break
+            nodes.append(child)
+            k = _common_prefix_len(child.key, tokens, pos)
+            slots.extend(child.slots if k == len(child.key) else child.slots[:k])
+            pos += k
+            if k < len(child.key):  # stopped inside the edge
+                if pos < n:
+                    next_cached = child.key[k]
+                break
+            node = child
+        return PathMatch(pos, slots, nodes, next_cached)
+
+    def touch(self, nodes: list[TreeNode]) -> None:
+        """Mark nodes as just used (for LRU)."""
+        self._clock += 1
+        for node in nodes:
+            node.last_access = self._clock
+
+    def iter_nodes(self) -> Iterator[tuple[TreeNode, int]]:
+        """Every non-root node with the position its edge starts at (depth-first)."""
+        stack = [(child, 0) for child in self.root.children.values()]
+        while stack:
+            node, start = stack.pop()
+            yield node, start
+            stack.extend((child, start + len(node.key)) for child in node.children.values())
+
+    # ---- insertion ----------------------------------------------------------------------------
+    def insert(self, tokens: list[int], slots_of: Callable[[int, int], list[int]]) -> None:
+        """Make tokens a cached path. Positions already in the tree keep the tree's slots;
+        the new suffix [m, len) takes slots_of(m, len) (the inserting sequence's slots)."""
+        self._clock += 1
+        node, pos, n = self.root, 0, len(tokens)
+        while pos < n:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            k = _common_prefix_len(child.key, tokens, pos)
+            if k < len(child.key):
+                if pos + k == n:  # tokens end inside this edge: nothing new to add
+                    child.last_access = self._clock
+                    return
+                child = self._split(child, k)
+            child.last_access = self._clock
+            node, pos = child, pos + k
+        if pos == n:
+            return
+        leaf = TreeNode(tokens[pos:], slots_of(pos, n), node, self._clock)
+        node.children[tokens[pos]] = leaf
+        for block, count in self._block_counts(leaf.slots).items():
+            self.pool.add_tree_tokens(block, count)
+
+    def _split(self, node: TreeNode, k: int) -> TreeNode:
+        """Cut node's edge after k tokens; return the new upper half (node becomes its child).
+        Slots only move between the halves, so per-block tree-token counts are unchanged."""
+        assert node.parent is not None and 0 < k < len(node.key)
+        upper = TreeNode(node.key[:k], node.slots[:k], node.parent, node.last_access)
+        node.parent.children[node.key[0]] = upper
+        node.key, node.slots, node.parent = node.key[k:], node.slots[k:], upper
+        upper.children[node.key[0]] = node
+        return upper
+
+    # ---- eviction -----------------------------------------------------------------------------
+    def evict(self, target_free: int, protected: Collection[TreeNode] = ()) -> None:
+        """Remove LRU leaves until pool.num_free >= target_free or no unprotected leaf is left.
+
+        Heap key: (_rank, last_access). A rank-1 entry is re-checked when popped and pushed
+        back as rank 0 if evicting its neighbours made it freeing.
+        """
+        if self.pool.num_free >= target_free:
+            return
+        protected = set(protected)
+        heap: list[tuple[int, int, int, TreeNode]] = []
+        tie = 0
+        for node, _ in self.iter_nodes():
+            if not node.children and node not in protected:
+                heap.append((self._rank(node), node.last_access, tie, node))
+                tie += 1
+        heapq.heapify(heap)
+        while heap and self.pool.num_free < target_free:
+            rank, last_access, _, node = heapq.heappop(heap)
+            if rank == 1 and self._rank(node) == 0:
+                heapq.heappush(heap, (0, last_access, tie, node))
+                tie += 1
+                continue
+            parent = node.parent
+            self._remove_leaf(node)
+            assert parent is not None
+            if parent is not self.root and not parent.children and parent not in protected:
+                heapq.heappush(heap, (self._rank(parent), parent.last_access, tie, parent))  # now a leaf
+                tie += 1
+
+    def num_evictable_blocks(self, protected: Collection[TreeNode] = ()) -> int:
+        """Blocks that evicting every unprotected node would free. Unprotected nodes are
+        never ancestors of protected ones (we protect whole root paths), so all of them can go."""
+        pool = self.pool
+        pinned = {s // self.block_size for node in protected for s in node.slots}
+        return pool.num_evictable - sum(
+            1 for b in pinned if pool.refcount[b] == 1 and pool.tree_tokens[b] > 0
+        )
+
+    def reset(self) -> None:
+        """Drop every node (sequences keep their own references to the blocks)."""
+        for node, _ in list(self.iter_nodes()):
+            for block, count in self._block_counts(node.slots).items():
+                self.pool.remove_tree_tokens(block, count)
+        self.root.children.clear()
+
+    def check_and_count(self, num_blocks: int) -> list[int]:
+        """Assert the docstring table (all rows but content) and return tree tokens per block."""
+        bs, tree_tokens, seen = self.block_size, [0] * num_blocks, set()
+        for node, start in self.iter_nodes():
+            assert node.key and len(node.key) == len(node.slots)
+            assert node.parent is not None and node.parent.children[node.key[0]] is node
+            for p, slot in enumerate(node.slots, start):
+                assert slot % bs == p % bs, "tree slot offset != position offset"
+                assert slot not in seen, "slot referenced twice by the tree"
+                seen.add(slot)
+                tree_tokens[slot // bs] += 1
+        return tree_tokens
+
+    def _rank(self, leaf: TreeNode) -> int:
+        """0 if removing the leaf frees its last block, else 1. Looking at the last block only
+        keeps this O(block_size) (a leaf's own blocks are its tail); it orders eviction and
+        never decides safety. It can only drop from 1 to 0 while evicting: counts only fall."""
+        slots, bs = leaf.slots, self.block_size
+        block = slots[-1] // bs
+        run = 1  # leaf tokens in that block: the trailing run of slots that lie in it
+        while run < len(slots) and run < bs and slots[-1 - run] // bs == block:
+            run += 1
+        return 0 if self.pool.refcount[block] == 1 and self.pool.tree_tokens[block] == run else 1
+
+    def _remove_leaf(self, leaf: TreeNode) -> None:
+        assert not leaf.children and leaf.parent is not None
+        del leaf.parent.children[leaf.key[0]]
+        for block, count in self._block_counts(leaf.slots).items():
+            self.pool.remove_tree_tokens(block, count)
+        leaf.parent = None
+
+    def _block_counts(self, slots: list[int]) -> Counter[int]:
+        bs = self.block_size
+        return Counter(s // bs for s in slots)

