@@ -121,7 +121,7 @@ def long_text(rng: random.Random, num_words: int) -> str:
 
 def build_workload(args: argparse.Namespace, path: Path) -> tuple[Workload, str]:
     prefill_len, decode_tokens, num_concurrent, repeats = (
-        (128, 16, 4, 1) if args.quick else (1024, 128, 16, 3)
+        (128, 16, 4, 2) if args.quick else (1024, 128, 16, 3)
     )
     encode, tokenizer_name = load_tokenizer(path)
     ids = encode(long_text(random.Random(0), 2 * prefill_len + 200))
@@ -147,39 +147,50 @@ def build_workload(args: argparse.Namespace, path: Path) -> tuple[Workload, str]
 def run_system(system: str, workload: Workload, timeout: float) -> dict[str, Any]:
     """Spawn a fresh process for `system`; cold start = spawn -> its first-token line arrives."""
     with tempfile.TemporaryDirectory() as tmp:
+        # 1. the workload goes to the child as a file, stamped with the spawn time
         spec, log = Path(tmp) / "workload.json", Path(tmp) / "stderr.log"
         workload.t_spawn = time.time()
         workload.save(spec)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "OMP_NUM_THREADS": str(workload.threads), "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
         cmd = [sys.executable, __file__, "--child", system, "--workload", str(spec)]
+        # 2. spawn; a thread stamps each stdout line as it arrives, so reading never blocks the clock
         with log.open("w") as err:
             t_spawn = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
             lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
             threading.Thread(target=_pump, args=(proc, lines), daemon=True).start()
-            out: dict[str, Any] = {}
-            deadline = t_spawn + timeout
-            while "result" not in out:
-                try:
-                    t, line = lines.get(timeout=max(0.0, deadline - time.perf_counter()))
-                except queue.Empty:
-                    proc.kill()
-                    return {"error": f"timed out after {timeout:.0f} s"}
-                if line is None:
-                    break
-                if line.startswith(TAG):
-                    _, tag, payload = line.split(" ", 2)
-                    out[tag] = json.loads(payload)
-                    if tag == "first_token":
-                        out["cold_start_s"] = t - t_spawn
+            tagged = _read_tagged(lines, t_spawn, t_spawn + timeout)
+            if tagged is None:
+                proc.kill()
             proc.wait()
-        if "result" not in out:
-            tail = log.read_text().strip().splitlines()[-15:]
-            return {"error": f"exit code {proc.returncode}", "stderr_tail": tail}
-    result = out["result"]
-    result["cold_start"] = {"wall_s": out["cold_start_s"], "child_marks_s": out["first_token"]["marks"]}
+        # 3. the result, or why there is none
+        if tagged is None or "result" not in tagged:
+            why = f"timed out after {timeout:.0f} s" if tagged is None else f"exit code {proc.returncode}"
+            return {"error": why, "stderr_tail": log.read_text().strip().splitlines()[-15:]}
+    result = tagged["result"]
+    result["cold_start"] = {"wall_s": tagged["cold_start_s"], "child_marks_s": tagged["first_token"]["marks"]}
     return result
+
+
+def _read_tagged(
+    lines: queue.Queue[tuple[float, str | None]], t_spawn: float, deadline: float
+) -> dict | None:
+    """The child's tagged payloads by tag (plus cold_start_s) until its result or its exit; None on timeout."""
+    tagged: dict[str, Any] = {}
+    while "result" not in tagged:
+        try:
+            t, line = lines.get(timeout=max(0.0, deadline - time.perf_counter()))
+        except queue.Empty:
+            return None
+        if line is None:
+            break
+        if line.startswith(TAG + " "):
+            _, tag, payload = line.split(" ", 2)
+            tagged[tag] = json.loads(payload)
+            if tag == "first_token":
+                tagged["cold_start_s"] = t - t_spawn
+    return tagged
 
 
 def _pump(proc: subprocess.Popen[str], lines: queue.Queue[tuple[float, str | None]]) -> None:
@@ -208,7 +219,7 @@ def metric(result: dict[str, Any], name: str) -> float | None:
     }[name](result)
 
 
-def print_report(results: dict[str, dict[str, Any]], w: Workload) -> dict[str, Any]:
+def print_report(results: dict[str, dict[str, Any]], w: Workload, quick: bool) -> dict[str, Any]:
     """The table, the bandwidth line and the goals; returns the goals for the JSON line."""
     n_conc, n_tok, plen = len(w.concurrent_prompts), w.concurrent_tokens, len(w.prefill_prompts[0])
     rows = [
@@ -248,13 +259,13 @@ def print_report(results: dict[str, dict[str, Any]], w: Workload) -> dict[str, A
             f" + {bw['kv_bytes_per_step'] / 1e6:.1f} MB KV per step -> {bw['achieved_gb_per_s']:.2f} GB/s,"
             f" {100 * bw['fraction_of_copy']:.0f}% of measured copy bandwidth ({bw['copy_gb_per_s']:.2f} GB/s)"
         )
-    return check_goals(results)
+    return check_goals(results, quick)
 
 
-def check_goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def check_goals(results: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
     one, ref = results.get("onecall", {}), results.get("transformers", {})
     goals: dict[str, Any] = {}
-    print("\ngoals (from the issue):")
+    print("\ngoals (from the issue)" + (", at --quick sizes, so indicative only:" if quick else ":"))
     for name, key, factor, ref_key in GOALS:
         have, base = metric(one, key) if one else None, metric(ref, ref_key) if ref else None
         if have is None or base is None:
@@ -292,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         results[system] = run_system(system, workload, args.timeout)
         print(f"  {system} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    goals = print_report(results, workload)
+    goals = print_report(results, workload, args.quick)
     config = {k: v for k, v in vars(args).items() if k not in ("child", "workload")}
     config.update(model=str(path), tokenizer=tokenizer_name, prefill_len=len(workload.prefill_prompts[0]))
     print(json.dumps({"bench": "bench_engine", "config": config, "results": results, "goals": goals}))

@@ -7,6 +7,9 @@ model that runs silently wrong.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +20,8 @@ from onecall.errors import UnsupportedModelError
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # What SmolLM2-135M-Instruct's config.json says (the fields that matter).
 SMOLLM2: dict[str, Any] = {
@@ -268,3 +273,16 @@ def test_kv_cache_bytes_and_copy_slots() -> None:
         kv.v[:, [0, 1]], before_v[:, [9, 10]]
     )
     assert torch.equal(kv.k[:, 2:], before_k[:, 2:])
+
+
+def test_model_code_imports_only_torch() -> None:
+    """onecall.model must not pull in the engine, the server, the text modules or transformers."""
+    code = (
+        "import sys, onecall.model.decoder, onecall.model.attention\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'fastapi') "
+        "or '.'.join(m.split('.')[:2]) in ('onecall.engine', 'onecall.server', 'onecall.text', 'onecall.sampling', "
+        "'onecall.llm'))\n"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr

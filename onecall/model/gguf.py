@@ -3,11 +3,9 @@
 A GGUF file is: a header (magic, version, counts), key/value metadata, a tensor
 directory (name, dims, ggml type, offset), then aligned tensor data. We parse the
 header ourselves over a memory map (gguf.GGUFReader builds a numpy view per array
-element and takes 7-10 s on SmolLM2's 49k-token vocabulary; this takes ~0.1 s) and
-dequantize with vectorized torch ops written from ggml's block layouts (the numpy
-`gguf.quants.dequantize` takes 4.2 s for SmolLM2, this 0.65 s of one core; the tests
-check we agree with it bit for bit, and with hand-packed blocks). The `gguf` package
-supplies the type constants. Float32 metadata scalars read as their shortest decimal
+element and takes 7-10 s on SmolLM2's 49k-token vocabulary; this takes ~0.1 s);
+dequantization is in quants.py. The `gguf` package supplies the type constants and
+is the tests' reference reader. Float32 metadata scalars read as their shortest decimal
 (1e-05, as written by the converter), float32 arrays as exact values.
 
 Tensor data is never copied until a tensor is requested: `iter_tensors` yields one
@@ -21,7 +19,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from onecall.errors import UnsupportedModelError
+from onecall.model.quants import SUPPORTED_QUANT_TYPES, dequantize
 
 T = GGMLQuantizationType
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
@@ -77,110 +76,6 @@ def hf_tensor_name(gguf_name: str) -> str:
         if stem in _TOP_LEVEL_NAMES and kind in ("weight", "bias"):
             return f"{_TOP_LEVEL_NAMES[stem]}.{kind}"
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no counterpart in onecall's decoder")
-
-
-# ---------------------------------------------------------------- dequantization
-# Each function takes blocks (num_blocks, type_size) uint8 and returns (num_blocks,
-# block_size) float32, with ggml-quants.c's dequantize_row_* float32 operation order
-# (so results are bit-exact). Bit twiddling stays in uint8; float math runs in place:
-# on small CPUs fresh allocations and extra passes, not arithmetic, dominate.
-
-
-def _f16(blocks: torch.Tensor, start: int, count: int = 1) -> torch.Tensor:
-    """`count` consecutive f16 values at byte `start` of each block -> (num_blocks, count) float32."""
-    return blocks[:, start : start + 2 * count].contiguous().view(torch.float16).float()
-
-
-def _nibbles(packed: torch.Tensor, width: int) -> torch.Tensor:
-    """(n, c * width) bytes -> (n, c, 2, width): per chunk of `width` bytes, low nibbles then high."""
-    chunks = packed.reshape(packed.shape[0], -1, width)
-    out = torch.empty(*chunks.shape[:2], 2, width, dtype=torch.uint8)
-    torch.bitwise_and(chunks, 0xF, out=out[:, :, 0])
-    torch.bitwise_right_shift(chunks, 4, out=out[:, :, 1])
-    return out
-
-
-def _bits(packed: torch.Tensor) -> torch.Tensor:
-    """(n, k) bytes -> (n, k * 8) bits, little-endian: bit j of a little-endian word is element j."""
-    return ((packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(1)
-
-
-def _q8_0(b: torch.Tensor) -> torch.Tensor:  # d:f16, qs:int8[32]
-    return b[:, 2:].view(torch.int8).float().mul_(_f16(b, 0))
-
-
-def _q4_0(b: torch.Tensor) -> torch.Tensor:  # d:f16, qs:u8[16] (element j low nibble, j+16 high)
-    return _nibbles(b[:, 2:], 16).flatten(1).float().sub_(8).mul_(_f16(b, 0))
-
-
-def _q4_1(b: torch.Tensor) -> torch.Tensor:  # d, m:f16, qs:u8[16]
-    dm = _f16(b, 0, 2)
-    return _nibbles(b[:, 4:], 16).flatten(1).float().mul_(dm[:, :1]).add_(dm[:, 1:])
-
-
-def _q5_0(b: torch.Tensor) -> torch.Tensor:  # d:f16, qh:u32 (bit j = 5th bit of element j), qs:u8[16]
-    q = _nibbles(b[:, 6:], 16).flatten(1) | (_bits(b[:, 2:6]) << 4)
-    return q.float().sub_(16).mul_(_f16(b, 0))
-
-
-def _q5_1(b: torch.Tensor) -> torch.Tensor:  # d, m:f16, qh:u32, qs:u8[16]
-    dm = _f16(b, 0, 2)
-    q = _nibbles(b[:, 8:], 16).flatten(1) | (_bits(b[:, 4:8]) << 4)
-    return q.float().mul_(dm[:, :1]).add_(dm[:, 1:])
-
-
-def _k4_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """d * scale and dmin * min for the 8 sub-blocks of 32, each (n, 8, 1). The 12 bytes at
-    offset 4 pack 6-bit values: sub-blocks 0-3 in the low 6 bits of bytes 0-7, sub-blocks 4-7
-    as a nibble in bytes 8-11 plus the top 2 bits of bytes 0-7 (ggml's get_scale_min_k4)."""
-    s = b[:, 4:16]
-    sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], dim=-1)
-    mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=-1)
-    d_dmin = _f16(b, 0, 2)
-    return (d_dmin[:, :1] * sc.float()).unsqueeze(-1), (d_dmin[:, 1:] * mn.float()).unsqueeze(-1)
-
-
-def _q4_k(b: torch.Tensor) -> torch.Tensor:  # d, dmin:f16, scales:u8[12], qs:u8[128]
-    scale, offset = _k4_scales(b)
-    # each 32-byte chunk c holds sub-block 2c (low nibbles) and 2c+1 (high nibbles)
-    q = _nibbles(b[:, 16:], 32).view(-1, 8, 32).float()
-    return q.mul_(scale).sub_(offset).flatten(1)
-
-
-def _q5_k(b: torch.Tensor) -> torch.Tensor:  # d, dmin:f16, scales:u8[12], qh:u8[32], qs:u8[128]
-    scale, offset = _k4_scales(b)
-    # bit s of qh[l] is the 5th bit of element l of sub-block s
-    high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
-    q = (_nibbles(b[:, 48:], 32).view(-1, 8, 32) | (high << 4)).float()
-    return q.mul_(scale).sub_(offset).flatten(1)
-
-
-def _q6_k(b: torch.Tensor) -> torch.Tensor:  # ql:u8[128], qh:u8[64], scales:i8[16], d:f16
-    # Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]; element 32k + l of the
-    # half takes nibble (k >= 2) of ql[l + 32 (k % 2)] and 2-bit pair k of qh[l].
-    low4 = _nibbles(b[:, :128].reshape(-1, 64), 32).transpose(1, 2).reshape(-1, 2, 4, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    high2 = (b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
-    q = (low4 | (high2 << 4)).view(-1, 16, 16).float().sub_(32)  # 16 groups of 16 elements
-    scale = _f16(b, 208) * b[:, 192:208].view(torch.int8).float()  # (n, 16)
-    return q.mul_(scale.unsqueeze(-1)).flatten(1)
-
-
-_FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
-_BLOCK_DEQUANT: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
-    T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1,
-    T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
-}  # fmt: skip
-SUPPORTED_QUANT_TYPES = frozenset(_FLOAT_TYPES) | frozenset(_BLOCK_DEQUANT)
-
-
-def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Raw uint8 tensor data of one tensor -> a new tensor of `shape` (torch order) in `dtype`."""
-    if ggml_type in _FLOAT_TYPES:  # no float32 detour: bf16 -> bf16 is a plain copy
-        return raw.view(_FLOAT_TYPES[ggml_type]).reshape(shape).to(dtype, copy=True)
-    _, type_size = GGML_QUANT_SIZES[ggml_type]
-    values = _BLOCK_DEQUANT[ggml_type](raw.view(-1, type_size))  # (num_blocks, block_size)
-    return values.reshape(shape).to(dtype)
 
 
 # ---------------------------------------------------------------- file parsing
