@@ -21,8 +21,14 @@ typecheck: $(VENV)/.installed-test
 unit: $(VENV)/.installed-test
 	$(PY) -m pytest -q
 
-bench: $(VENV)/.installed-run
+bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/bench_engine.py
+
+# The peers for the side-by-side benchmark: transformers (+accelerate for its GGUF loader) and
+# llama.cpp through llama-cpp-python (builds from source: ~9 minutes on this kind of machine).
+$(VENV)/.installed-bench: $(VENV)/.installed-test
+	$(PIP) accelerate llama-cpp-python
+	touch $@
 
 $(PY):
 	python3 -m venv $(VENV)

@@ -4,7 +4,7 @@ A child runs one system on one shared Workload (the same token ids for everyone)
 stdout with tagged lines the parent reads:
 
     @@bench first_token {"marks": {...}, ...}   as soon as the cold-start chat turn has its token
-    @@bench result {...}                             all metrics, once, at the end
+    @@bench result {...}                        all metrics, once, at the end
 
 Each system is a small adapter (load, first_token, prefill, decode, serve) and one function,
 `measure`, times all of them the same way, so the numbers mean the same thing in each column:
@@ -41,11 +41,13 @@ class Workload:
     prefill_prompts: list[list[int]]  # one prompt per repeat, all prefill_len long, distinct first tokens
     decode_prompt: list[int]
     decode_tokens: int
+    decode_repeats: int
     concurrent_prompts: list[list[int]]
     concurrent_tokens: int
     threads: int
     device: str  # onecall and transformers; llama.cpp runs on the CPU
     dtype: str  # onecall's dtype; transformers always runs float32
+    sequential_budget_s: float  # a system serving one sequence at a time stops starting requests after this
     seed: int = 0
     t_spawn: float = 0.0  # parent's time.time() just before it started this child (set per child)
     marks: dict[str, float] = field(default_factory=dict)  # child's milestones, seconds after t_spawn
@@ -101,19 +103,22 @@ def measure(w: Workload, load: Callable[[Workload], System]) -> dict[str, Any]:
         system.prefill(ids)
         prefill_rates.append(len(ids) / (time.perf_counter() - t0))
 
-    # 3. decode at batch 1, as many repeats as prefill
-    decode_rates = [decode_rate(system.decode(w.decode_prompt, w.decode_tokens)) for _ in w.prefill_prompts]
+    # 3. decode at batch 1
+    decode_rates = [
+        decode_rate(system.decode(w.decode_prompt, w.decode_tokens)) for _ in range(w.decode_repeats)
+    ]
 
     # 4. aggregate over the concurrent prompts
     t0 = time.perf_counter()
     num_generated = system.serve(w.concurrent_prompts, w.concurrent_tokens)
     wall = time.perf_counter() - t0
-    assert num_generated == len(w.concurrent_prompts) * w.concurrent_tokens, f"{num_generated} tokens"
+    num_requests, partial = divmod(num_generated, w.concurrent_tokens)
+    assert num_requests and not partial, f"{num_generated} tokens is not a whole number of requests"
     result = {
         "prefill_tokens_per_s": summarize(prefill_rates),
         "decode_tokens_per_s": summarize(decode_rates),
         "aggregate": {"tokens_per_s": num_generated / wall, "num_generated": num_generated, "wall_s": wall,
-                      "mode": system.aggregate_mode},
+                      "num_requests": num_requests, "mode": system.aggregate_mode},
     }  # fmt: skip
     result.update(system.extras(result))
     return result
@@ -260,7 +265,14 @@ class LlamaCpp:
         self.decode(ids, 1)
 
     def serve(self, prompts: list[list[int]], n: int) -> int:
-        return sum(len(self.decode(p, n)) for p in prompts)
+        """One request after another. Each costs about the same, so once the budget is spent the rate
+        over those done stands for all of them (the result's num_requests says how many ran)."""
+        t0, total = time.perf_counter(), 0
+        for p in prompts:
+            total += len(self.decode(p, n))
+            if time.perf_counter() - t0 > self.w.sequential_budget_s:
+                break
+        return total
 
     def extras(self, result: dict[str, Any]) -> dict[str, Any]:
         return {}

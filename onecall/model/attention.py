@@ -179,15 +179,17 @@ def paged_attention(
         slots = meta.kv_slots[i]
         k = k_cache.index_select(0, slots).transpose(0, 1)  # (num_kv_heads, seq_len, head_dim)
         v = v_cache.index_select(0, slots).transpose(0, 1)
+        # 4-D inputs (a batch of one): CPU SDPA takes its flash kernel only for 4-D tensors; with
+        # 3-D ones it falls back to the math path, 5x slower at a 1,024-token prefill.
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),  # (num_heads, query_len, head_dim)
-            k,
-            v,
+            q[None, start:end].transpose(1, 2),  # (1, num_heads, query_len, head_dim)
+            k[None],
+            v[None],
             attn_mask=meta.causal_masks[i],
             is_causal=1 < end - start == meta.seq_lens[i],
             scale=scale,
             enable_gqa=True,
-        )
+        )[0]
         out[start:end] = o.transpose(0, 1)
     return out
 
@@ -204,9 +206,8 @@ def _decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     grid = (num_seqs, d.max_len, num_kv_heads, head_dim)
-    k = (
-        k_cache.index_select(0, d.slots).view(grid).transpose(1, 2)
-    )  # (num_decodes, kv_heads, max_len, head_dim)
+    # (num_decodes, num_kv_heads, max_len, head_dim)
+    k = k_cache.index_select(0, d.slots).view(grid).transpose(1, 2)
     v = v_cache.index_select(0, d.slots).view(grid).transpose(1, 2)
     # Head h = kv_head * group + g, as in transformers' repeat_kv.
     q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
