@@ -25,6 +25,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +55,14 @@ def _llm(a: argparse.Namespace) -> Any:
     from onecall.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib)
+    llm = LLM(
+        model=a.model,
+        dtype=a.dtype,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        kv_cache_gib=a.kv_cache_gib,
+        num_threads=a.num_threads,
+    )
     print(f"loaded {llm.engine.parts.model_name} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return llm
 

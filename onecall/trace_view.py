@@ -10,6 +10,7 @@ import statistics
 from collections import Counter
 
 from onecall.engine.trace import RequestTrace, StepRecord
+from onecall.sampling_params import SamplingParams
 from onecall.text.tokenizer import Tokenizer
 
 _CTRL_ON, _CTRL_OFF = "\x1b[1;35m", "\x1b[0m"
@@ -74,7 +75,7 @@ def format_trace(trace: RequestTrace, tokenizer: Tokenizer, color: bool = False,
             ),
         ),
         ("finish", f"{trace.finish_reason}" + (f" ({_stop_str(trace.stop_reason, tok)})" if trace.stop_reason is not None else "")),
-        ("sampler", ", ".join(f"{k}={v}" for k, v in trace.sampling.items() if v not in (None, [], False))),
+        ("sampler", _sampler_line(trace.sampling)),
         ("total", _ms(trace.e2e_time)),
     ]
     width = max(len(k) for k, _ in rows)
@@ -82,6 +83,16 @@ def format_trace(trace: RequestTrace, tokenizer: Tokenizer, color: bool = False,
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += ["", _steps_table(trace, tok, max_steps)]
     return "\n".join(lines)
+
+
+def _sampler_line(sampling: dict[str, object]) -> str:
+    """The resolved settings that differ from SamplingParams' defaults (greedy/sample always shown)."""
+    defaults = SamplingParams()
+    shown = [str(sampling.get("mode", ""))]
+    for k, v in sampling.items():
+        if k != "mode" and v not in (None, [], {}) and v != getattr(defaults, k, None):
+            shown.append(f"{k}={v}")
+    return ", ".join(shown)
 
 
 def _cache_line(trace: RequestTrace, tok) -> str:  # type: ignore[no-untyped-def]

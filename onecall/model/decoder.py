@@ -50,7 +50,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        # Built around an explicit (meta) weight: nn.Embedding would otherwise run normal_() on it,
+        # and on the meta device that imports torch._dynamo (3 s of cold start) for nothing.
+        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers)
         )
@@ -73,8 +76,7 @@ class DecoderLM(nn.Module):
             self.lm_head = nn.Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta"
             )
-        self.to_empty(device=device)
-        self.requires_grad_(False)
+        _materialize(self, torch.device(device))
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, device
         )
@@ -156,3 +158,15 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Size) -> None:
         raise UnsupportedModelError(
             f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}"
         )
+
+
+def _materialize(module: nn.Module, device: torch.device) -> None:
+    """Replace every meta-device parameter with an uninitialised one on `device` (no grad).
+
+    Module.to_empty does the same through torch's Python reference ops, whose first use imports
+    sympy and friends (~0.8 s of cold start); plain torch.empty is immediate.
+    """
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
+            setattr(sub, name, nn.Parameter(fresh, requires_grad=False))
