@@ -202,3 +202,15 @@ def _assert_pool_drains(engine) -> None:  # type: ignore[no-untyped-def]
     kv.reset_prefix_cache()
     assert kv.num_free_blocks == kv.num_blocks
     kv.check_invariants()
+
+
+def test_uninitialised_kv_memory_is_never_read(reference: dict[str, list[int]]) -> None:
+    """The KV pool is allocated uninitialised (only slot 0, the padding slot, is zeroed): poison
+    every other slot with NaN and the outputs must not change."""
+    engine = tiny_engine()
+    kv = engine.parts.kv_cache
+    for t in (kv.k, kv.v):
+        t.fill_(float("nan"))
+        t[:, 0].zero_()
+    outs = run_all(engine, prompts_mixed(), GREEDY)
+    assert {rid: o.token_ids for rid, o in outs.items()} == reference
