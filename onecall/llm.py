@@ -84,9 +84,13 @@ class LLM:
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run_all(self, prompts: Sequence[Prompt | RenderedPrompt], params: SamplingParams | None) -> list[RequestOutput]:
-        ids = [self._add(p, params) for p in prompts]
+        ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
+            # Adding is inside the try: if prompt k is invalid, prompts 0..k-1 are aborted too,
+            # instead of staying queued and running, unseen, during the next call.
+            for p in prompts:
+                ids.append(self._add(p, params))
             while len(final) < len(ids):
                 for out in self.engine.step():
                     if out.finished:

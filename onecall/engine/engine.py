@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -62,7 +62,6 @@ class EngineStats:
     num_prefix_cache_hit_tokens_total: int = 0
     num_preemptions_total: int = 0
     num_steps_total: int = 0
-    finished_traces: list[RequestTrace] = field(default_factory=list, repr=False)
 
 
 class Engine:
@@ -261,8 +260,6 @@ class Engine:
         seq.trace.finish_reason = reason.value
         seq.trace.finish_time = now
         self._seqs.pop(seq.request_id, None)
-        self.stats.finished_traces.append(seq.trace)
-        del self.stats.finished_traces[:-64]  # keep the recent ones only
 
     def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
         want_lp = seq.params.logprobs is not None
