@@ -44,6 +44,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    # "fast": the fastest kernels this device has (CPU float32: oneDNN prepacked weights, plus the
+    # checkpoint's own int4 groups for small batches; see model/fast_linear.py). "reference": plain
+    # torch ops only, the oracle the tests compare the fast path against.
+    kernels: str = "fast"
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -63,6 +67,8 @@ class EngineConfig:
             raise InvalidParameterError("max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_gib is not None and not (self.kv_cache_gib > 0):
             raise InvalidParameterError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib!r}")
+        if self.kernels not in ("fast", "reference"):
+            raise InvalidParameterError("kernels", f"must be 'fast' or 'reference', got {self.kernels!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise InvalidParameterError("num_threads", f"must be an integer >= 1, got {self.num_threads!r}")
 

@@ -21,6 +21,7 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.gguf import open_gguf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.loader import ModelFiles, iter_weights, load_hf_config_dict, resolve_model
+from onecall.model.quants import Int4Groups
 from onecall.text.tokenizer import Tokenizer
 
 
@@ -36,6 +37,7 @@ class LoadedEngineParts:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
+    kernels: str = "reference"  # what model.enable_fast_kernels enabled
 
     @property
     def model_name(self) -> str:
@@ -58,8 +60,12 @@ def load_engine_parts(config: EngineConfig) -> LoadedEngineParts:
 
     # 4. weights
     model = DecoderLM(model_config, dtype=dtype, device=device)
-    model.load_weights(iter_weights(files, dtype))
+    # The fast kernels keep a 4-bit GGUF's own int4 groups, decoded once on the way in.
+    int4: dict[str, Int4Groups] | None = {} if config.kernels == "fast" and dtype == torch.float32 else None
+    model.load_weights(iter_weights(files, dtype, int4))
     model.eval()
+    kernels = model.enable_fast_kernels(int4) if config.kernels == "fast" else "reference"
+    int4 = None  # the packed copies live in the model now
 
     # 5. KV pool
     num_blocks, max_model_len = _size_kv(config, model_config, dtype, device)
@@ -83,6 +89,7 @@ def load_engine_parts(config: EngineConfig) -> LoadedEngineParts:
         device,
         dtype,
         time.perf_counter() - t0,
+        kernels,
     )
 
 

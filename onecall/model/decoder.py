@@ -12,7 +12,7 @@ attention metadata is built once per step by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -20,8 +20,10 @@ from torch import nn
 from onecall.errors import UnsupportedModelError
 from onecall.model.attention import AttentionMetadata
 from onecall.model.config import ModelConfig
+from onecall.model.fast_linear import FastLinear, FastLMHead, onednn_available
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from onecall.model.quants import Int4Groups
 
 
 class DecoderLayer(nn.Module):
@@ -76,6 +78,7 @@ class DecoderLM(nn.Module):
             self.lm_head = nn.Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta"
             )
+        self.fast_lm_head: FastLMHead | None = None
         _materialize(self, torch.device(device))
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, device
@@ -93,8 +96,44 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> (n, vocab_size) float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.fast_lm_head is not None:
+            return self.fast_lm_head(hidden)
+        return torch.nn.functional.linear(hidden, self._output_weight()).float()
+
+    def _output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def enable_fast_kernels(self, int4_weights: Mapping[str, Int4Groups] | None = None) -> str:
+        """Swap every projection for a FastLinear (and the logits for a FastLMHead); call after
+        load_weights. `int4_weights` (Hugging Face name -> Int4Groups) are the checkpoint's own 4-bit
+        weights; a fused projection gets an int4 copy only when all of its parts have one.
+
+        Returns what was enabled, for logs and traces. A no-op ("reference") off float32 CPU.
+        """
+        weight = self.model.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_available():
+            return "reference"
+        int4_weights = int4_weights or {}
+        parts = {
+            "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "self_attn.o_proj": ("self_attn.o_proj",),
+            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+            "mlp.down_proj": ("mlp.down_proj",),
+        }
+        num_int4 = num_total = 0
+        for i, layer in enumerate(self.model.layers):
+            for ours, theirs in parts.items():
+                owner_name, attr = ours.split(".")
+                owner = getattr(layer, owner_name)
+                groups = [int4_weights.get(f"model.layers.{i}.{name}.weight") for name in theirs]
+                fused = _cat_groups(groups) if all(g is not None for g in groups) else None
+                fast = FastLinear(getattr(owner, attr), fused)
+                setattr(owner, attr, fast)
+                num_int4 += fast.has_int4
+                num_total += 1
+        self.fast_lm_head = FastLMHead(self._output_weight())
+        return f"onednn float32 + int4 decode ({num_int4} of {num_total} projections)" if num_int4 else "onednn float32"
 
     def _weight_table(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """Hugging Face name -> (our parameter, first row, end row) it fills."""
@@ -158,6 +197,20 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Size) -> None:
         raise UnsupportedModelError(
             f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}"
         )
+
+
+def _cat_groups(groups: list[Int4Groups | None]) -> Int4Groups:
+    """Stack the row blocks of separately stored projections (q, k, v / gate, up) like our fused weight."""
+    gs = [g for g in groups if g is not None]
+    assert len(gs) == len(groups) and len({g.group_size for g in gs}) == 1
+    if len(gs) == 1:
+        return gs[0]
+    return Int4Groups(
+        torch.cat([g.q for g in gs]),
+        torch.cat([g.scale for g in gs]),
+        torch.cat([g.offset for g in gs]),
+        gs[0].group_size,
+    )
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:

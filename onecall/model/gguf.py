@@ -29,7 +29,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from onecall.errors import UnsupportedModelError
-from onecall.model.quants import SUPPORTED_QUANT_TYPES, dequantize
+from onecall.model.quants import SUPPORTED_QUANT_TYPES, Int4Groups, dequantize, int4_groups
 
 T = GGMLQuantizationType
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
@@ -217,19 +217,37 @@ class GGUFFile:
             plan.append((info, hf_tensor_name(info.name)))
         return plan
 
-    def iter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, dequantized CPU tensor in `dtype`), one tensor at a time."""
+    def iter_tensors(
+        self, dtype: torch.dtype, int4_out: dict[str, Int4Groups] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, dequantized CPU tensor in `dtype`), one tensor at a time.
+
+        With `int4_out`, every 4-bit (Q4_0/Q4_1/Q4_K) 2-D tensor is decoded once into Int4Groups,
+        stored there under its name (the fast kernels' exact int4 copy), and expanded from them.
+        """
         plan = self._check_loadable()
         num_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count", 0))
         num_kv_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count_kv", num_heads))
         for info, hf_name in plan:
-            tensor = dequantize(self.raw_data(info), T(info.ggml_type), info.shape, dtype)
+            heads = 0
             if self.architecture in _PERMUTED_QK_ARCHITECTURES:
                 if ".self_attn.q_proj." in hf_name:
-                    tensor = unpermute_qk_rows(tensor, num_heads)
+                    heads = num_heads
                 elif ".self_attn.k_proj." in hf_name:
-                    tensor = unpermute_qk_rows(tensor, num_kv_heads)
-            yield hf_name, tensor
+                    heads = num_kv_heads
+            raw, ggml_type = self.raw_data(info), T(info.ggml_type)
+            groups = int4_groups(raw, ggml_type, info.shape) if int4_out is not None else None
+            if groups is not None and int4_out is not None:
+                if heads:
+                    q, scale, offset = (
+                        unpermute_qk_rows(t, heads) for t in (groups.q, groups.scale, groups.offset)
+                    )
+                    groups = Int4Groups(q, scale, offset, groups.group_size)
+                int4_out[hf_name] = groups
+                yield hf_name, groups.dequantize().to(dtype)
+                continue
+            tensor = dequantize(raw, ggml_type, info.shape, dtype)
+            yield hf_name, unpermute_qk_rows(tensor, heads) if heads else tensor
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:

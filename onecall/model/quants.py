@@ -11,6 +11,7 @@ on the model's device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -109,6 +110,59 @@ _BLOCK_DEQUANT: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
 }  # fmt: skip
 SUPPORTED_QUANT_TYPES = frozenset(_FLOAT_TYPES) | frozenset(_BLOCK_DEQUANT)
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """A 4-bit weight as ggml stores it, before expansion: w[r, c] = q[r, c] * scale[r, g] + offset[r, g]
+    with g = c // group_size. Q4_0, Q4_1 and Q4_K all have this form with groups of 32 (Q4_K's
+    super-block scales are folded into per-group scale/offset in float32), so a kernel that
+    multiplies by int4 groups directly (model/fast_linear.py) runs these files' own weights.
+    """
+
+    q: torch.Tensor  # (rows, cols) uint8 in [0, 15]
+    scale: torch.Tensor  # (rows, cols // group_size) float32
+    offset: torch.Tensor  # (rows, cols // group_size) float32
+    group_size: int = 32
+
+    def dequantize(self) -> torch.Tensor:
+        """(rows, cols) float32: the weight these groups stand for."""
+        rows, cols = self.q.shape
+        q = self.q.view(rows, -1, self.group_size).float()
+        return (q * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)).view(rows, cols)
+
+    def select_rows(self, index: torch.Tensor) -> Int4Groups:
+        return Int4Groups(self.q[index], self.scale[index], self.offset[index], self.group_size)
+
+
+def _groups_q4_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = _f16(b, 0)
+    return _nibbles(b[:, 2:], 16).flatten(1), d, d * -8
+
+
+def _groups_q4_1(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dm = _f16(b, 0, 2)
+    return _nibbles(b[:, 4:], 16).flatten(1), dm[:, :1], dm[:, 1:]
+
+
+def _groups_q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scale, offset = _k4_scales(b)  # (n, 8, 1): one per 32-element sub-block
+    return _nibbles(b[:, 16:], 32).reshape(-1, 32), scale.reshape(-1, 1), -offset.reshape(-1, 1)
+
+
+_INT4_GROUPS: dict[T, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+    T.Q4_0: _groups_q4_0, T.Q4_1: _groups_q4_1, T.Q4_K: _groups_q4_k,
+}  # fmt: skip
+
+
+def int4_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int4Groups | None:
+    """Raw data of a 2-D 4-bit tensor -> its Int4Groups (no expansion), or None for other types."""
+    if ggml_type not in _INT4_GROUPS or len(shape) != 2:
+        return None
+    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    q, scale, offset = _INT4_GROUPS[ggml_type](raw.view(-1, type_size))  # per group of 32
+    rows, cols = shape
+    return Int4Groups(q.reshape(rows, cols), scale.reshape(rows, -1), offset.reshape(rows, -1))
 
 
 def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -60,8 +60,10 @@ def tiny_model(arch: str = "llama", seed: int = 0) -> DecoderLM:
     return model.eval()
 
 
-def tiny_engine(num_blocks: int = 256, block_size: int = 4, arch: str = "llama", **config: Any) -> Engine:
-    model = tiny_model(arch)
+def tiny_engine(
+    num_blocks: int = 256, block_size: int = 4, arch: str = "llama", model: DecoderLM | None = None, **config: Any
+) -> Engine:
+    model = model or tiny_model(arch)
     mc = model.config
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=block_size, **config)
     kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim,

@@ -1,0 +1,157 @@
+"""The fast CPU kernels (model/fast_linear.py) against the reference nn.Linear / dequantize path.
+
+Tolerances, written down:
+* int4 groups: Int4Groups.dequantize() equals quants.dequantize() of the same blocks to float32
+  rounding (exact for Q4_1 and Q4_K; Q4_0 computes q*d - 8d instead of (q-8)*d: 1 ulp).
+* oneDNN path (rows > INT4_MAX_ROWS): same float32 math in another summation order:
+  |fast - ref| <= 1e-5 * (|x| @ |W|^T) + 1e-6.
+* int4 path (rows <= INT4_MAX_ROWS): activations, group scales and zeros rounded to bfloat16
+  (relative error <= 2^-9 each), so |fast - ref| <= 2^-7 * (|x| @ (|W| + |s (q-8)| + |z|)^T) + 1e-5,
+  a bound with a 2x margin over the three rounding terms.
+* engine level, tiny model with int4-representable weights: greedy tokens equal to the reference
+  path's; the first token's logprob (prefill, oneDNN) within 1e-4 and later ones (decode, int4) within
+  0.5 nats: the tiny model's logits are ~50 in magnitude (weights scaled for wide greedy gaps), so
+  bfloat16's 2^-9 relative rounding moves them by a few tenths.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from onecall.engine.engine import Engine
+from onecall.model.fast_linear import INT4_MAX_ROWS, FastLinear, onednn_available
+from onecall.model.quants import Int4Groups, dequantize, int4_groups
+from onecall.sampling_params import SamplingParams
+from tests.helpers.tiny_engine import run_all, tiny_engine, tiny_model
+
+T = GGMLQuantizationType
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+
+def _random_blocks(ggml_type: T, num_blocks: int, rng: np.random.Generator) -> torch.Tensor:
+    """Random raw blocks of a 4-bit type with finite, moderate f16 scale fields."""
+    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, (num_blocks, type_size), dtype=np.uint8)
+    num_f16 = 1 if ggml_type == T.Q4_0 else 2  # Q4_0: d; Q4_1: d, m; Q4_K: d, dmin
+    scales = rng.uniform(-0.05, 0.05, (num_blocks, num_f16)).astype(np.float16)
+    if ggml_type == T.Q4_K:
+        scales = np.abs(scales)
+    raw[:, : 2 * num_f16] = scales.view(np.uint8).reshape(num_blocks, 2 * num_f16)
+    return torch.from_numpy(raw.reshape(-1).copy())
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q4_K])
+def test_int4_groups_expand_to_the_dequantized_weight(ggml_type: T) -> None:
+    rows, cols = 48, 256
+    block_size, _ = GGML_QUANT_SIZES[ggml_type]
+    raw = _random_blocks(ggml_type, rows * cols // block_size, np.random.default_rng(1))
+    groups = int4_groups(raw, ggml_type, (rows, cols))
+    assert groups is not None and groups.q.shape == (rows, cols) and int(groups.q.max()) <= 15
+    ref = dequantize(raw, ggml_type, (rows, cols), torch.float32)
+    torch.testing.assert_close(groups.dequantize(), ref, rtol=1e-6, atol=1e-7)
+
+
+def test_other_types_have_no_int4_groups() -> None:
+    raw = torch.zeros(34 * 4, dtype=torch.uint8)
+    assert int4_groups(raw, T.Q8_0, (4, 32)) is None
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Groups:
+    """Asymmetric min/max quantization to 4-bit groups (the Q4_1 recipe), for test weights."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+    return Int4Groups(q.reshape(rows, cols), scale, lo, group_size)
+
+
+def _linear(groups: Int4Groups, bias: bool) -> torch.nn.Linear:
+    out_features, in_features = groups.q.shape
+    lin = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(groups.dequantize())
+    return lin
+
+
+@pytest.mark.parametrize("rows", [1, 3, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fast_linear_within_its_written_tolerance(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    groups = quantize_int4(torch.randn(96, 160))
+    lin = _linear(groups, bias)
+    fast = FastLinear(lin, groups)
+    assert fast.has_int4
+    x = torch.randn(rows, 160)
+    with torch.no_grad():
+        ref, got = lin(x), fast(x)
+    w = groups.dequantize()
+    if rows <= INT4_MAX_ROWS:
+        s = groups.scale.repeat_interleave(32, dim=1)
+        z = groups.offset.repeat_interleave(32, dim=1)
+        spread = w.abs() + (s * (groups.q.float() - 8)).abs() + (s * 8 + z).abs()
+        bound = 2**-7 * (x.abs() @ spread.T) + 1e-5
+    else:
+        bound = 1e-5 * (x.abs() @ w.abs().T) + 1e-6
+    assert got.shape == ref.shape
+    assert bool(((got - ref).abs() <= bound).all()), float(((got - ref).abs() / bound).max())
+
+
+def test_fast_linear_without_int4_is_float32_everywhere() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 40)  # 40 rows: not a multiple of 16, so no int4 copy even if offered
+    fast = FastLinear(lin, quantize_int4(lin.weight.detach()))
+    assert not fast.has_int4
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def _int4_engine(kernels: str) -> Engine:
+    """The tiny engine with its projections rounded to int4 groups (so both paths run the same weights)."""
+    model = copy.deepcopy(tiny_model("qwen2"))  # qwen2: q/k/v biases go through the int4 path too
+    c = model.config
+    q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    splits = {
+        "self_attn.qkv_proj": [
+            ("self_attn.q_proj", q_size),
+            ("self_attn.k_proj", kv_size),
+            ("self_attn.v_proj", kv_size),
+        ],
+        "self_attn.o_proj": [("self_attn.o_proj", c.hidden_size)],
+        "mlp.gate_up_proj": [("mlp.gate_proj", c.intermediate_size), ("mlp.up_proj", c.intermediate_size)],
+        "mlp.down_proj": [("mlp.down_proj", c.hidden_size)],
+    }
+    int4: dict[str, Int4Groups] = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for ours, parts in splits.items():
+                owner, attr = ours.split(".")
+                lin = getattr(getattr(layer, owner), attr)
+                groups = quantize_int4(lin.weight)
+                lin.weight.copy_(groups.dequantize())
+                start = 0
+                for hf_name, size in parts:
+                    index = torch.arange(start, start + size)
+                    int4[f"model.layers.{i}.{hf_name}.weight"] = groups.select_rows(index)
+                    start += size
+    if kernels == "fast":
+        assert "int4" in model.enable_fast_kernels(int4)
+    return tiny_engine(arch="qwen2", model=model, kernels=kernels)
+
+
+def test_engine_greedy_tokens_match_the_reference_path() -> None:
+    prompts = {f"r{i}": f"Tell me about the number {i}, please." for i in range(3)}
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    ref = run_all(_int4_engine("reference"), prompts, params)
+    fast = run_all(_int4_engine("fast"), prompts, params)
+    for rid in prompts:
+        assert fast[rid].token_ids == ref[rid].token_ids
+        diffs = [abs(a - b) for a, b in zip(fast[rid].logprobs, ref[rid].logprobs, strict=True)]
+        assert diffs[0] < 1e-4  # the prompt's logits: a prefill chunk of > INT4_MAX_ROWS rows (oneDNN)
+        assert max(diffs) < 0.5  # decode rows: bfloat16 activations on logits of magnitude ~50 here
