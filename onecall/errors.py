@@ -58,3 +58,22 @@ class UnsupportedModelError(OnecallError, ValueError):
 class TemplateError(OnecallError, ValueError):
     """The chat template failed to render (bad messages, raise_exception in the
     template, or an attempt to leave the sandbox)."""
+
+
+class QueueFullError(OnecallError):
+    """The engine's waiting queue is at its limit; the caller should retry later.
+
+    `retry_after` is a hint in seconds (the server sends it as Retry-After).
+    """
+
+    def __init__(self, num_waiting: int, max_waiting: int, retry_after: int = 1) -> None:
+        super().__init__(
+            f"the server is busy: {num_waiting} requests are waiting (limit {max_waiting}); retry later"
+        )
+        self.num_waiting = num_waiting
+        self.max_waiting = max_waiting
+        self.retry_after = retry_after
+
+
+class EngineDeadError(OnecallError):
+    """The engine loop stopped after an internal error; no request can be served until a restart."""
