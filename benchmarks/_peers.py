@@ -47,6 +47,7 @@ class Workload:
     threads: int
     device: str  # onecall and transformers; llama.cpp runs on the CPU
     dtype: str  # onecall's dtype; transformers always runs float32
+    kernels: str  # onecall's kernels: "fast" or "reference"
     sequential_budget_s: float  # a system serving one sequence at a time stops starting requests after this
     seed: int = 0
     t_spawn: float = 0.0  # parent's time.time() just before it started this child (set per child)
@@ -291,7 +292,7 @@ class Onecall:
         longest = max(len(p) for p in w.prefill_prompts)
         self.w, self.SamplingParams = w, SamplingParams
         self.llm = LLM(
-            model=w.model_path, dtype=w.dtype, device=w.device, num_threads=w.threads,
+            model=w.model_path, dtype=w.dtype, device=w.device, num_threads=w.threads, kernels=w.kernels,
             max_num_batched_tokens=max(2048, longest), max_num_seqs=max(64, len(w.concurrent_prompts)),
             enable_prefix_caching=False,
         )  # fmt: skip
@@ -330,14 +331,12 @@ class Onecall:
 def decode_bandwidth(llm: Any, w: Workload, tokens_per_s: float) -> dict[str, Any]:
     """gpt-fast style: bytes one decode step reads x steps/s, against the machine's copy bandwidth.
 
-    Weights: every parameter in its dtype, except an untied embedding table (a decode step only
-    gathers one row of it); a tied table is read in full as the lm_head, so it counts once.
-    KV: K and V of every cached position in every layer, averaged over the decode steps."""
+    Weights: what the model's kernels stream per step at batch 1 (DecoderLM.weight_bytes_read: int4
+    projections on the fast path, float32 ones on the reference path; a tied embedding is read in
+    full as the lm_head, an untied one is only gathered from). KV: K and V of every cached position
+    in every layer, averaged over the decode steps."""
     model, kv = llm.engine.parts.model, llm.engine.parts.kv_cache
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # shared ones once
-    embed = model.model.embed_tokens.weight
-    if getattr(model, "lm_head", None) is not None:
-        weight_bytes -= embed.numel() * embed.element_size()
+    weight_bytes = model.weight_bytes_read(1)
     kv_bytes_per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.k.element_size()
     mean_context = len(w.decode_prompt) + w.decode_tokens / 2  # decode step k reads prompt + k positions
     step_bytes = weight_bytes + kv_bytes_per_token * mean_context

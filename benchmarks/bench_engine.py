@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--only", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}"
     )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="onecall's dtype")
+    ap.add_argument("--kernels", default="fast", choices=["fast", "reference"], help="onecall's kernels")
     ap.add_argument("--device", default="cpu", help="onecall's and transformers' device")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for every system")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -142,6 +143,7 @@ def build_workload(args: argparse.Namespace, path: Path) -> tuple[Workload, str]
         threads=args.threads,
         device=args.device,
         dtype=args.dtype,
+        kernels=args.kernels,
         sequential_budget_s=budget_s,
     )
     return workload, tokenizer_name
@@ -260,7 +262,7 @@ def print_report(results: dict[str, dict[str, Any]], w: Workload, quick: bool) -
     bw = results.get("onecall", {}).get("bandwidth")
     if bw:
         print(
-            f"\nonecall decode bandwidth ({w.dtype}): {bw['weight_bytes'] / 1e6:.1f} MB weights"
+            f"\nonecall decode bandwidth ({w.dtype}, {w.kernels} kernels): {bw['weight_bytes'] / 1e6:.1f} MB weights"
             f"{' (tied embedding read as lm_head)' if bw['tied_embeddings'] else ''}"
             f" + {bw['kv_bytes_per_step'] / 1e6:.1f} MB KV per step -> {bw['achieved_gb_per_s']:.2f} GB/s,"
             f" {100 * bw['fraction_of_copy']:.0f}% of measured copy bandwidth ({bw['copy_gb_per_s']:.2f} GB/s)"

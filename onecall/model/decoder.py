@@ -103,6 +103,21 @@ class DecoderLM(nn.Module):
     def _output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def weight_bytes_read(self, rows: int = 1) -> int:
+        """Bytes of weights one forward over `rows` tokens streams from memory, then the logits of those
+        rows: what decode's bandwidth figure divides by. Every projection in the form its kernel reads
+        (FastLinear: int4 or float32), norms, and the output matrix (a tied embedding counts once, as
+        the lm_head; an untied embedding table is only gathered from, so it does not count)."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, FastLinear):
+                total += module.weight_bytes_read(rows)
+        for name, param in self.named_parameters():
+            if name != "model.embed_tokens.weight":
+                total += param.numel() * param.element_size()
+        out = self._output_weight()
+        return total + (out.numel() * out.element_size() if self.lm_head is None else 0)
+
     @torch.no_grad()
     def enable_fast_kernels(self, int4_weights: Mapping[str, Int4Groups] | None = None) -> str:
         """Swap every projection for a FastLinear (and the logits for a FastLMHead); call after

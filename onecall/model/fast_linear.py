@@ -93,9 +93,19 @@ class FastLinear(nn.Module):
             y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
         return y.view(*lead, self.out_features)
 
+    def weight_bytes_read(self, rows: int) -> int:
+        """Bytes of weights one call over `rows` rows streams (int4 data + bf16 scales, or float32)."""
+        if self.int4_weight is not None and self.int4_scale_zeros is not None and rows <= INT4_MAX_ROWS:
+            return _nbytes(self.int4_weight) + _nbytes(self.int4_scale_zeros)
+        return self.in_features * self.out_features * 4
+
     def extra_repr(self) -> str:
         kind = f"int4 g{self.group_size} (<= {INT4_MAX_ROWS} rows) + onednn" if self.has_int4 else "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, kernels={kind}"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class FastLMHead(nn.Module):

@@ -128,8 +128,8 @@ class Int4Groups:
     def dequantize(self) -> torch.Tensor:
         """(rows, cols) float32: the weight these groups stand for."""
         rows, cols = self.q.shape
-        q = self.q.view(rows, -1, self.group_size).float()
-        return (q * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)).view(rows, cols)
+        w = self.q.view(rows, -1, self.group_size).float()  # in place from here: one pass, no temporaries
+        return w.mul_(self.scale.unsqueeze(-1)).add_(self.offset.unsqueeze(-1)).view(rows, cols)
 
     def select_rows(self, index: torch.Tensor) -> Int4Groups:
         return Int4Groups(self.q[index], self.scale[index], self.offset[index], self.group_size)
