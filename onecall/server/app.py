@@ -1,0 +1,113 @@
+"""create_app(engine, config): the OpenAI-compatible HTTP API over one AsyncEngine.
+
+    route                        auth   handler
+    POST /v1/chat/completions    key    serving_chat.create_chat_completion
+    POST /v1/completions         key    serving_completion.create_completion
+    GET  /v1/models[/{model}]    key    here
+    POST /tokenize, /detokenize  key    serving_tokens
+    GET  /health                 open   200 when the engine runs; 503 while loading or once dead
+    GET  /metrics                open   Prometheus text (server/metrics.py)
+
+Every route goes through `_route`, which checks the API key first (before the body is read),
+gives the request its id, and turns any exception into the OpenAI error body (http_errors.py):
+a typed error into its 4xx, anything else into a logged 500. The engine is given either ready
+(an AsyncEngine, started in the app's lifespan) or as a loader run after the socket is up (what
+`onecall serve` does, so /health says "loading" instead of refusing connections).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from onecall.server.async_engine import AsyncEngine
+from onecall.server.http_errors import http_error, install_error_handlers
+from onecall.server.metrics import Metrics
+from onecall.server.protocol import HealthResponse, ModelCard, ModelList
+from onecall.server.serving_chat import create_chat_completion
+from onecall.server.serving_common import ClientDisconnected, random_id
+from onecall.server.serving_completion import create_completion
+from onecall.server.serving_tokens import detokenize, tokenize
+from onecall.server.state import EngineLoader, ServerConfig, ServerState
+
+__all__ = ["ServerConfig", "create_app"]
+
+Handler = Callable[[ServerState, Request, str], Awaitable[Response]]
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def create_app(
+    async_engine: AsyncEngine | EngineLoader,
+    config: ServerConfig | None = None,
+    *,
+    metrics: Metrics | None = None,
+) -> FastAPI:
+    """The app. `metrics` defaults to the engine's own (a loader should build its engine with the
+    same Metrics it passes here)."""
+    if metrics is None and isinstance(async_engine, AsyncEngine):
+        metrics = async_engine.metrics
+    state = ServerState(async_engine, config or ServerConfig(), metrics)
+    app = FastAPI(title="onecall", lifespan=state.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+
+    def route(handler: Handler, *, is_open: bool = False) -> Endpoint:
+        async def endpoint(request: Request) -> Response:
+            request_id = random_id()
+            try:
+                if not is_open:
+                    state.check_api_key(request)
+                return await handler(state, request, request_id)
+            except ClientDisconnected:
+                return Response(status_code=499)  # nobody is left to read it
+            except Exception as e:
+                return http_error(e, request_id).response()
+
+        return endpoint
+
+    app.add_api_route("/v1/chat/completions", route(create_chat_completion), methods=["POST"])
+    app.add_api_route("/v1/completions", route(create_completion), methods=["POST"])
+    app.add_api_route("/v1/models", route(_list_models), methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", route(_get_model), methods=["GET"])
+    app.add_api_route("/tokenize", route(tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", route(detokenize), methods=["POST"])
+    app.add_api_route("/health", route(_health, is_open=True), methods=["GET"])
+    app.add_api_route("/metrics", route(_metrics, is_open=True), methods=["GET"])
+    return app
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    engine = state.ready_engine()
+    return ModelCard(
+        id=state.model_name,
+        created=state.created,
+        root=engine.engine.parts.model_name,
+        max_model_len=engine.engine.max_model_len,
+    )
+
+
+async def _list_models(state: ServerState, request: Request, request_id: str) -> Response:
+    return _json(ModelList(data=[_model_card(state)]))
+
+
+async def _get_model(state: ServerState, request: Request, request_id: str) -> Response:
+    card = _model_card(state)
+    name = request.path_params["model"]
+    if name != card.id:
+        state.check_model(name)  # raises the 404
+    return _json(card)
+
+
+async def _health(state: ServerState, request: Request, request_id: str) -> Response:
+    state.ready_engine()  # 503 while loading or once dead
+    return _json(HealthResponse())
+
+
+async def _metrics(state: ServerState, request: Request, request_id: str) -> Response:
+    body, content_type = state.metrics.render()
+    return Response(body, headers={"Content-Type": content_type})
+
+
+def _json(model: ModelCard | ModelList | HealthResponse) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")

@@ -1,0 +1,127 @@
+"""Wire requests -> engine inputs: SamplingParams (one function), template messages, prompts.
+
+`to_sampling_params` is the only place a request becomes SamplingParams. It first refuses what
+the protocol allows but we do not serve (stream_options without stream, a chat_template in the
+request, top_logprobs without logprobs, a JSON response_format, echo with logprobs, suffix,
+best_of != n), then builds
+one SamplingParams per choice. Every refusal is an InvalidParameterError naming the field;
+SamplingParams' own range checks raise the same error, so the server maps both to a 400 with
+`param` set.
+
+Seeds and n: choice i gets `seed + i` (choices are separate engine requests, and equal seeds
+would give n copies of one answer); without a seed every choice samples freshly.
+
+Imports neither torch nor the web framework: only the protocol, SamplingParams and the errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+from onecall.errors import InvalidParameterError
+from onecall.sampling_params import SamplingParams
+from onecall.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+AnyCompletionRequest = ChatCompletionRequest | CompletionRequest
+
+
+def to_sampling_params(req: AnyCompletionRequest, *, default_max_tokens: int) -> list[SamplingParams]:
+    """One SamplingParams per choice (len == req.n). `default_max_tokens` applies when the request
+    names none (chat: what is left of the context window)."""
+    _refuse_unsupported(req)
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens, logprobs = req.max_tokens, req.logprobs
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    common: dict[str, Any] = dict(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+        logprobs=logprobs,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    return [SamplingParams(seed=None if req.seed is None else req.seed + i, **common) for i in range(req.n)]
+
+
+def _refuse_unsupported(req: AnyCompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise InvalidParameterError("stream_options", "may only be set when stream is true")
+    if isinstance(req, ChatCompletionRequest):
+        if req.chat_template is not None:
+            raise InvalidParameterError(
+                "chat_template", "is not accepted in a request: the template comes from the model"
+            )
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidParameterError("top_logprobs", "requires logprobs to be true")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise InvalidParameterError(
+                "response_format",
+                f"only {{'type': 'text'}} is supported, got {req.response_format.get('type')!r}",
+            )
+        return
+    if req.echo and req.logprobs is not None:
+        raise InvalidParameterError("echo", "echo with logprobs is not supported (no prompt logprobs)")
+    if req.suffix is not None:
+        raise InvalidParameterError("suffix", "is not supported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidParameterError("best_of", f"must equal n ({req.n}) or be left out; got {req.best_of}")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, i.e. strings: "123" -> 123."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise InvalidParameterError("logit_bias", f"keys must be token ids, got {key!r}") from None
+    return out
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: plain dicts with extra fields kept, text parts as
+    dicts (render_chat joins them), and tool-call arguments decoded from their JSON string (the
+    wire form) to an object, which is what templates serialize with `tojson`, as vLLM does."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        d["content"] = d.get("content")
+        for call in d.get("tool_calls") or ():
+            function = call.get("function")
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                with contextlib.suppress(ValueError):  # not JSON: the template gets the string as sent
+                    function["arguments"] = json.loads(function["arguments"])
+        out.append(d)
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request; a batch of prompts is refused."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and not isinstance(prompt[0], int):  # a list of prompts
+        if len(prompt) != 1:
+            raise InvalidParameterError(
+                "prompt", f"batches are not supported: send one prompt per request (got {len(prompt)})"
+            )
+        one = prompt[0]
+        assert isinstance(one, (str, list))
+        return one
+    return [t for t in prompt if isinstance(t, int)]

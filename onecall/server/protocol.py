@@ -1,0 +1,296 @@
+"""The OpenAI wire schema: request and response models, pure pydantic.
+
+This module imports neither torch, the web framework nor the engine (a test checks it), and holds
+no engine logic: conversion to SamplingParams lives in server/params.py, in one function.
+
+Requests are validated strictly (a string where a number belongs, or a bool where an integer
+belongs, is a 400, as OpenAI does) and unknown fields are ignored, since clients add new ones.
+Limits that belong to the protocol rather than to sampling (n, top_logprobs) are checked here;
+sampling ranges (temperature, top_p, penalties...) are SamplingParams' job.
+
+Responses are built from these models and serialized with `model_dump_json()`; fields listed in
+a model's `omit_if_none` are left out when None (a delta's role after the first chunk, usage on
+all but the last chunk, trace unless asked for), every other field is always written.
+
+Extensions beyond OpenAI (as vLLM names them): top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, stop_token_ids, skip_special_tokens, chat_template_kwargs, add_generation_prompt, and
+`trace`: the engine's per-request trace (RequestTrace.to_dict()) in the response: a dict, or a
+list of dicts in choice order when n > 1; when streaming, on the last chunk before [DONE] (the
+usage chunk when stream_options.include_usage is set, else the chunk with the last finish_reason).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+MAX_N = 16  # most choices per request (each is its own engine request)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs; equals SamplingParams' MAX_LOGPROBS
+
+
+class _Request(BaseModel):
+    """Strict types, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Response(BaseModel):
+    """Every field is written, except those in `omit_if_none` when they are None."""
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in self.omit_if_none:
+            if name in data and data[name] is None:
+                del data[name]
+        return data
+
+
+# ---- requests --------------------------------------------------------------------------------------
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One message. Extra fields (name, reasoning_content, ...) are kept for the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None  # None: the one served model
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choice i is sampled with seed + i (when seed is set)
+    temperature: float | None = None  # None: 1.0, as OpenAI
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    trace: bool = False
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # None: what is left of the context window
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None  # rendered by the template; calls are not parsed
+    tool_choice: str | dict[str, Any] | None = None  # accepted, not enforced
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no JSON-constrained decoding yet
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template: Any = None  # refused when set: templates come from the model only
+
+
+class CompletionRequest(_SamplingFields):
+    # A batch (several prompts) is refused with a 400; a one-item list is taken as that prompt.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = None  # only None or n is accepted
+    suffix: str | None = None  # refused when set
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: either a plain prompt or chat messages (rendered with the template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses: shared ------------------------------------------------------------------------------
+class PromptTokensDetails(_Response):
+    cached_tokens: int
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+Trace = dict[str, Any] | list[dict[str, Any]]
+
+
+# ---- responses: chat --------------------------------------------------------------------------------
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(_Response):
+    omit_if_none = frozenset({"trace"})
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    trace: Trace | None = None
+
+
+class ChatDelta(_Response):
+    omit_if_none = frozenset({"role", "content"})
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    omit_if_none = frozenset({"usage", "trace"})
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    trace: Trace | None = None
+
+
+# ---- responses: text completions ----------------------------------------------------------------------
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(_Response):
+    """Both the whole response and a streamed chunk (OpenAI uses the same object for both)."""
+
+    omit_if_none = frozenset({"usage", "trace"})
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    trace: Trace | None = None
+
+
+# ---- responses: models, tokenizer, health -----------------------------------------------------------
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "onecall"
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class HealthResponse(_Response):
+    status: Literal["ok"] = "ok"

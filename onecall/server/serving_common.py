@@ -1,0 +1,202 @@
+"""What chat and text completions share: one Generation of n choices, usage, logprob pieces.
+
+A Generation is the n engine requests of one HTTP request (choice i is request `<id>-<i>`), added
+all or nothing. Its outputs come back as Deltas, the n streams interleaved as tokens arrive:
+
+    Delta.token_ids / logprobs      what this output added (from delta_token_ids and the output's
+                                    snapshot of logprobs; RequestOutput.token_ids is the live list)
+    Delta.is_last                   the final output of the last choice to finish
+
+`close()` aborts every request still running (idempotent, a no-op for finished ones); each
+consumer calls it in a `finally`, so a client that disconnects, a cancelled task or an error
+mid-stream frees the KV blocks at once. The abort of each stream is queued before any await
+(AsyncEngine's guarantee), so a second cancellation cannot skip one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+
+from onecall.engine.engine import RequestOutput
+from onecall.sampling_params import SamplingParams
+from onecall.server.async_engine import AsyncEngine, Prompt, RequestStream
+from onecall.server.protocol import PromptTokensDetails, Trace, Usage
+from onecall.text.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+# vLLM's floor for a logprob: JSON has no -inf.
+MIN_LOGPROB = -9999.0
+
+
+def random_id() -> str:
+    return uuid.uuid4().hex
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready; nothing is sent."""
+
+
+@dataclass
+class Delta:
+    index: int  # the choice
+    output: RequestOutput
+    token_ids: list[int]
+    logprobs: list[float | None]  # for token_ids; empty unless logprobs were asked for
+    top_logprobs: list[list[tuple[int, float]] | None]
+    is_last: bool
+
+    @property
+    def text(self) -> str:
+        return self.output.delta_text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason if self.output.finished else None
+
+
+class Generation:
+    """The n engine requests behind one HTTP request."""
+
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self.streams = streams
+        self.finals: list[RequestOutput | None] = [None] * len(streams)
+
+    @classmethod
+    async def start(
+        cls, engine: AsyncEngine, request_id: str, prompt: Prompt, params: list[SamplingParams]
+    ) -> Generation:
+        """Add the requests; the engine's typed errors (400, 429, 503) are raised here, before any token."""
+        if len(params) == 1:
+            return cls([await engine.add_request(f"{request_id}-0", prompt, params[0])])
+        items = [(f"{request_id}-{i}", prompt, p) for i, p in enumerate(params)]
+        return cls(await engine.add_requests(items))
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        remaining = len(self.streams)
+        async for index, out in _merged(self.streams):
+            ids = list(out.delta_token_ids)
+            lps = out.logprobs[len(out.logprobs) - len(ids) :] if out.logprobs is not None else []
+            tops = (
+                out.top_logprobs[len(out.top_logprobs) - len(ids) :] if out.top_logprobs is not None else []
+            )
+            if out.finished:
+                self.finals[index] = out
+                remaining -= 1
+            yield Delta(index, out, ids, lps, tops, is_last=out.finished and remaining == 0)
+
+    async def collect(self) -> list[RequestOutput]:
+        """Run every choice to its end; the final outputs in choice order."""
+        try:
+            async for _ in self.deltas():
+                pass
+        finally:
+            await self.close()
+        finals = [f for f in self.finals if f is not None]
+        assert len(finals) == len(self.streams), "every stream ends with a finished output"
+        return finals
+
+    async def close(self) -> None:
+        cancelled: BaseException | None = None
+        for stream in self.streams:
+            try:
+                await stream.abort()
+            except asyncio.CancelledError as e:  # the abort is queued already; abort the others too
+                cancelled = e
+        if cancelled is not None:
+            raise cancelled
+
+    def usage(self) -> Usage:
+        """Prompt counted once (as OpenAI does for n > 1), completion tokens summed over choices."""
+        finals = [f for f in self.finals if f is not None]
+        first = finals[0]
+        completion = sum(len(f.token_ids) for f in finals)
+        return Usage(
+            prompt_tokens=first.num_prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=first.num_prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
+        )
+
+    def trace(self) -> Trace:
+        """The engine trace: a dict for one choice, a list of dicts (choice order) for n > 1."""
+        traces = [f.trace.to_dict() for f in self.finals if f is not None]
+        return traces[0] if len(traces) == 1 else traces
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all streams, in arrival order."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as e:  # EngineDeadError: hand it to the reader
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (then raise ClientDisconnected).
+
+    A non-streaming request would otherwise run to max_tokens for nobody; cancelling the work runs
+    its `finally`, which aborts the engine requests."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- logprob pieces ----------------------------------------------------------------------------------
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """A token as text (a partial UTF-8 character comes out as U+FFFD; `token_bytes` has the bytes)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> list[int]:
+    return list(tokenizer.token_bytes(token_id))
+
+
+def clamp_logprob(value: float | None) -> float:
+    return MIN_LOGPROB if value is None else max(value, MIN_LOGPROB)

@@ -1,0 +1,167 @@
+"""ServerConfig and ServerState: what every route needs besides the request itself.
+
+ServerState owns the engine's life in the server:
+
+    1. startup    a ready AsyncEngine is started at once; a loader (a function that builds one,
+                  as `onecall serve` passes) runs in a worker thread after the socket is up, so
+                  /health answers 503 "loading" until the model is in memory, then 200
+    2. serving    routes get the engine from `ready_engine()` (503 while loading or once dead),
+                  check the API key, the model name and the body size here
+    3. shutdown   the engine aborts whatever is still in flight and its thread is joined
+
+Routes close over one ServerState (no app.state lookups); create_app builds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+
+from onecall.errors import OnecallError
+from onecall.server.async_engine import AsyncEngine
+from onecall.server.http_errors import HTTPError, validation_error
+from onecall.server.metrics import Metrics
+
+logger = logging.getLogger("onecall.server")
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+EngineLoader = Callable[[], AsyncEngine]  # runs in a worker thread; returns an engine not yet started
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+_DRAIN_LIMIT = 4 * MAX_BODY_BYTES  # an over-long body is read (and dropped) up to this, then cut off
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str | None = None  # None: the model's own name
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = MAX_BODY_BYTES
+    url: str | None = None  # where the server listens, for the "serving ..." log line
+
+
+class ServerState:
+    def __init__(
+        self, engine: AsyncEngine | EngineLoader, config: ServerConfig, metrics: Metrics | None
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.created = int(time.time())
+        self.engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+        self._source = engine
+        self._load_task: asyncio.Task[None] | None = None
+
+    # ---- life ----------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        if isinstance(self._source, AsyncEngine):
+            self._ready(self._source)
+        else:
+            self._load_task = asyncio.create_task(self._load(self._source))
+        try:
+            yield
+        finally:
+            if self._load_task is not None and not self._load_task.done():
+                self._load_task.cancel()  # the worker thread finishes its load; the result is dropped
+            if self.engine is not None:
+                await self.engine.shutdown()
+
+    async def _load(self, loader: EngineLoader) -> None:
+        try:
+            engine = await asyncio.to_thread(loader)
+        except Exception as e:
+            self.load_error = e
+            logger.error("onecall: the model failed to load: %s", e, exc_info=not isinstance(e, OnecallError))
+            return
+        self._ready(engine)
+
+    def _ready(self, engine: AsyncEngine) -> None:
+        engine.start()
+        self.engine = engine
+        where = f" on {self.config.url}" if self.config.url else ""
+        logger.info("onecall: serving %s%s", self.model_name, where)
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return self.engine.engine.parts.model_name if self.engine is not None else "(loading)"
+
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, or a 503 saying why there is none."""
+        if self.engine is None:
+            if self.load_error is not None:
+                raise HTTPError(
+                    503, f"the model failed to load: {self.load_error}", type="service_unavailable_error"
+                )
+            raise HTTPError(
+                503,
+                "the model is still loading",
+                type="service_unavailable_error",
+                headers={"Retry-After": "1"},
+            )
+        if not self.engine.is_running:
+            raise HTTPError(
+                503,
+                "the engine is not running (it stopped after an internal error, or the server is shutting down)",
+                type="service_unavailable_error",
+                code="engine_dead",
+            )
+        return self.engine
+
+    # ---- per-request checks --------------------------------------------------------------------
+    def check_api_key(self, request: Request) -> None:
+        """Bearer token against --api-key, compared in constant time."""
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise HTTPError(
+                401,
+                "missing or invalid API key: send it as 'Authorization: Bearer <key>'",
+                type="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def check_model(self, name: str | None) -> None:
+        """None means the served model; any other name must match it exactly."""
+        if name is not None and name != self.model_name:
+            raise HTTPError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def parse_body(self, request: Request, model: type[ModelT]) -> ModelT:
+        """Read the body (at most max_body_bytes, else 413) and validate it (else 400)."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = declared.isdigit() and int(declared) > limit
+        body, received = bytearray(), 0
+        if not (too_big and int(declared) > _DRAIN_LIMIT):
+            async for chunk in request.stream():
+                received += len(chunk)
+                too_big = too_big or received > limit
+                if not too_big:
+                    body += chunk
+                elif received > _DRAIN_LIMIT:
+                    break  # stop reading; the connection is closed after our answer
+                # else: drain and drop, so the client reads our 413 rather than a reset
+        if too_big:
+            raise HTTPError(413, f"the request body is larger than the limit of {limit} bytes")
+        try:
+            return model.model_validate_json(bytes(body))
+        except ValidationError as e:
+            raise validation_error(e) from None
