@@ -35,6 +35,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument(
+        "--kernels",
+        default="fast",
+        choices=["fast", "reference"],
+        help="fast: oneDNN and the GGUF's own int4 weights on CPU (default); reference: plain torch ops",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -71,6 +77,7 @@ def _llm(a: argparse.Namespace) -> Any:
         max_model_len=a.max_model_len,
         kv_cache_gib=a.kv_cache_gib,
         num_threads=a.num_threads,
+        kernels=a.kernels,
     )
     print(f"loaded {llm.engine.parts.model_name} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return llm
@@ -170,6 +177,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         max_model_len=a.max_model_len,
         kv_cache_gib=a.kv_cache_gib,
         num_threads=a.num_threads,
+        kernels=a.kernels,
         max_num_seqs=a.max_num_seqs,
         enable_prefix_caching=not a.no_prefix_caching,
     )
