@@ -1,0 +1,264 @@
+"""Tool calls out of model output: whole-text and streaming parsers (tools themselves: tool_specs.py).
+
+Two formats, chosen per model by ToolFormat.for_template():
+
+    hermes   the template renders tools itself and the model answers (Qwen2.5, Qwen3)
+                 I'll check.\\n<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>
+             several calls are several blocks; text before them is content.
+    json     the template knows no tools (the embedded SmolLM2): the server merges tools_system_prompt()
+             into the system message, and the model answers with one JSON object and nothing else
+                 {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
+             optionally inside a ``` or ```json fence. Only output that starts with the object counts;
+             a bare call object {"name": ..., "arguments": ...} is accepted too.
+
+A call is valid when its JSON parses, "name" is a non-empty string (one of the tools, when the parser
+knows them) and "arguments" (or "parameters") is an object or a string holding one; missing arguments
+are {}. An invalid call stays in the content as the text it was: parsing never raises.
+
+ToolCallParser streams: a call goes out, as (index, id, name) then its arguments, once it is complete
+and validated (at `</tool_call>`, or when the JSON object closes); text that may still become a call
+is held back until decided. Content is the text outside calls, stripped at both ends (None when
+empty). Invariant: the concatenation of everything streamed equals parse_tool_calls(whole text), which
+is implemented by feeding the text in one piece.
+
+Enforcement (tool_choice "required" or a named function) uses tool_call_schema() (json format) or
+tool_call_grammar() (hermes, llguidance's Lark dialect with an inline %json schema). Both pin the JSON
+layout to json.dumps's separators (", " and ": ", no other whitespace), what the models were shown.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from onecall.text.reasoning import StrippedStream, partial_marker_len
+from onecall.text.tool_specs import TOOL_CALL_CLOSE as _CLOSE
+from onecall.text.tool_specs import TOOL_CALL_OPEN as _OPEN
+from onecall.text.tool_specs import ToolFormat
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+_FENCE = "```"
+_JSON_OPENING = re.compile(r"\s*(?:```(?:json)?\s*)?\{")  # where the json convention's object starts
+_PARTIAL_OPENING = re.compile(r"```(?:json)?\s*")  # a fence still waiting for its "{"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed call, OpenAI-shaped: arguments_json is a JSON object as a string."""
+
+    id: str
+    name: str
+    arguments_json: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A streamed piece of call `index`: first id+name (arguments ""), then argument fragments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class ToolParseDelta:
+    """What one feed adds: content text and call pieces."""
+
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ParsedToolCalls:
+    content: str | None  # None when the output was only calls (or empty)
+    tool_calls: list[ToolCall]
+
+
+def new_tool_call_id() -> str:
+    """'call_' + 24 random letters and digits (OpenAI clients want at least 9 characters)."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+# ---- parsing ---------------------------------------------------------------------------------------
+
+
+def _call_from_obj(obj: Any, names: Collection[str] | None) -> tuple[str, str] | None:
+    """(name, arguments_json) from a decoded call object, or None if it is not a valid call."""
+    if not isinstance(obj, dict):
+        return None
+    name, args = obj.get("name"), obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(name, str) or not name or (names is not None and name not in names):
+        return None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return (name, json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+
+
+def _calls_from_convention(obj: Any, names: Collection[str] | None) -> list[tuple[str, str]] | None:
+    """The json convention's {"tool_calls": [...]} (or one bare call object); None unless all valid."""
+    items = obj.get("tool_calls") if isinstance(obj, dict) and "tool_calls" in obj else [obj]
+    if not isinstance(items, list) or not items:
+        return None
+    calls = [_call_from_obj(item, names) for item in items]
+    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+
+class ToolCallParser:
+    """Incremental tool-call parser: feed(delta) -> ToolParseDelta for each text delta, then finish().
+
+    hermes states:  OUTSIDE --<tool_call>--> INSIDE --</tool_call>: a call, or its text as content--> OUTSIDE
+    json states:    START --the object opens--> OBJECT --it closes: calls, or its text as content--> AFTER
+                    START/AFTER --anything else--> TEXT (plain content to the end)
+    `_buf` holds the undecided text; the marker, fence or object it may still become.
+    """
+
+    def __init__(
+        self,
+        fmt: ToolFormat,
+        *,
+        tool_names: Collection[str] | None = None,
+        new_id: Callable[[], str] = new_tool_call_id,
+    ) -> None:
+        self.fmt = fmt
+        self._names = tool_names  # when given, a call to another name is not a call
+        self._new_id = new_id
+        self._state = "outside" if fmt == ToolFormat.HERMES else "start"
+        self._buf = ""
+        self._content = StrippedStream()
+        self._num_calls = 0
+        self._obj_start = 0  # json: where the object starts in _buf (after whitespace and a fence)
+        self._out = ToolParseDelta()
+
+    def feed(self, delta: str) -> ToolParseDelta:
+        self._buf += delta
+        if self.fmt == ToolFormat.HERMES:
+            self._scan_hermes()
+        else:
+            self._scan_json(may_close="}" in delta)
+        return self._take()
+
+    def finish(self) -> ToolParseDelta:
+        """End of output: an unclosed <tool_call> still counts if its JSON is a valid call; any other
+        undecided text is content."""
+        text, self._buf = self._buf, ""
+        call = None
+        if self._state == "inside":
+            call = _call_from_json(text, self._names)
+            text = _OPEN + text
+        if call is not None:
+            self._emit_call(*call)
+        else:
+            self._emit_content(text)
+        return self._take()
+
+    def _take(self) -> ToolParseDelta:
+        out, self._out = self._out, ToolParseDelta()
+        return out
+
+    def _emit_content(self, text: str) -> None:
+        self._out.content += self._content.push(text)
+
+    def _emit_call(self, name: str, arguments_json: str) -> None:
+        index, self._num_calls = self._num_calls, self._num_calls + 1
+        self._out.tool_calls.append(ToolCallDelta(index, id=self._new_id(), name=name))
+        self._out.tool_calls.append(ToolCallDelta(index, arguments=arguments_json))
+
+    def _scan_hermes(self) -> None:
+        while True:
+            if self._state == "outside":
+                start = self._buf.find(_OPEN)
+                if start < 0:  # hold back what may be the start of "<tool_call>"
+                    cut = len(self._buf) - partial_marker_len(self._buf, _OPEN)
+                    self._emit_content(self._buf[:cut])
+                    self._buf = self._buf[cut:]
+                    return
+                self._emit_content(self._buf[:start])
+                self._buf, self._state = self._buf[start + len(_OPEN) :], "inside"
+            else:  # inside: the whole body is held until "</tool_call>" decides it
+                end = self._buf.find(_CLOSE)
+                if end < 0:
+                    return
+                body, self._buf, self._state = self._buf[:end], self._buf[end + len(_CLOSE) :], "outside"
+                call = _call_from_json(body, self._names)
+                if call is not None:
+                    self._emit_call(*call)
+                else:
+                    self._emit_content(_OPEN + body + _CLOSE)
+
+    def _scan_json(self, may_close: bool) -> None:
+        """One pass over START -> OBJECT -> AFTER -> TEXT; each state returns while it must wait."""
+        if self._state == "start":
+            opening = _JSON_OPENING.match(self._buf)
+            stripped = self._buf.lstrip()
+            if opening is None and ("```json".startswith(stripped) or _PARTIAL_OPENING.fullmatch(stripped)):
+                return  # may still become "```json\n{"
+            self._state = "text" if opening is None else "object"
+            self._obj_start = opening.end() - 1 if opening else 0
+            may_close = True
+        if self._state == "object":
+            if not may_close:
+                return  # the object can only close on a "}" (and json's raw_decode needs the whole of it)
+            try:
+                obj, end = json.JSONDecoder().raw_decode(self._buf, self._obj_start)
+            except ValueError:
+                return
+            calls = _calls_from_convention(obj, self._names)
+            if calls is None:  # valid JSON, not calls: all of it (fence included) is content
+                self._state = "text"
+            else:
+                for call in calls:
+                    self._emit_call(*call)
+                self._buf, self._state = self._buf[end:], "after"
+        if self._state == "after":  # drop a closing fence; the rest is content
+            stripped = self._buf.lstrip()
+            if stripped.startswith(_FENCE):
+                self._buf, self._state = stripped[len(_FENCE) :], "text"
+            elif _FENCE.startswith(stripped):
+                return
+            else:
+                self._state = "text"
+        if self._state == "text":
+            self._emit_content(self._buf)
+            self._buf = ""
+
+
+def _call_from_json(text: str, names: Collection[str] | None) -> tuple[str, str] | None:
+    try:
+        return _call_from_obj(json.loads(text), names)
+    except ValueError:
+        return None
+
+
+def parse_tool_calls(
+    text: str,
+    fmt: ToolFormat,
+    *,
+    tool_names: Collection[str] | None = None,
+    new_id: Callable[[], str] = new_tool_call_id,
+) -> ParsedToolCalls:
+    """Whole output -> content (None if only calls) and the calls, exactly what streaming would give."""
+    parser = ToolCallParser(fmt, tool_names=tool_names, new_id=new_id)
+    deltas = [parser.feed(text), parser.finish()]
+    content = "".join(d.content for d in deltas)
+    return ParsedToolCalls(content or None, assemble_tool_calls(d for d in deltas))
+
+
+def assemble_tool_calls(deltas: Iterable[ToolParseDelta]) -> list[ToolCall]:
+    """Assemble streamed call pieces the way an OpenAI client does (id and name once, arguments joined)."""
+    heads: dict[int, tuple[str, str]] = {}
+    args: dict[int, str] = {}
+    for delta in deltas:
+        for piece in delta.tool_calls:
+            if piece.id is not None and piece.name is not None:
+                heads[piece.index] = (piece.id, piece.name)
+            args[piece.index] = args.get(piece.index, "") + piece.arguments
+    return [ToolCall(heads[i][0], heads[i][1], args[i]) for i in sorted(heads)]
