@@ -20,6 +20,7 @@ from onecall.text.chat_template import RenderedPrompt, render_chat
 
 Prompt = str | list[int]
 Message = dict[str, Any]
+Params = SamplingParams | Sequence[SamplingParams] | None  # one for all prompts, or one per prompt
 
 
 class LLM:
@@ -39,13 +40,16 @@ class LLM:
         self._ids = itertools.count()
 
     # ---- prompts -----------------------------------------------------------------------------
-    def generate(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
-    ) -> list[RequestOutput]:
-        """Complete one prompt or a batch of them (str or token ids); outputs in input order."""
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None) -> list[RequestOutput]:
+        """Complete one prompt or a batch of them (str or token ids); outputs in input order.
+
+        `params` is one SamplingParams for all, or a list with one per prompt (e.g. a
+        different structured_outputs schema for each)."""
         return self._run_all(_as_prompt_list(prompts), params)
 
-    def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def generate_stream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield an output per new token (delta_text / delta_token_ids), the last one finished."""
         yield from self._stream(prompt, params)
 
@@ -69,10 +73,10 @@ class LLM:
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
-        params: SamplingParams | None = None,
+        params: Params = None,
         **render_kwargs: Any,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a batch of them."""
+        """One conversation (a list of messages) or a batch of them; params as in generate()."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         rendered = [self.render(conv, **render_kwargs) for conv in convs]  # type: ignore[arg-type]
         return self._run_all(rendered, params)
@@ -83,14 +87,15 @@ class LLM:
         yield from self._stream(self.render(messages, **render_kwargs), params)
 
     # ---- the loop ----------------------------------------------------------------------------
-    def _run_all(self, prompts: Sequence[Prompt | RenderedPrompt], params: SamplingParams | None) -> list[RequestOutput]:
+    def _run_all(self, prompts: Sequence[Prompt | RenderedPrompt], params: Params) -> list[RequestOutput]:
+        per_prompt = _per_prompt_params(params, len(prompts))
         ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
             # Adding is inside the try: if prompt k is invalid, prompts 0..k-1 are aborted too,
             # instead of staying queued and running, unseen, during the next call.
-            for p in prompts:
-                ids.append(self._add(p, params))
+            for p, sp in zip(prompts, per_prompt, strict=True):
+                ids.append(self._add(p, sp))
             while len(final) < len(ids):
                 for out in self.engine.step():
                     if out.finished:
@@ -101,7 +106,9 @@ class LLM:
             raise
         return [final[rid] for rid in ids]
 
-    def _stream(self, prompt: Prompt | RenderedPrompt, params: SamplingParams | None) -> Iterator[RequestOutput]:
+    def _stream(
+        self, prompt: Prompt | RenderedPrompt, params: SamplingParams | None
+    ) -> Iterator[RequestOutput]:
         rid = self._add(prompt, params)
         try:
             while True:
@@ -126,4 +133,16 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]  # one prompt of token ids
     if isinstance(prompts, (list, tuple)):
         return list(prompts)
-    raise InvalidParameterError("prompts", f"must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+    raise InvalidParameterError(
+        "prompts", f"must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
+    )
+
+
+def _per_prompt_params(params: Params, num_prompts: int) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise InvalidParameterError("params", "must be a SamplingParams or a list of them, one per prompt")
+    if len(params) != num_prompts:
+        raise InvalidParameterError("params", f"has {len(params)} entries for {num_prompts} prompts")
+    return list(params)

@@ -4,17 +4,25 @@ Validation happens once, in `__post_init__`, and raises InvalidParameterError
 naming the parameter and its allowed range. Everything downstream (sampler,
 engine, server) may then trust the values. Defaults follow vLLM/OpenAI:
 temperature 1.0, top_p 1.0, no top_k (0), no min_p, no penalties.
+
+`StructuredOutputsParams` (SamplingParams.structured_outputs) says what the
+output must match; its *shape* is checked here, and whether the schema, regex
+or grammar compiles is checked by the engine's grammar backend at add_request.
 """
 
 from __future__ import annotations
 
+import json as _json
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from onecall.errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
+_SO = "structured_outputs"
+_SO_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
@@ -32,6 +40,103 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
     if value < lo or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise InvalidParameterError(name, f"must be {rng}, got {value}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match: exactly one of
+
+        json         a JSON Schema, as a dict or a JSON string        -> JSON that validates
+        json_object  True                                             -> any JSON object
+        regex        a regular expression (Rust `regex` syntax)       -> a full match
+        choice       a list of strings                                -> exactly one of them
+        grammar      a Lark grammar, as llguidance reads it           -> a sentence of it
+
+    `reasoning_end` (e.g. "</think>") defers the constraint for thinking
+    templates: the model writes freely until its output contains that text,
+    and the constraint applies from the next token on. With `reasoning_start`
+    too (e.g. "<think>", one token of the vocabulary) the output may open its
+    reasoning block with that token or skip it: any other first token starts
+    the constrained output at once. Without it, the output is taken to start
+    inside the block (the prompt opened it).
+
+    `allow_additional_properties` (json only): False, the default, gives
+    objects that leave additionalProperties unspecified no keys beyond their
+    `properties` (as xgrammar and OpenAI's strict mode do; the output still
+    validates against the schema as written: see sampling/json_schema.py).
+    True keeps JSON Schema's default, where any extra key may follow.
+
+    Each problem raises InvalidParameterError with param "structured_outputs.<field>".
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Sequence[str] | None = None  # stored as a tuple
+    grammar: str | None = None
+    reasoning_start: str | None = None
+    reasoning_end: str | None = None
+    allow_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        # 1. exactly one kind
+        given = [k for k in _SO_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            got = ", ".join(given) if given else "none"
+            raise InvalidParameterError(_SO, f"set exactly one of {', '.join(_SO_KINDS)} (got {got})")
+        # 2. the kind's own shape
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    raise InvalidParameterError(f"{_SO}.json", f"is not valid JSON: {e}") from e
+            if not isinstance(schema, dict):
+                raise InvalidParameterError(
+                    f"{_SO}.json", f"must be a JSON Schema object, got {schema!r:.80}"
+                )
+        for name in ("json_object", "allow_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(
+                    f"{_SO}.{name}", f"must be true or false, got {getattr(self, name)!r}"
+                )
+        for name in ("regex", "grammar", "reasoning_start", "reasoning_end"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParameterError(f"{_SO}.{name}", f"must be a non-empty string, got {value!r:.80}")
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise InvalidParameterError(
+                f"{_SO}.reasoning_start", "needs reasoning_end (where the block closes)"
+            )
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not isinstance(choice, (list, tuple)) or not choice:
+                raise InvalidParameterError(f"{_SO}.choice", "must be a non-empty list of strings")
+            if not all(isinstance(c, str) for c in choice):
+                raise InvalidParameterError(f"{_SO}.choice", "every choice must be a string")
+            object.__setattr__(self, "choice", tuple(choice))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
+        """From a plain mapping such as {"json": {...}}; unknown keys are refused by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidParameterError(_SO, f"unknown field(s) {unknown}; expected {sorted(known)}")
+        return cls(**d)
+
+    @property
+    def kind(self) -> str:
+        """Which of json / json_object / regex / choice / grammar is set."""
+        return next(k for k in _SO_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def json_schema(self) -> dict[str, Any] | None:
+        """The `json` schema as a dict (parsed when it was given as a string)."""
+        if self.json is None:
+            return None
+        return _json.loads(self.json) if isinstance(self.json, str) else self.json
 
 
 @dataclass(frozen=True)
@@ -60,6 +165,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +178,10 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(
+                self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs)
+            )
 
         _check_int("max_tokens", self.max_tokens, 1)
         _check_range("temperature", self.temperature, 0.0, 100.0)
@@ -101,6 +211,11 @@ class SamplingParams:
             raise InvalidParameterError(
                 "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise InvalidParameterError(
+                _SO, f"must be StructuredOutputsParams or a dict, got {type(so).__name__}"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -108,9 +223,37 @@ class SamplingParams:
 
     def validate_vocab(self, vocab_size: int) -> None:
         """Check token ids against the model's vocabulary (known only once a model is loaded)."""
-        for tok in (self.logit_bias or {}):
+        for tok in self.logit_bias or {}:
             if tok >= vocab_size:
-                raise InvalidParameterError("logit_bias", f"token id {tok} is outside the vocabulary [0, {vocab_size})")
+                raise InvalidParameterError(
+                    "logit_bias", f"token id {tok} is outside the vocabulary [0, {vocab_size})"
+                )
         for tok in self.stop_token_ids:
             if tok >= vocab_size:
-                raise InvalidParameterError("stop_token_ids", f"token id {tok} is outside the vocabulary [0, {vocab_size})")
+                raise InvalidParameterError(
+                    "stop_token_ids", f"token id {tok} is outside the vocabulary [0, {vocab_size})"
+                )
+
+    def trace_dict(self) -> dict[str, object]:
+        """The resolved settings, as the trace records them (no schema text: only its kind)."""
+        d: dict[str, object] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "max_tokens": self.max_tokens,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "stop": list(self.stop),
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs,
+        }
+        if self.logit_bias:
+            d["logit_bias"] = dict(self.logit_bias)
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.kind
+        d["mode"] = "greedy" if self.is_greedy else "sample"
+        return d

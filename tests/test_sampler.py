@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from onecall.sampling.bitmask import pack_bitmask
 from onecall.sampling.sampler import SamplingRequest, TokenConstraint, sample
 from onecall.sampling_params import SamplingParams
 
@@ -48,12 +49,15 @@ class AllowSet:
     """A TokenConstraint allowing a fixed set of ids (optionally a mask shorter than the vocab)."""
 
     def __init__(self, allowed: Sequence[int], mask_len: int) -> None:
-        self.mask = torch.zeros(mask_len, dtype=torch.bool)
-        self.mask[list(allowed)] = True
+        mask = torch.zeros(1, mask_len, dtype=torch.bool)
+        mask[0, list(allowed)] = True
+        self.words = pack_bitmask(mask)[0]
         self.advanced: list[int] = []
 
-    def allowed_tokens(self) -> torch.Tensor | None:
-        return self.mask
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        bitmask[row] = 0
+        bitmask[row, : self.words.numel()] = self.words
+        return True
 
     def advance(self, token_id: int) -> None:
         self.advanced.append(token_id)
@@ -274,10 +278,15 @@ def test_constraint_mask_restricts_samples() -> None:
     assert c.advanced == []  # the engine advances constraints, not the sampler
 
 
-def test_fully_masked_row_asserts() -> None:
+def test_grammar_wins_over_bans_and_empty_rows_assert() -> None:
+    # a constraint that allows only a banned id (a grammar that may only end, under min_tokens): it wins
     c = AllowSet([2], mask_len=8)
+    out = sample(torch.zeros(1, 8), [req(constraint=c, banned=[2])])
+    assert out.token_ids == [2] and out.num_masked == [7] and out.num_allowed == [1]
     with pytest.raises(AssertionError, match="no allowed token"):
-        sample(torch.zeros(1, 8), [req(constraint=c, banned=[2])])
+        sample(torch.zeros(1, 8), [req(constraint=AllowSet([], mask_len=8))])  # a constraint bug
+    with pytest.raises(AssertionError, match="no allowed token"):
+        sample(torch.zeros(1, 4), [req(banned=[0, 1, 2, 3])])  # bans alone: an engine bug
 
 
 def test_logprobs_of_processed_logits() -> None:

@@ -12,9 +12,11 @@ lives in engine/loading.py; this module is the loop.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +34,9 @@ from onecall.sampling_params import SamplingParams
 from onecall.text.chat_template import RenderedPrompt
 from onecall.text.detokenizer import IncrementalDetokenizer
 from onecall.text.stop import StopStringMatcher
+
+if TYPE_CHECKING:
+    from onecall.sampling.grammar import GrammarBackend
 
 
 @dataclass
@@ -80,6 +85,19 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self._step_counter = 0
+        self._grammar: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()  # a server may reach `grammar` from another thread
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The structured-outputs backend (llguidance), built on first use and kept for the model.
+        Its compile() is thread-safe: a server may warm the grammar cache off the engine thread."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from onecall.sampling.grammar import GrammarBackend  # llguidance loads only when used
+
+                self._grammar = GrammarBackend(self.tokenizer)
+            return self._grammar
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -92,7 +110,8 @@ class Engine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; it joins the running batch at the next step. Validates everything a
-        caller can get wrong (typed errors), so a bad request never reaches the step loop."""
+        caller can get wrong (typed errors, a bad structured_outputs grammar included), so a bad
+        request never reaches the step loop. `constraint` (any TokenConstraint) overrides the grammar."""
         params = params or SamplingParams()
         if request_id in self._seqs:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
@@ -100,7 +119,10 @@ class Engine:
         trace = RequestTrace(request_id=request_id, arrival_time=arrival_time or time.perf_counter())
         ids = self._prompt_ids(prompt, trace)
         self._check_length(len(ids), params.max_tokens)
-        trace.sampling = _resolved_sampling(params)
+        if constraint is None and params.structured_outputs is not None:
+            grammar = self.grammar.new_constraint(params.structured_outputs)
+            trace.grammar, constraint = grammar.trace, grammar
+        trace.sampling = params.trace_dict()
         trace.device, trace.dtype, trace.model = (
             str(self.device),
             str(self.parts.dtype),
@@ -108,8 +130,7 @@ class Engine:
         )
         gen = None
         if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed % 2**64)
+            gen = torch.Generator(device=self.device).manual_seed(params.seed % 2**64)
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -197,7 +218,10 @@ class Engine:
         self._note_first_schedule(sched, t0)
         logits = self.runner.execute(sched.scheduled)
         sampling = [s for s in sched.scheduled if s.samples]
-        result = sample(logits, [self._sampling_request(s.seq) for s in sampling]) if sampling else None
+        result = None
+        if sampling:  # the logits are this step's own (inference) tensor: masked rows edited in place
+            with torch.inference_mode():
+                result = sample(logits, [self._sampling_request(s.seq) for s in sampling], inplace=True)
         duration = time.perf_counter() - t0
         return self._postprocess(sched, sampling, result, duration)
 
@@ -224,7 +248,11 @@ class Engine:
         )
 
     def _postprocess(
-        self, sched: SchedulerOutput, sampling: list[ScheduledSeq], result: SampleResult | None, duration: float
+        self,
+        sched: SchedulerOutput,
+        sampling: list[ScheduledSeq],
+        result: SampleResult | None,
+        duration: float,
     ) -> list[RequestOutput]:
         now = time.perf_counter()
         batch_size, num_batched = len(sched.scheduled), sched.num_batched_tokens
@@ -278,25 +306,3 @@ class Engine:
             logprobs=list(seq.output_logprobs) if want_lp else None,
             top_logprobs=list(seq.output_top_logprobs) if want_lp else None,
         )
-
-
-def _resolved_sampling(p: SamplingParams) -> dict[str, object]:
-    d: dict[str, object] = {
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "top_k": p.top_k,
-        "min_p": p.min_p,
-        "seed": p.seed,
-        "max_tokens": p.max_tokens,
-        "repetition_penalty": p.repetition_penalty,
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
-        "stop": list(p.stop),
-        "stop_token_ids": list(p.stop_token_ids),
-        "ignore_eos": p.ignore_eos,
-        "logprobs": p.logprobs,
-    }
-    if p.logit_bias:
-        d["logit_bias"] = dict(p.logit_bias)
-    d["mode"] = "greedy" if p.is_greedy else "sample"
-    return d

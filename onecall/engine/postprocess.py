@@ -4,7 +4,8 @@ Stop checks, in order (the first that fires wins):
     1. a stop token id (params.stop_token_ids)        -> "stop", token kept in ids, not in text
     2. EOS, unless ignore_eos (and min_tokens reached) -> "stop"
     3. a stop string in the detokenized text          -> "stop", text cut before it
-    4. the request's constraint (grammar) is complete -> "stop"
+    4. the request's constraint (grammar) is complete -> "stop" (nothing may follow, so the
+       request ends without sampling an EOS; a grammar that *may* end allows EOS: step 2)
     5. max_tokens, or the context window is full      -> "length"
 Text is produced incrementally (never half a UTF-8 character) and passes through
 the stop-string matcher, which holds back anything that may start a stop string.
@@ -28,6 +29,8 @@ def postprocess_token(
     seq.token_ids.append(token)
     record.token_id = token
     record.num_masked = result.num_masked[row]
+    record.num_allowed = result.num_allowed[row]
+    record.mask_time = result.mask_time[row]
     if seq.params.logprobs is not None:
         seq.output_logprobs.append(result.logprobs[row])
         seq.output_top_logprobs.append(result.top_logprobs[row])

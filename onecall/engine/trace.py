@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from onecall.sampling.grammar_constraint import GrammarTrace
+
 
 @dataclass
 class StepRecord:
@@ -25,6 +27,8 @@ class StepRecord:
     duration: float  # seconds for the whole step (forward + sampling)
     token_id: int | None = None  # the token sampled at the end of the step, if any
     num_masked: int = 0  # tokens a constraint/ban set to -inf before sampling
+    num_allowed: int | None = None  # tokens a grammar left allowed (None: unconstrained step)
+    mask_time: float = 0.0  # seconds spent on this request's grammar mask in the step
 
 
 @dataclass
@@ -50,6 +54,7 @@ class RequestTrace:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     sampling: dict[str, Any] = field(default_factory=dict)
+    grammar: GrammarTrace | None = None  # structured outputs: compile and activation
     device: str = ""
     dtype: str = ""
     model: str = ""
@@ -100,6 +105,11 @@ class RequestTrace:
         return n / t if t > 0 else None
 
     @property
+    def mask_time(self) -> float:
+        """Seconds spent on this request's grammar masks over all steps."""
+        return sum(s.mask_time for s in self.steps)
+
+    @property
     def e2e_time(self) -> float | None:
         if self.finish_time is None:
             return None
@@ -117,6 +127,7 @@ class RequestTrace:
             "time_to_first_token",
             "prefill_tokens_per_s",
             "decode_tokens_per_s",
+            "mask_time",
             "e2e_time",
         ):
             d[name] = getattr(self, name)

@@ -5,7 +5,7 @@ use it and skipped when none does (a batch of plain greedy rows costs one argmax
 
   1. repetition / frequency / presence penalties    (penalties.py)
   2. logit_bias                                     (penalties.py)
-  3. constraint mask and banned_token_ids -> -inf   (penalties.py)
+  3. constraint bitmasks and banned_token_ids -> -inf (penalties.py, bitmask.py)
   4. logprobs = log_softmax of these *processed* logits
   5. greedy rows (temperature 0) take the argmax
   6. sampled rows: temperature -> top_k -> top_p -> min_p -> draw
@@ -21,8 +21,9 @@ from it (exactly one number per step), so a seeded request gives the same
 tokens whatever else shares the batch; the other rows share one draw. Only
 float rounding at a top-p cutoff could differ between batch shapes.
 
-The sampler is pure apart from advancing generators: it never calls
-`TokenConstraint.advance`; the engine does that when it appends the token.
+The sampler is pure apart from advancing generators and asking constraints
+for this step's mask: it never calls `TokenConstraint.advance`; the engine
+does that when it appends the token.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from onecall.sampling.penalties import apply_logit_bias, apply_penalties, apply_token_masks
+from onecall.sampling.penalties import MaskResult, apply_logit_bias, apply_penalties, apply_token_masks
 from onecall.sampling_params import SamplingParams
 
 # Below this temperature a row is greedy: dividing by it would overflow float32.
@@ -48,17 +49,26 @@ _CANDIDATE_GROWTH = 16
 
 
 class TokenConstraint(Protocol):
-    """Per-request allowed-token mask hook (the grammar engine implements it)."""
+    """Per-request allowed-token hook; the grammar backend (sampling/grammar.py) implements it.
 
-    def allowed_tokens(self) -> torch.Tensor | None:
-        """Bool (vocab_size,) on any device, True = allowed; None = unconstrained this step."""
+    Each step the sampler allocates one bitmask for the rows that have a
+    constraint (sampling/bitmask.py), each constraint fills its own row, and
+    one pass applies them all; rows without a constraint cost nothing.
+    """
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write this step's allowed ids into `bitmask[row]` (int32 words on the CPU; bit t % 32 of
+        word t // 32 set = id t allowed; bits past the constraint's vocabulary left 0). Return False
+        to leave this step unconstrained (e.g. while the model is still reasoning)."""
         ...
 
     def advance(self, token_id: int) -> None:
-        """Called by the engine with the sampled token."""
+        """Called by the engine with the token it appends (the sampler never calls it)."""
         ...
 
-    def is_finished(self) -> bool: ...
+    def is_finished(self) -> bool:
+        """True once the constrained output is complete: the request then stops ("stop")."""
+        ...
 
 
 @dataclass
@@ -85,21 +95,31 @@ class SampleResult:
     logprobs: list[float | None]  # the chosen token's logprob under the processed logits
     top_logprobs: list[list[tuple[int, float]] | None]  # params.logprobs alternatives, descending
     num_masked: list[int]  # tokens the constraint and bans set to -inf this step
+    num_allowed: list[int | None]  # tokens a constraint left allowed; None = no constraint this step
+    mask_time: list[float]  # seconds: the row's constraint filling its mask, plus the one shared apply
 
 
-def sample(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SampleResult:
-    """Pick one token per row of `logits` (batch, vocab); the caller's tensor is never modified."""
+def sample(
+    logits: torch.Tensor, requests: Sequence[SamplingRequest], *, inplace: bool = False
+) -> SampleResult:
+    """Pick one token per row of `logits` (batch, vocab).
+
+    The caller's tensor is never modified unless `inplace` (the engine owns its
+    step's float32 logits and passes True: stages 1-3 then edit only the rows
+    that ask for them, with no (batch, vocab) copy).
+    """
     assert logits.dim() == 2 and logits.shape[0] == len(requests), "logits must be (len(requests), vocab)"
     batch = logits.shape[0]
     device = logits.device
 
-    # 1-3. processed logits, on our own float32 copy when a stage edits them.
-    num_masked = [0] * batch
+    # 1-3. processed logits, on our own float32 copy when a stage edits them (unless inplace).
+    masks = MaskResult.none(batch)
     if any(_edits_logits(r) for r in requests):
-        logits = logits.to(torch.float32, copy=True)
+        if not (inplace and logits.dtype == torch.float32):
+            logits = logits.to(torch.float32, copy=True)
         apply_penalties(logits, requests)
         apply_logit_bias(logits, requests)
-        num_masked = apply_token_masks(logits, requests)
+        masks = apply_token_masks(logits, requests)
     else:
         logits = logits.float()  # no copy when already float32; read-only from here on
 
@@ -116,7 +136,7 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SampleR
         if sampled:
             rows = [requests[i] for i in sampled]
             token_ids[torch.tensor(sampled, device=device)] = _sample_rows(_rows(logits, sampled), rows)
-    return _result(token_ids, logprobs, lp_rows, requests, num_masked)
+    return _result(token_ids, logprobs, lp_rows, requests, masks)
 
 
 def _edits_logits(r: SamplingRequest) -> bool:
@@ -238,7 +258,7 @@ def _result(
     logprobs: torch.Tensor | None,
     lp_rows: list[int],
     requests: Sequence[SamplingRequest],
-    num_masked: list[int],
+    masks: MaskResult,
 ) -> SampleResult:
     """Move the step's tensors to Python lists (the one host sync besides top-p's)."""
     batch = len(requests)
@@ -254,4 +274,6 @@ def _result(
             chosen_lp[i] = lp
             # masked tokens (-inf) are never offered as alternatives
             top_lp[i] = [(t, v) for t, v in zip(ids[:n], vs[:n], strict=True) if v != -math.inf]
-    return SampleResult(token_ids.tolist(), chosen_lp, top_lp, num_masked)
+    return SampleResult(
+        token_ids.tolist(), chosen_lp, top_lp, masks.num_masked, masks.num_allowed, masks.mask_time
+    )
