@@ -13,6 +13,7 @@ attention metadata is built once per step by the caller.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -136,18 +137,23 @@ class DecoderLM(nn.Module):
             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
             "mlp.down_proj": ("mlp.down_proj",),
         }
-        num_int4 = num_total = 0
+        jobs: list[tuple[nn.Module, str, nn.Linear, Int4Groups | None]] = []
         for i, layer in enumerate(self.model.layers):
             for ours, theirs in parts.items():
                 owner_name, attr = ours.split(".")
                 owner = getattr(layer, owner_name)
                 groups = [int4_weights.get(f"model.layers.{i}.{name}.weight") for name in theirs]
                 fused = _cat_groups(groups) if all(g is not None for g in groups) else None
-                fast = FastLinear(getattr(owner, attr), fused)
-                setattr(owner, attr, fast)
-                num_int4 += fast.has_int4
-                num_total += 1
-        self.fast_lm_head = FastLMHead(self._output_weight())
+                jobs.append((owner, attr, getattr(owner, attr), fused))
+        # Packing is cold-start time; torch's packing ops release the GIL, so a thread per core
+        # packs in parallel (the module tree is only modified below, in this thread).
+        with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+            head = pool.submit(FastLMHead, self._output_weight())
+            fast = list(pool.map(lambda job: FastLinear(job[2], job[3]), jobs))
+            self.fast_lm_head = head.result()
+        for (owner, attr, _, _), module in zip(jobs, fast, strict=True):
+            setattr(owner, attr, module)
+        num_int4, num_total = sum(m.has_int4 for m in fast), len(fast)
         return f"onednn float32 + int4 decode ({num_int4} of {num_total} projections)" if num_int4 else "onednn float32"
 
     def _weight_table(self) -> dict[str, tuple[torch.Tensor, int, int]]:
