@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from onecall.sampling_params import SamplingParams
+from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from onecall.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -76,6 +76,7 @@ def format_trace(trace: RequestTrace, tokenizer: Tokenizer, color: bool = False,
         ),
         ("finish", f"{trace.finish_reason}" + (f" ({_stop_str(trace.stop_reason, tok)})" if trace.stop_reason is not None else "")),
         ("sampler", _sampler_line(trace.sampling)),
+        *([("grammar", _grammar_line(trace))] if trace.grammar is not None else []),
         ("total", _ms(trace.e2e_time)),
     ]
     width = max(len(k) for k, _ in rows)
@@ -93,6 +94,23 @@ def _sampler_line(sampling: dict[str, object]) -> str:
         if k != "mode" and v not in (None, [], {}) and v != getattr(defaults, k, None):
             shown.append(f"{k}={v}")
     return ", ".join(shown)
+
+
+def _grammar_line(trace: RequestTrace) -> str:
+    """Compile, first masked step (the seed's "151,934 of 151,936 masked") and total mask time."""
+    g = trace.grammar
+    assert g is not None
+    line = f"{g.kind}, compiled in {_ms(g.compile_time)}" + (" (cache hit)" if g.cache_hit else "")
+    first = next((s for s in trace.steps if s.num_allowed is not None), None)
+    if first is not None:
+        vocab = first.num_allowed + first.num_masked  # type: ignore[operator]
+        line += f"; first masked step: {first.num_allowed:,} allowed, {first.num_masked:,} of {vocab:,} masked"
+    line += f"; masks {_ms(trace.mask_time)} in all"
+    if g.reasoning_end is not None:
+        line += f"; applied after {g.reasoning_end!r}" + (
+            f" (from output token {g.activated_at})" if g.activated_at is not None else " (not reached)"
+        )
+    return line + (f"; error: {g.error}" if g.error else "")
 
 
 def _cache_line(trace: RequestTrace, tok) -> str:  # type: ignore[no-untyped-def]
@@ -121,6 +139,9 @@ def _steps_table(trace: RequestTrace, tok, max_steps: int) -> str:  # type: igno
             lines.append(f"{'...':>5} ({len(steps) - max_steps} more steps)")
             continue
         token = "" if s.token_id is None else tok(s.token_id)
-        masked = f"  masked {s.num_masked}" if s.num_masked else ""
+        if s.num_allowed is not None:
+            masked = f"  allowed {s.num_allowed:,}, masked {s.num_masked:,}"
+        else:
+            masked = f"  masked {s.num_masked}" if s.num_masked else ""
         lines.append(f"{s.step:>5} {s.kind:<8} {s.num_tokens:>6} {s.batch_size:>5} {s.duration * 1e3:>8.2f}  {token}{masked}")
     return "\n".join(lines)

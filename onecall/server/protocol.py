@@ -21,32 +21,16 @@ usage chunk when stream_options.include_usage is set, else the chunk with the la
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import ConfigDict, Field
+
+from onecall.server.protocol_base import RequestModel as _Request
+from onecall.server.protocol_base import ResponseModel as _Response
+from onecall.server.protocol_tools import DeltaToolCall, ResponseFormat, ToolCall
 
 MAX_N = 16  # most choices per request (each is its own engine request)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs; equals SamplingParams' MAX_LOGPROBS
-
-
-class _Request(BaseModel):
-    """Strict types, unknown fields ignored."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class _Response(BaseModel):
-    """Every field is written, except those in `omit_if_none` when they are None."""
-
-    omit_if_none: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        for name in self.omit_if_none:
-            if name in data and data[name] is None:
-                del data[name]
-        return data
 
 
 # ---- requests --------------------------------------------------------------------------------------
@@ -103,10 +87,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None  # rendered by the template; calls are not parsed
-    tool_choice: str | dict[str, Any] | None = None  # accepted, not enforced
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no JSON-constrained decoding yet
+    tools: list[dict[str, Any]] | None = None  # validated by text/tool_specs.validate_tools
+    tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # None: true
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # extension: StructuredOutputsParams.from_dict
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template: Any = None  # refused when set: templates come from the model only
@@ -119,6 +104,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None  # only None or n is accepted
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
     suffix: str | None = None  # refused when set
 
 
@@ -185,9 +172,12 @@ class ChatChoiceLogprobs(_Response):
 
 
 class ChatResponseMessage(_Response):
+    omit_if_none = frozenset({"reasoning_content"})
+
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = None  # a thinking template's <think> block
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -211,10 +201,12 @@ class ChatCompletionResponse(_Response):
 
 
 class ChatDelta(_Response):
-    omit_if_none = frozenset({"role", "content"})
+    omit_if_none = frozenset({"role", "content", "reasoning_content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):
