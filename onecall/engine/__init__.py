@@ -1,0 +1,1 @@
+"""The engine: scheduling and bookkeeping around one step() loop (engine.py); tensors only in model_runner.py."""

@@ -13,10 +13,14 @@ a model's `omit_if_none` are left out when None (a delta's role after the first 
 all but the last chunk, trace unless asked for), every other field is always written.
 
 Extensions beyond OpenAI (as vLLM names them): top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, skip_special_tokens, chat_template_kwargs, add_generation_prompt, and
+min_tokens, stop_token_ids, skip_special_tokens, chat_template_kwargs, add_generation_prompt,
+`structured_outputs` (exactly one of json, regex, choice, grammar: StructuredOutputsParams'
+fields), `reasoning_content` on messages and deltas (a thinking template's <think> block), and
 `trace`: the engine's per-request trace (RequestTrace.to_dict()) in the response: a dict, or a
 list of dicts in choice order when n > 1; when streaming, on the last chunk before [DONE] (the
 usage chunk when stream_options.include_usage is set, else the chunk with the last finish_reason).
+The response_format and tool-call shapes live in protocol_tools.py, the base classes in
+protocol_base.py.
 """
 
 from __future__ import annotations

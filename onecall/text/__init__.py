@@ -1,0 +1,1 @@
+"""Text around the model: tokenizer, detokenizer, stop strings, chat templates, reasoning and tool-call parsing."""
