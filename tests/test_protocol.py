@@ -164,7 +164,6 @@ def test_n_choices_get_seed_plus_index() -> None:
         (lambda: chat_req(stream_options={"include_usage": True}), "stream_options"),
         (lambda: chat_req(chat_template="{{ x }}"), "chat_template"),
         (lambda: chat_req(top_logprobs=2), "top_logprobs"),
-        (lambda: chat_req(response_format={"type": "json_object"}), "response_format"),
         (lambda: chat_req(logit_bias={"x": 1}), "logit_bias"),
         (lambda: chat_req(logit_bias={"5": 101}), "logit_bias"),
         (lambda: chat_req(temperature=-1), "temperature"),

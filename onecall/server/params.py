@@ -2,9 +2,18 @@
 
 `to_sampling_params` is the only place a request becomes SamplingParams. It first refuses what
 the protocol allows but we do not serve (stream_options without stream, a chat_template in the
-request, top_logprobs without logprobs, a JSON response_format, echo with logprobs, suffix,
-best_of != n), then builds
-one SamplingParams per choice. Every refusal is an InvalidParameterError naming the field;
+request, top_logprobs without logprobs, echo with logprobs, suffix, best_of != n), then builds
+one SamplingParams per choice, all with the same `structured_outputs` (the caller's: it may add
+what only the rendered prompt and the request's tools decide, see serving_structured.py).
+
+`requested_structured_outputs` reads what the request itself asks the output to match:
+
+    response_format {"type": "text"} or none         -> nothing
+    response_format {"type": "json_object"}          -> StructuredOutputsParams(json_object=True)
+    response_format {"type": "json_schema", ...}     -> StructuredOutputsParams(json=schema)
+    structured_outputs {...} (the extension)         -> StructuredOutputsParams.from_dict(...)
+    a JSON response_format and structured_outputs    -> 400: one or the other
+ Every refusal is an InvalidParameterError naming the field;
 SamplingParams' own range checks raise the same error, so the server maps both to a 400 with
 `param` set.
 
@@ -21,13 +30,18 @@ import json
 from typing import Any
 
 from onecall.errors import InvalidParameterError
-from onecall.sampling_params import SamplingParams
+from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 from onecall.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 AnyCompletionRequest = ChatCompletionRequest | CompletionRequest
 
 
-def to_sampling_params(req: AnyCompletionRequest, *, default_max_tokens: int) -> list[SamplingParams]:
+def to_sampling_params(
+    req: AnyCompletionRequest,
+    *,
+    default_max_tokens: int,
+    structured_outputs: StructuredOutputsParams | None = None,
+) -> list[SamplingParams]:
     """One SamplingParams per choice (len == req.n). `default_max_tokens` applies when the request
     names none (chat: what is left of the context window)."""
     _refuse_unsupported(req)
@@ -53,6 +67,7 @@ def to_sampling_params(req: AnyCompletionRequest, *, default_max_tokens: int) ->
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         skip_special_tokens=req.skip_special_tokens,
+        structured_outputs=structured_outputs,
     )
     return [SamplingParams(seed=None if req.seed is None else req.seed + i, **common) for i in range(req.n)]
 
@@ -67,11 +82,6 @@ def _refuse_unsupported(req: AnyCompletionRequest) -> None:
             )
         if req.top_logprobs and not req.logprobs:
             raise InvalidParameterError("top_logprobs", "requires logprobs to be true")
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise InvalidParameterError(
-                "response_format",
-                f"only {{'type': 'text'}} is supported, got {req.response_format.get('type')!r}",
-            )
         return
     if req.echo and req.logprobs is not None:
         raise InvalidParameterError("echo", "echo with logprobs is not supported (no prompt logprobs)")
@@ -79,6 +89,27 @@ def _refuse_unsupported(req: AnyCompletionRequest) -> None:
         raise InvalidParameterError("suffix", "is not supported")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidParameterError("best_of", f"must equal n ({req.n}) or be left out; got {req.best_of}")
+
+
+def requested_structured_outputs(req: AnyCompletionRequest) -> tuple[StructuredOutputsParams, str] | None:
+    """What the request asks its output to match, with the field that asked (to name in errors)."""
+    fmt, so = req.response_format, req.structured_outputs
+    wants_format = fmt is not None and fmt.type != "text"
+    if wants_format and so is not None:
+        raise InvalidParameterError(
+            "structured_outputs", "set either response_format or structured_outputs, not both"
+        )
+    if so is not None:
+        return StructuredOutputsParams.from_dict(so), "structured_outputs"
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True), "response_format"
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise InvalidParameterError(
+            "response_format", 'type "json_schema" needs {"json_schema": {"name": ..., "schema": {...}}}'
+        )
+    return StructuredOutputsParams(json=fmt.json_schema.schema_), "response_format"
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -1,13 +1,18 @@
 """POST /v1/chat/completions: messages -> the model's template -> n engine requests -> a response or SSE.
 
 1. parse and validate the body (400/413), check the engine (503) and the model (404)
-2. render the conversation with the model's own template, in a worker thread (a long
-   conversation must not stall the event loop); tokens come with their control-token mask
+2. prepare (prepare_chat): validate the tools and what the output must match (response_format,
+   structured_outputs, or the enforced tool call: serving_tools.py), render the conversation with
+   the model's own template in a worker thread (a long conversation must not stall the event loop),
+   defer the grammar past a thinking template's reasoning and compile it off the engine thread
+   (serving_structured.py); every mistake is a 400 naming its field, before any token
 3. one SamplingParams per choice (server/params.py), then add all choices at once: the engine's
    typed errors (context length, queue full) are answered before any byte of a stream
-4. stream: per choice a first chunk with the role, content chunks as tokens arrive, exactly
-   one finish_reason; usage (and the trace) in a last chunk with no choices when asked for
-   not streaming: wait for every choice, cancelled if the client disconnects
+4. stream: per choice a first chunk with the role, then deltas as tokens arrive (content, or with a
+   thinking template or tools: reasoning_content, content and tool_calls from a ChoiceParser),
+   exactly one finish_reason ("tool_calls" when the output ended with calls); usage (and the
+   trace) in a last chunk with no choices when asked for
+   not streaming: wait for every choice, cancelled if the client disconnects, then parse each
 """
 
 from __future__ import annotations
@@ -15,14 +20,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from onecall.engine.engine import RequestOutput
-from onecall.errors import ContextLengthExceededError
+from onecall.engine.engine import Engine, RequestOutput
+from onecall.errors import ContextLengthExceededError, InvalidParameterError
+from onecall.sampling_params import StructuredOutputsParams
 from onecall.server.http_errors import HTTPError, http_error
-from onecall.server.params import template_messages, to_sampling_params
+from onecall.server.params import requested_structured_outputs, template_messages, to_sampling_params
 from onecall.server.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -45,9 +52,12 @@ from onecall.server.serving_common import (
     token_bytes,
     token_text,
 )
+from onecall.server.serving_structured import compile_structured_outputs, with_reasoning
+from onecall.server.serving_tools import ChatTools, ChoiceParser, markers_are_special
 from onecall.server.sse import DONE, SSEResponse, sse_event
 from onecall.server.state import ServerState
-from onecall.text.chat_template import render_chat
+from onecall.text.chat_template import RenderedPrompt, render_chat
+from onecall.text.reasoning import ReasoningFormat
 from onecall.text.tokenizer import Tokenizer
 
 
@@ -57,47 +67,107 @@ async def create_chat_completion(state: ServerState, request: Request, request_i
     engine = state.ready_engine()  # first: the model's name is known once it is loaded
     state.check_model(req.model)
     tokenizer = engine.engine.tokenizer
-    # 2. render
-    rendered = await asyncio.to_thread(
-        render_chat,
-        tokenizer,
-        template_messages(req.messages),
-        tools=req.tools,
-        add_generation_prompt=req.add_generation_prompt,
-        template_kwargs=req.chat_template_kwargs,
-    )
+    # 2. tools, render, structured outputs
+    setup = await prepare_chat(engine.engine, req)
+    if setup.keep_special_text:  # the parsers' markers are special tokens: keep them in the text
+        req = req.model_copy(update={"skip_special_tokens": False})
     # 3. params, add
-    room = engine.engine.max_model_len - len(rendered.token_ids)
-    params = to_sampling_params(req, default_max_tokens=max(1, room))
+    room = engine.engine.max_model_len - len(setup.rendered.token_ids)
+    params = to_sampling_params(
+        req, default_max_tokens=max(1, room), structured_outputs=setup.structured_outputs
+    )
     chat_id = f"chatcmpl-{request_id}"
     try:
-        gen = await Generation.start(engine, chat_id, rendered, params)
+        gen = await Generation.start(engine, chat_id, setup.rendered, params)
     except ContextLengthExceededError as e:  # OpenAI names the messages, not a prompt, for chat
         raise HTTPError(400, str(e), param="messages", code="context_length_exceeded") from None
     # 4. answer
     head = _Head(chat_id, int(time.time()), state.model_name)
     if req.stream:
-        return SSEResponse(_chat_events(gen, req, head, tokenizer), cleanup=gen.close)
+        return SSEResponse(_chat_events(gen, req, head, tokenizer, setup), cleanup=gen.close)
     finals = await cancel_on_disconnect(request, gen.collect())
     response = ChatCompletionResponse(
         id=head.id,
         created=head.created,
         model=head.model,
-        choices=[_choice(i, out, req, tokenizer) for i, out in enumerate(finals)],
+        choices=[_choice(i, out, req, tokenizer, setup.new_parser()) for i, out in enumerate(finals)],
         usage=gen.usage(),
         trace=gen.trace() if req.trace else None,
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-def _choice(index: int, out: RequestOutput, req: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatChoice:
-    logprobs = _logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs) if req.logprobs else None
-    return ChatChoice(
-        index=index,
-        message=ChatResponseMessage(content=out.text),
-        logprobs=logprobs,
-        finish_reason=out.finish_reason,
+@dataclass(frozen=True)
+class ChatSetup:
+    """What is decided about a chat request before it is queued."""
+
+    rendered: RenderedPrompt
+    structured_outputs: StructuredOutputsParams | None  # compiled already (a cache hit at add_request)
+    tools: ChatTools
+    reasoning: ReasoningFormat | None  # the template thinks in these markers
+    starts_in_reasoning: bool  # the prompt opened the reasoning block
+    keep_special_text: bool
+
+    def new_parser(self) -> ChoiceParser | None:
+        """A fresh parser for one choice; None when the text goes out as it is (no reasoning, no tools)."""
+        tools = self.tools.new_parser()
+        if self.reasoning is None and tools is None:
+            return None
+        reasoning = (
+            self.reasoning.parser(starts_in_reasoning=self.starts_in_reasoning) if self.reasoning else None
+        )
+        return ChoiceParser(reasoning, tools, max_calls=None if self.tools.parallel else 1)
+
+
+async def prepare_chat(engine: Engine, req: ChatCompletionRequest) -> ChatSetup:
+    tokenizer = engine.tokenizer
+    # 1. the tools, and what the output must match (400s before anything is rendered)
+    tools = ChatTools.from_request(req, tokenizer)
+    asked = requested_structured_outputs(req)
+    enforced = tools.enforced()
+    if asked is not None and enforced is not None:
+        raise InvalidParameterError(
+            asked[1],
+            f"cannot be combined with tool_choice {req.tool_choice!r}, which sets the output's grammar",
+        )
+    # 2. render (tools through the template, or the json convention's system prompt)
+    messages, template_tools = tools.template_inputs(template_messages(req.messages))
+    rendered = await asyncio.to_thread(
+        render_chat,
+        tokenizer,
+        messages,
+        tools=template_tools,
+        add_generation_prompt=req.add_generation_prompt,
+        template_kwargs=req.chat_template_kwargs,
     )
+    # 3. reasoning, the constraint deferred past it, compiled off the engine thread
+    reasoning = ReasoningFormat.for_template(tokenizer.chat_template)
+    opens = reasoning is not None and reasoning.prompt_opens_reasoning(rendered.text)
+    so, field = asked if asked is not None else (enforced, "tools")
+    if so is not None:
+        so = with_reasoning(so, reasoning, starts_in_reasoning=opens, tokenizer=tokenizer)
+        await compile_structured_outputs(engine, so, field)
+    keep_special = markers_are_special(tokenizer, tools, reasoning)
+    return ChatSetup(rendered, so, tools, reasoning, opens, keep_special)
+
+
+def _choice(
+    index: int,
+    out: RequestOutput,
+    req: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    parser: ChoiceParser | None,
+) -> ChatChoice:
+    logprobs = _logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs) if req.logprobs else None
+    if parser is None:
+        message, finish_reason = ChatResponseMessage(content=out.text), out.finish_reason
+    else:
+        parsed = parser.whole(out.text)
+        message = ChatResponseMessage(
+            content=parsed.content, reasoning_content=parsed.reasoning_content, tool_calls=parsed.tool_calls
+        )
+        finish_reason = parser.finish_reason(out.finish_reason)
+    return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason)
 
 
 class _Head:
@@ -117,20 +187,22 @@ class _Head:
 
 
 async def _chat_events(
-    gen: Generation, req: ChatCompletionRequest, head: _Head, tokenizer: Tokenizer
+    gen: Generation, req: ChatCompletionRequest, head: _Head, tokenizer: Tokenizer, setup: ChatSetup
 ) -> AsyncGenerator[bytes, None]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    parsers = [setup.new_parser() for _ in range(req.n)]
     try:
         for i in range(req.n):
             yield head.chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
         async for d in gen.deltas():
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
+            delta, finish_reason = _parsed_delta(parsers[d.index], d)
+            logprobs = _delta_logprobs(tokenizer, d) if req.logprobs and d.token_ids else None
+            if delta == ChatDelta() and finish_reason is None and logprobs is None:
+                continue  # the parser holds the text back (a marker may be starting)
             choice = ChatChunkChoice(
-                index=d.index,
-                delta=ChatDelta(content=d.text),
-                logprobs=_delta_logprobs(tokenizer, d) if req.logprobs and d.token_ids else None,
-                finish_reason=d.finish_reason,
+                index=d.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
             )
             # the trace rides on the last chunk: this one, unless a usage chunk follows
             trace = gen.trace() if req.trace and d.is_last and not include_usage else None
@@ -142,6 +214,20 @@ async def _chat_events(
     finally:
         await gen.close()
     yield DONE
+
+
+def _parsed_delta(parser: ChoiceParser | None, d: Delta) -> tuple[ChatDelta, str | None]:
+    """The delta of one engine output, and the choice's finish_reason if it ended."""
+    if parser is None:
+        return ChatDelta(content=d.text), d.finish_reason
+    pieces = [parser.feed(d.text)]
+    if d.finish_reason is not None:
+        pieces.append(parser.finish())
+    reasoning = "".join(p.reasoning for p in pieces)
+    content = "".join(p.content for p in pieces)
+    calls = [c for p in pieces for c in p.tool_calls]
+    delta = ChatDelta(reasoning_content=reasoning or None, content=content or None, tool_calls=calls or None)
+    return delta, parser.finish_reason(d.finish_reason)
 
 
 def _delta_logprobs(tokenizer: Tokenizer, d: Delta) -> ChatChoiceLogprobs:

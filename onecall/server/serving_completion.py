@@ -3,7 +3,9 @@
     1. parse and validate (400/413), check the engine (503) and the model (404)
     2. a text prompt is tokenized here, in a worker thread, exactly as the engine would
        (BOS where the tokenizer asks for it), so the engine thread never tokenizes a long text
-    3. one SamplingParams per choice; add all choices (typed errors before any byte is sent)
+    3. what the output must match (response_format or structured_outputs), compiled in a worker
+       thread (a 400 naming the field if it cannot be); one SamplingParams per choice; add all
+       choices (typed errors before any byte is sent)
     4. a response, or SSE chunks (object "text_completion" for both, as OpenAI does); with echo
        the prompt text leads each choice (in its first chunk when streaming)
 
@@ -22,7 +24,7 @@ from fastapi.responses import Response
 
 from onecall.engine.engine import RequestOutput
 from onecall.server.http_errors import http_error
-from onecall.server.params import completion_prompt, to_sampling_params
+from onecall.server.params import completion_prompt, requested_structured_outputs, to_sampling_params
 from onecall.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -30,6 +32,7 @@ from onecall.server.protocol import (
     CompletionResponse,
 )
 from onecall.server.serving_common import Generation, cancel_on_disconnect, clamp_logprob, token_text
+from onecall.server.serving_structured import compile_structured_outputs
 from onecall.server.sse import DONE, SSEResponse, sse_event
 from onecall.server.state import ServerState
 from onecall.text.chat_template import RenderedPrompt
@@ -50,8 +53,12 @@ async def create_completion(state: ServerState, request: Request, request_id: st
         )
     else:
         prompt_input = prompt
-    # 3. params, add
-    params = to_sampling_params(req, default_max_tokens=req.max_tokens)
+    # 3. structured outputs, params, add
+    asked = requested_structured_outputs(req)
+    if asked is not None:
+        await compile_structured_outputs(engine.engine, *asked)
+    so = asked[0] if asked is not None else None
+    params = to_sampling_params(req, default_max_tokens=req.max_tokens, structured_outputs=so)
     cmpl_id = f"cmpl-{request_id}"
     gen = await Generation.start(engine, cmpl_id, prompt_input, params)
     echo = _echo_text(tokenizer, prompt) if req.echo else ""

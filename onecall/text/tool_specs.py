@@ -21,6 +21,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from onecall.errors import InvalidParameterError
+from onecall.sampling.json_schema import close_objects
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _OPEN, _CLOSE = TOOL_CALL_OPEN, TOOL_CALL_CLOSE
@@ -147,14 +148,17 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
 
 
 def messages_for_json_tools(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:
     """The conversation as a template with no tool format can render it: tools_system_prompt() appended
     to the first system message (or a new one in front), and assistant tool_calls written back as the
     convention's JSON (their content otherwise is often None, which such templates cannot render).
-    `tool` messages keep their role and content. The input is not modified."""
-    prompt = tools_system_prompt(tools)
+    `tool` messages keep their role and content. With tools None (none offered) only the tool_calls
+    are rewritten, so a history with calls still renders. The input is not modified."""
     out = [_with_calls_as_text(m) for m in messages]
+    if tools is None:
+        return out
+    prompt = tools_system_prompt(tools)
     if out and out[0].get("role") == "system":
         first = out[0].get("content")
         if isinstance(first, list):
@@ -186,11 +190,15 @@ def _with_calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
 # ---- enforcement: JSON Schema and Lark grammar ---------------------------------------------------------
 
 
-def _call_schema(functions: tuple[ToolFunction, ...]) -> dict[str, Any]:
+def _call_schema(functions: tuple[ToolFunction, ...], *, close: bool = False) -> dict[str, Any]:
+    """One call's schema; `close`: each function's parameters with their objects closed."""
     branches = [
         {
             "type": "object",
-            "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+            "properties": {
+                "name": {"const": f.name},
+                "arguments": close_objects(f.parameters) if close else f.parameters,
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
@@ -236,7 +244,10 @@ def tool_call_grammar(
     """llguidance Lark grammar for hermes calls: `<tool_call>\\n{json}\\n</tool_call>`, once, or with
     `parallel` (and no named function) one or more times separated by "\\n". special_markers writes the
     markers as special-token references (<tool_call>) for a tokenizer that holds them as such."""
-    body = json.dumps(_call_schema(_enforced(tools, required_name)) | {"x-guidance": dict(_JSON_LAYOUT)})
+    # %json takes the schema as written: close the parameters' objects here (the json convention's
+    # schema gets that from StructuredOutputsParams), so the model cannot invent argument keys
+    schema = _call_schema(_enforced(tools, required_name), close=True)
+    body = json.dumps(schema | {"x-guidance": dict(_JSON_LAYOUT)})
     open_, close = ("<tool_call>", "</tool_call>") if special_markers else ('"<tool_call>"', '"</tool_call>"')
     repeat = ' ("\\n" call)*' if parallel and required_name is None else ""
     return f'start: call{repeat}\ncall: {open_} "\\n" body "\\n" {close}\nbody: %json {body}\n'
