@@ -180,9 +180,10 @@ class GrammarBackend:
                     f"must be one token of this model's vocabulary; {so.reasoning_start!r} is {len(ids)}",
                 )
             start_id = ids[0]
-        t0 = time.perf_counter()
         compiled, hit = self.compile(so)
-        trace = GrammarTrace(so.kind, time.perf_counter() - t0, hit, so.reasoning_start, so.reasoning_end)
+        # compile_time is the compile's own duration even on a cache hit: the server compiles a
+        # request's grammar off the engine thread just before admission, so the hit is the norm there.
+        trace = GrammarTrace(so.kind, compiled.compile_time, hit, so.reasoning_start, so.reasoning_end)
         return GrammarConstraint(
             compiled.matcher.deep_copy(), vocab_size, self.tokenizer.token_bytes, trace, start_id
         )

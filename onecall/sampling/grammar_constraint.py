@@ -43,7 +43,7 @@ class GrammarTrace:
     """
 
     kind: str  # "json", "json_object", "regex", "choice" or "grammar"
-    compile_time: float = 0.0  # seconds to get the compiled grammar (near 0 on a cache hit)
+    compile_time: float = 0.0  # seconds the grammar took to compile (on a cache hit: when it was compiled)
     cache_hit: bool = False  # the compiled grammar came from the backend's cache
     reasoning_start: str | None = None  # the output could open a reasoning block with this token
     reasoning_end: str | None = None  # the constraint waited for this text in the output
