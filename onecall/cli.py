@@ -66,19 +66,24 @@ def _params(a: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields every subcommand takes from _add_engine_args' flags."""
+    return {
+        "model": a.model,
+        "dtype": a.dtype,
+        "device": a.device,
+        "max_model_len": a.max_model_len,
+        "kv_cache_gib": a.kv_cache_gib,
+        "num_threads": a.num_threads,
+        "kernels": a.kernels,
+    }
+
+
 def _llm(a: argparse.Namespace) -> Any:
     from onecall.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(
-        model=a.model,
-        dtype=a.dtype,
-        device=a.device,
-        max_model_len=a.max_model_len,
-        kv_cache_gib=a.kv_cache_gib,
-        num_threads=a.num_threads,
-        kernels=a.kernels,
-    )
+    llm = LLM(**_engine_kwargs(a))
     print(f"loaded {llm.engine.parts.model_name} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return llm
 
@@ -171,15 +176,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     # 1. everything a flag can get wrong fails here, before the socket is bound
     engine_config = EngineConfig(
-        model=a.model,
-        dtype=a.dtype,
-        device=a.device,
-        max_model_len=a.max_model_len,
-        kv_cache_gib=a.kv_cache_gib,
-        num_threads=a.num_threads,
-        kernels=a.kernels,
-        max_num_seqs=a.max_num_seqs,
-        enable_prefix_caching=not a.no_prefix_caching,
+        **_engine_kwargs(a), max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching
     )
     resolve_model(a.model)  # a missing file is a clear error now, not a server that never gets ready
     if a.max_waiting < 1:
