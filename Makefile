@@ -5,12 +5,12 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check -q
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test browser lint typecheck unit bench clean
 
 run: $(VENV)/.installed-run
 	$(VENV)/bin/onecall run "$(PROMPT)" --trace
 
-test: $(VENV)/.installed-test lint typecheck unit
+test: $(VENV)/.installed-test browser lint typecheck unit
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check onecall tests benchmarks
@@ -18,7 +18,7 @@ lint: $(VENV)/.installed-test
 typecheck: $(VENV)/.installed-test
 	$(VENV)/bin/mypy onecall
 
-unit: $(VENV)/.installed-test
+unit: $(VENV)/.installed-test browser
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed-bench
@@ -46,6 +46,14 @@ $(VENV)/.installed-run: pyproject.toml | $(PY)
 $(VENV)/.installed-test: $(VENV)/.installed-run
 	$(PIP) -e ".[test]"
 	touch $@
+
+# The trace viewer's browser test drives Debian's Chromium through playwright (playwright's own
+# browser download cannot work offline). Checked on every run; installed only when missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null; }; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info

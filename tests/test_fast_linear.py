@@ -85,7 +85,7 @@ def test_fast_linear_within_its_written_tolerance(rows: int, bias: bool) -> None
     torch.manual_seed(rows)
     groups = quantize_int4(torch.randn(96, 160))
     lin = _linear(groups, bias)
-    fast = FastLinear(lin, groups)
+    fast = FastLinear(lin.weight, lin.bias, groups)
     assert fast.has_int4
     x = torch.randn(rows, 160)
     with torch.no_grad():
@@ -105,7 +105,7 @@ def test_fast_linear_within_its_written_tolerance(rows: int, bias: bool) -> None
 def test_fast_linear_without_int4_is_float32_everywhere() -> None:
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 40)  # 40 rows: not a multiple of 16, so no int4 copy even if offered
-    fast = FastLinear(lin, quantize_int4(lin.weight.detach()))
+    fast = FastLinear(lin.weight, lin.bias, quantize_int4(lin.weight.detach()))
     assert not fast.has_int4
     x = torch.randn(2, 5, 64)
     with torch.no_grad():

@@ -346,3 +346,18 @@ def test_embedded_smollm2_matches_gguf_reader() -> None:
     for info, tensor in zip(ours.tensors, reader.tensors, strict=True):
         if info.name in SMOLLM2_CHECKED:
             assert np.array_equal(ours.raw_data(info).numpy(), tensor.data.view(np.uint8).reshape(-1))
+
+
+def test_our_ggml_tables_agree_with_the_gguf_package() -> None:
+    """onecall.model.ggml_types restates the spec's tags so loading need not import `gguf`."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGUFValueType as TheirValueType
+
+    from onecall.model.ggml_types import GGML_BLOCK_SIZES, GGMLType, GGUFValueType, ggml_type_name
+
+    for t in GGMLType:
+        assert GGMLQuantizationType[t.name] == t.value
+        assert GGML_BLOCK_SIZES[t] == GGML_QUANT_SIZES[GGMLQuantizationType(t.value)]
+    assert {v.name: v.value for v in GGUFValueType} == {v.name: v.value for v in TheirValueType}
+    assert ggml_type_name(int(GGMLQuantizationType.IQ2_XS)) == "IQ2_XS"
+    assert ggml_type_name(9999) == "unknown type id 9999"

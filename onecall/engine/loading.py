@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ class LoadedEngineParts:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
-    kernels: str = "reference"  # what model.enable_fast_kernels enabled
+    kernels: str = "reference"  # what the projections run on (DecoderLM.kernels)
 
     @property
     def model_name(self) -> str:
@@ -50,22 +51,14 @@ def load_engine_parts(config: EngineConfig) -> LoadedEngineParts:
     if config.num_threads is not None and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
 
-    # 1.-3. files, config, tokenizer
+    # 1.-3. files, config, tokenizer. The tokenizer builds on a thread while the weights load (the
+    # weight work is torch ops that release the GIL): about 0.2 s of cold start off the critical path.
     files = resolve_model(config.model)
     model_config = ModelConfig.from_hf_config(load_hf_config_dict(files))
-    if files.kind == "gguf":
-        tokenizer = Tokenizer.from_gguf_metadata(open_gguf(files.path).metadata)
-    else:
-        tokenizer = Tokenizer.from_hf_folder(files.path)
-
-    # 4. weights
-    model = DecoderLM(model_config, dtype=dtype, device=device)
-    # The fast kernels keep a 4-bit GGUF's own int4 groups, decoded once on the way in.
-    int4: dict[str, Int4Groups] | None = {} if config.kernels == "fast" and dtype == torch.float32 else None
-    model.load_weights(iter_weights(files, dtype, int4))
-    model.eval()
-    kernels = model.enable_fast_kernels(int4) if config.kernels == "fast" else "reference"
-    int4 = None  # the packed copies live in the model now
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        tokenizer_job = pool.submit(_load_tokenizer, files)
+        model = _load_model(config, files, model_config, dtype, device)
+        tokenizer = tokenizer_job.result()
 
     # 5. KV pool
     num_blocks, max_model_len = _size_kv(config, model_config, dtype, device)
@@ -89,8 +82,26 @@ def load_engine_parts(config: EngineConfig) -> LoadedEngineParts:
         device,
         dtype,
         time.perf_counter() - t0,
-        kernels,
+        model.kernels,
     )
+
+
+def _load_tokenizer(files: ModelFiles) -> Tokenizer:
+    if files.kind == "gguf":
+        return Tokenizer.from_gguf_metadata(open_gguf(files.path).metadata)
+    return Tokenizer.from_hf_folder(files.path)
+
+
+def _load_model(
+    config: EngineConfig, files: ModelFiles, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> DecoderLM:
+    """4. Build the module tree and stream the weights in. The fast kernels pack each projection as
+    it arrives, keeping a 4-bit GGUF's own int4 groups (decoded once on the way in); no dense copy
+    of those weights is ever kept."""
+    model = DecoderLM(model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast")
+    int4: dict[str, Int4Groups] | None = {} if model.pack_on_load else None
+    model.load_weights(iter_weights(files, dtype, int4), int4)
+    return model.eval()
 
 
 def _size_kv(

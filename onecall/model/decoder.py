@@ -12,8 +12,7 @@ attention metadata is built once per step by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -21,10 +20,24 @@ from torch import nn
 from onecall.errors import UnsupportedModelError
 from onecall.model.attention import AttentionMetadata
 from onecall.model.config import ModelConfig
-from onecall.model.fast_linear import FastLinear, FastLMHead, onednn_available
+from onecall.model.fast_linear import (
+    FastLinear,
+    FastLMHead,
+    PackSlot,
+    StreamingPacker,
+    fast_kernels_supported,
+)
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from onecall.model.quants import Int4Groups
+
+# Our projections and the checkpoint tensors each is made of, in row order.
+_PROJECTION_PARTS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
 
 
 class DecoderLayer(nn.Module):
@@ -67,8 +80,15 @@ class DecoderLM(nn.Module):
     """Causal LM over a paged KV cache. Parameters are uninitialised until `load_weights`."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        *,
+        pack_on_load: bool = False,
     ) -> None:
+        """`pack_on_load`: where the fast kernels exist (float32 CPU), load_weights packs each
+        projection for them as it arrives and no dense projection weight is ever allocated."""
         super().__init__()
         self.config = config
         # Built on "meta" then materialised uninitialised: no time spent on random init of weights
@@ -80,7 +100,11 @@ class DecoderLM(nn.Module):
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta"
             )
         self.fast_lm_head: FastLMHead | None = None
-        _materialize(self, torch.device(device))
+        self.kernels = "reference"  # what the projections run on, for logs and traces
+        self.pack_on_load = pack_on_load and fast_kernels_supported(device, dtype)
+        # Packed on load, projection weights stay on "meta" (no memory) until their FastLinear replaces them.
+        skip = {id(getattr(s.owner, s.attr)) for s in self._pack_slots()} if self.pack_on_load else set()
+        _materialize(self, torch.device(device), skip_weights_of=skip)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, device
         )
@@ -121,96 +145,118 @@ class DecoderLM(nn.Module):
 
     @torch.no_grad()
     def enable_fast_kernels(self, int4_weights: Mapping[str, Int4Groups] | None = None) -> str:
-        """Swap every projection for a FastLinear (and the logits for a FastLMHead); call after
-        load_weights. `int4_weights` (Hugging Face name -> Int4Groups) are the checkpoint's own 4-bit
-        weights; a fused projection gets an int4 copy only when all of its parts have one.
+        """Swap every projection for a FastLinear (and the logits for a FastLMHead) after a dense
+        load_weights (a model built with pack_on_load has them already). `int4_weights` (Hugging Face
+        name -> Int4Groups) are the checkpoint's own 4-bit weights; a fused projection gets an int4
+        copy only when all of its parts have one.
 
         Returns what was enabled, for logs and traces. A no-op ("reference") off float32 CPU.
         """
         weight = self.model.embed_tokens.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_available():
-            return "reference"
-        int4_weights = int4_weights or {}
-        parts = {
-            "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "self_attn.o_proj": ("self_attn.o_proj",),
-            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-            "mlp.down_proj": ("mlp.down_proj",),
-        }
-        jobs: list[tuple[nn.Module, str, nn.Linear, Int4Groups | None]] = []
+        if self.kernels != "reference" or not fast_kernels_supported(weight.device, weight.dtype):
+            return self.kernels
+        packer = StreamingPacker(self._pack_slots(), int4_weights or {}, torch.get_num_threads())
+        for slot in packer.slots:
+            packer.submit(slot, getattr(slot.owner, slot.attr).weight.detach())
+        self._install(packer)
+        return self.kernels
+
+    def _pack_slots(self) -> list[PackSlot]:
+        """Every projection of every layer, with the checkpoint names and rows that fill it."""
+        rows = self._part_rows()
+        slots = []
         for i, layer in enumerate(self.model.layers):
-            for ours, theirs in parts.items():
+            for ours, theirs in _PROJECTION_PARTS.items():
                 owner_name, attr = ours.split(".")
                 owner = getattr(layer, owner_name)
-                groups = [int4_weights.get(f"model.layers.{i}.{name}.weight") for name in theirs]
-                fused = _cat_groups(groups) if all(g is not None for g in groups) else None
-                jobs.append((owner, attr, getattr(owner, attr), fused))
-        # Packing is cold-start time; torch's packing ops release the GIL, so a thread per core
-        # packs in parallel (the module tree is only modified below, in this thread).
-        with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-            head = pool.submit(FastLMHead, self._output_weight())
-            fast = list(pool.map(lambda job: FastLinear(job[2], job[3]), jobs))
-            self.fast_lm_head = head.result()
-        for (owner, attr, _, _), module in zip(jobs, fast, strict=True):
-            setattr(owner, attr, module)
-        num_int4, num_total = sum(m.has_int4 for m in fast), len(fast)
-        return f"onednn float32 + int4 decode ({num_int4} of {num_total} projections)" if num_int4 else "onednn float32"
+                linear: nn.Linear = getattr(owner, attr)
+                shape = (linear.out_features, linear.in_features)
+                parts = {f"model.layers.{i}.{t}.weight": rows.get(t, (0, shape[0])) for t in theirs}
+                slots.append(PackSlot(owner, attr, shape, parts, linear.bias))
+        return slots
+
+    def _install(self, packer: StreamingPacker) -> None:
+        """Wait for the packer, then record what the projections now run on."""
+        self.fast_lm_head, modules = packer.finish(self._output_weight())
+        num_int4 = sum(m.has_int4 for m in modules)
+        total = len(modules)
+        self.kernels = (
+            f"onednn float32 + int4 decode ({num_int4} of {total} projections)"
+            if num_int4
+            else "onednn float32"
+        )
+
+    def _part_rows(self) -> dict[str, tuple[int, int]]:
+        """Rows of a fused projection that each of its checkpoint parts fills."""
+        c = self.config
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        return {
+            "self_attn.q_proj": (0, q_size),
+            "self_attn.k_proj": (q_size, q_size + kv_size),
+            "self_attn.v_proj": (q_size + kv_size, q_size + 2 * kv_size),
+            "mlp.gate_proj": (0, c.intermediate_size),
+            "mlp.up_proj": (c.intermediate_size, 2 * c.intermediate_size),
+        }
 
     def _weight_table(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """Hugging Face name -> (our parameter, first row, end row) it fills."""
-        c = self.config
-        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        shards = {
-            "self_attn.qkv_proj": {
-                "self_attn.q_proj": (0, q_size),
-                "self_attn.k_proj": (q_size, q_size + kv_size),
-                "self_attn.v_proj": (q_size + kv_size, q_size + 2 * kv_size),
-            },
-            "mlp.gate_up_proj": {
-                "mlp.gate_proj": (0, c.intermediate_size),
-                "mlp.up_proj": (c.intermediate_size, 2 * c.intermediate_size),
-            },
-        }
+        rows = self._part_rows()
+        fused = {ours: theirs for ours, theirs in _PROJECTION_PARTS.items() if len(theirs) > 1}
         table: dict[str, tuple[torch.Tensor, int, int]] = {}
         for name, param in self.named_parameters():
-            fused = next((f for f in shards if f"{f}." in name), None)
-            if fused is None:
+            ours = next((f for f in fused if f"{f}." in name), None)
+            if ours is None:
                 table[name] = (param, 0, param.shape[0])
                 continue
-            for hf_part, (start, end) in shards[fused].items():
-                table[name.replace(fused, hf_part)] = (param, start, end)
+            for hf_part in fused[ours]:
+                table[name.replace(ours, hf_part)] = (param, *rows[hf_part])
         return table
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        int4_weights: Mapping[str, Int4Groups] | None = None,
+    ) -> None:
         """Copy Hugging Face-named tensors into our (partly fused) parameters, casting dtype and device.
+        With pack_on_load, projections go to the fast kernels instead (with `int4_weights`, which the
+        weight iterator may fill as it goes: see GGUFFile.iter_tensors).
 
         Raises UnsupportedModelError naming the tensor for an unexpected name, a shape mismatch,
         or (at the end) any parameter left unloaded.
         """
         table = self._weight_table()
         tied = self.lm_head is None
+        packer = None
+        if self.pack_on_load and self.kernels == "reference":
+            packer = StreamingPacker(self._pack_slots(), int4_weights or {}, torch.get_num_threads())
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # transformers' RoPE buffer; we compute our own tables
-            if tied and name == "lm_head.weight":
-                # Tied checkpoints may still carry lm_head; the embedding is the one we use.
-                _check_shape(name, tensor, self.model.embed_tokens.weight.shape)
-                continue
-            if name not in table:
-                raise UnsupportedModelError(
-                    f"unexpected tensor {name!r} in checkpoint for {self.config.architecture}"
-                )
-            param, start, end = table[name]
-            target = param[start:end]
-            _check_shape(name, tensor, target.shape)
-            target.copy_(tensor)
-            loaded.add(name)
-        missing = [name for name in table if name not in loaded]
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise UnsupportedModelError(f"checkpoint is missing tensors: {shown}")
+        try:
+            for name, tensor in weights:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # transformers' RoPE buffer; we compute our own tables
+                if tied and name == "lm_head.weight":
+                    # Tied checkpoints may still carry lm_head; the embedding is the one we use.
+                    _check_shape(name, tensor, self.model.embed_tokens.weight.shape)
+                    continue
+                if name not in table:
+                    raise UnsupportedModelError(
+                        f"unexpected tensor {name!r} in checkpoint for {self.config.architecture}"
+                    )
+                param, start, end = table[name]
+                _check_shape(name, tensor, param[start:end].shape)
+                if packer is None or not packer.accept(name, tensor.float()):
+                    param[start:end].copy_(tensor)
+                loaded.add(name)
+            missing = [name for name in table if name not in loaded]
+            if missing:
+                shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                raise UnsupportedModelError(f"checkpoint is missing tensors: {shown}")
+            if packer is not None:
+                self._install(packer)
+        finally:
+            if packer is not None:
+                packer.close()
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Size) -> None:
@@ -220,27 +266,16 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Size) -> None:
         )
 
 
-def _cat_groups(groups: list[Int4Groups | None]) -> Int4Groups:
-    """Stack the row blocks of separately stored projections (q, k, v / gate, up) like our fused weight."""
-    gs = [g for g in groups if g is not None]
-    assert len(gs) == len(groups) and len({g.group_size for g in gs}) == 1
-    if len(gs) == 1:
-        return gs[0]
-    return Int4Groups(
-        torch.cat([g.q for g in gs]),
-        torch.cat([g.scale for g in gs]),
-        torch.cat([g.offset for g in gs]),
-        gs[0].group_size,
-    )
-
-
-def _materialize(module: nn.Module, device: torch.device) -> None:
-    """Replace every meta-device parameter with an uninitialised one on `device` (no grad).
+def _materialize(module: nn.Module, device: torch.device, skip_weights_of: Collection[int] = ()) -> None:
+    """Replace every meta-device parameter with an uninitialised one on `device` (no grad), except
+    the `weight` of modules whose id is in `skip_weights_of` (left on meta: never allocated).
 
     Module.to_empty does the same through torch's Python reference ops, whose first use imports
     sympy and friends (~0.8 s of cold start); plain torch.empty is immediate.
     """
     for sub in module.modules():
         for name, param in list(sub.named_parameters(recurse=False)):
+            if name == "weight" and id(sub) in skip_weights_of:
+                continue
             fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
             setattr(sub, name, nn.Parameter(fresh, requires_grad=False))

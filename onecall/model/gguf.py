@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from onecall.errors import UnsupportedModelError
+from onecall.model.ggml_types import GGML_BLOCK_SIZES, GGMLType, GGUFValueType, ggml_type_name
 from onecall.model.quants import SUPPORTED_QUANT_TYPES, Int4Groups, dequantize, int4_groups
 
-T = GGMLQuantizationType
+T = GGMLType
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
 # llama.cpp's converter interleaves the Q/K rows of these architectures for GGML's RoPE.
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
@@ -180,7 +180,7 @@ class GGUFFile:
         data_start = -(-cur.pos // alignment) * alignment
         tensors = []
         for name, shape, ggml_type, offset in directory:
-            block_size, type_size = GGML_QUANT_SIZES.get(ggml_type, (1, 0))  # type checked at load time
+            block_size, type_size = GGML_BLOCK_SIZES.get(ggml_type, (1, 0))  # type checked at load time
             if not shape or shape[-1] % block_size:
                 raise ValueError(f"tensor {name!r} of shape {shape} does not split into whole blocks")
             nbytes = int(np.prod(shape, dtype=np.int64)) // block_size * type_size
@@ -209,7 +209,7 @@ class GGUFFile:
             if info.name in SKIPPED_TENSORS:
                 continue
             if info.ggml_type not in SUPPORTED_QUANT_TYPES:
-                kind = _type_name(info.ggml_type)
+                kind = ggml_type_name(info.ggml_type)
                 raise UnsupportedModelError(
                     f"GGUF tensor {info.name!r} uses quantization type {kind}, which onecall cannot "
                     f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))})"
@@ -260,13 +260,6 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
 @functools.lru_cache(maxsize=4)
 def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:  # mtime/size: reparse if replaced
     return GGUFFile(path)
-
-
-def _type_name(ggml_type: int) -> str:
-    try:
-        return T(ggml_type).name
-    except ValueError:
-        return f"unknown type id {ggml_type}"
 
 
 def unpermute_qk_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:

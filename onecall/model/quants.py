@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-T = GGMLQuantizationType
+from onecall.model.ggml_types import GGML_BLOCK_SIZES, GGMLType
+
+T = GGMLType
 
 # Each function takes blocks (num_blocks, type_size) uint8 and returns (num_blocks,
 # block_size) float32, with ggml-quants.c's dequantize_row_* float32 operation order
@@ -131,6 +132,19 @@ class Int4Groups:
         w = self.q.view(rows, -1, self.group_size).float()  # in place from here: one pass, no temporaries
         return w.mul_(self.scale.unsqueeze(-1)).add_(self.offset.unsqueeze(-1)).view(rows, cols)
 
+    @staticmethod
+    def cat(groups: list[Int4Groups]) -> Int4Groups:
+        """Stack the row blocks of separately stored projections (q, k, v / gate, up), in order."""
+        assert groups and len({g.group_size for g in groups}) == 1, "one group size per fused weight"
+        if len(groups) == 1:
+            return groups[0]
+        return Int4Groups(
+            torch.cat([g.q for g in groups]),
+            torch.cat([g.scale for g in groups]),
+            torch.cat([g.offset for g in groups]),
+            groups[0].group_size,
+        )
+
     def select_rows(self, index: torch.Tensor) -> Int4Groups:
         return Int4Groups(self.q[index], self.scale[index], self.offset[index], self.group_size)
 
@@ -159,7 +173,7 @@ def int4_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int4
     """Raw data of a 2-D 4-bit tensor -> its Int4Groups (no expansion), or None for other types."""
     if ggml_type not in _INT4_GROUPS or len(shape) != 2:
         return None
-    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    _, type_size = GGML_BLOCK_SIZES[ggml_type]
     q, scale, offset = _INT4_GROUPS[ggml_type](raw.view(-1, type_size))  # per group of 32
     rows, cols = shape
     return Int4Groups(q.reshape(rows, cols), scale.reshape(rows, -1), offset.reshape(rows, -1))
@@ -169,6 +183,6 @@ def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], dtype: t
     """Raw uint8 tensor data of one tensor -> a new tensor of `shape` (torch order) in `dtype`."""
     if ggml_type in _FLOAT_TYPES:  # no float32 detour: bf16 -> bf16 is a plain copy
         return raw.view(_FLOAT_TYPES[ggml_type]).reshape(shape).to(dtype, copy=True)
-    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    _, type_size = GGML_BLOCK_SIZES[ggml_type]
     values = _BLOCK_DEQUANT[ggml_type](raw.view(-1, type_size))  # (num_blocks, block_size)
     return values.reshape(shape).to(dtype)
