@@ -29,6 +29,7 @@ from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from onecall.engine.sequence import FinishReason, Sequence, TextState
 from onecall.engine.trace import RequestTrace, StepRecord
 from onecall.errors import ContextLengthExceededError, InvalidParameterError
+from onecall.sampling.mask_prefetch import MaskPrefetcher
 from onecall.sampling.sampler import SampleResult, SamplingRequest, TokenConstraint, sample
 from onecall.sampling_params import SamplingParams
 from onecall.text.chat_template import RenderedPrompt
@@ -87,6 +88,7 @@ class Engine:
         self._step_counter = 0
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()  # a server may reach `grammar` from another thread
+        self._masks = MaskPrefetcher(self.model_config.vocab_size)
 
     @property
     def grammar(self) -> GrammarBackend:
@@ -216,14 +218,25 @@ class Engine:
         self.stats.num_preemptions_total += len(sched.preempted)
         t0 = time.perf_counter()
         self._note_first_schedule(sched, t0)
-        logits = self.runner.execute(sched.scheduled)
         sampling = [s for s in sched.scheduled if s.samples]
+        prefetched = self._prefetch_masks(sampling)
+        logits = self.runner.execute(sched.scheduled)
         result = None
         if sampling:  # the logits are this step's own (inference) tensor: masked rows edited in place
+            requests = [self._sampling_request(s.seq, prefetched.get(s.seq.seq_id)) for s in sampling]
             with torch.inference_mode():
-                result = sample(logits, [self._sampling_request(s.seq) for s in sampling], inplace=True)
+                result = sample(logits, requests, inplace=True)
         duration = time.perf_counter() - t0
         return self._postprocess(sched, sampling, result, duration)
+
+    def _prefetch_masks(self, sampling: list[ScheduledSeq]) -> dict[int, TokenConstraint]:
+        """Start this step's grammar masks on the prefetch worker: they depend only on tokens already
+        sampled, so they fill while the forward runs. Returns seq_id -> the stand-in constraint."""
+        pairs = [(s.seq.seq_id, s.seq.constraint) for s in sampling if s.seq.constraint is not None]
+        if not pairs:
+            return {}
+        stand_ins = self._masks.start([c for _, c in pairs if c is not None])
+        return {seq_id: c for (seq_id, _), c in zip(pairs, stand_ins, strict=True)}
 
     def _note_first_schedule(self, sched: SchedulerOutput, now: float) -> None:
         for item in sched.scheduled:
@@ -234,7 +247,7 @@ class Engine:
                 self.stats.num_prefix_cache_query_tokens_total += seq.num_prompt_tokens
                 self.stats.num_prefix_cache_hit_tokens_total += seq.num_cached_tokens
 
-    def _sampling_request(self, seq: Sequence) -> SamplingRequest:
+    def _sampling_request(self, seq: Sequence, constraint: TokenConstraint | None = None) -> SamplingRequest:
         banned: Iterable[int] = ()
         if seq.num_output_tokens < seq.params.min_tokens:
             banned = sorted(self.tokenizer.eos_token_ids | set(seq.params.stop_token_ids))
@@ -243,7 +256,7 @@ class Engine:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             generator=seq.generator,
-            constraint=seq.constraint,
+            constraint=constraint or seq.constraint,
             banned_token_ids=list(banned),
         )
 
