@@ -1,6 +1,7 @@
 """create_app(engine, config): the OpenAI-compatible HTTP API over one AsyncEngine.
 
     route                        auth   handler
+    GET  /                       open   the trace viewer (static/viewer.html; its API calls carry the key)
     POST /v1/chat/completions    key    serving_chat.create_chat_completion
     POST /v1/completions         key    serving_completion.create_completion
     GET  /v1/models[/{model}]    key    here
@@ -17,6 +18,8 @@ a typed error into its 4xx, anything else into a logged 500. The engine is given
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -72,6 +75,7 @@ def create_app(
     app.add_api_route("/v1/models/{model:path}", route(_get_model), methods=["GET"])
     app.add_api_route("/tokenize", route(tokenize), methods=["POST"])
     app.add_api_route("/detokenize", route(detokenize), methods=["POST"])
+    app.add_api_route("/", route(_viewer, is_open=True), methods=["GET"])
     app.add_api_route("/health", route(_health, is_open=True), methods=["GET"])
     app.add_api_route("/metrics", route(_metrics, is_open=True), methods=["GET"])
     return app
@@ -107,6 +111,26 @@ async def _health(state: ServerState, request: Request, request_id: str) -> Resp
 async def _metrics(state: ServerState, request: Request, request_id: str) -> Response:
     body, content_type = state.metrics.render()
     return Response(body, headers={"Content-Type": content_type})
+
+
+# The viewer is one self-contained page: inline script and style, no request leaves this server.
+_VIEWER_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
+
+@functools.cache
+def _viewer_html() -> bytes:
+    return (importlib.resources.files("onecall.server") / "static" / "viewer.html").read_bytes()
+
+
+async def _viewer(state: ServerState, request: Request, request_id: str) -> Response:
+    return Response(
+        _viewer_html(),
+        media_type="text/html; charset=utf-8",
+        headers={"Content-Security-Policy": _VIEWER_CSP, "Cache-Control": "no-cache"},
+    )
 
 
 def _json(model: ModelCard | ModelList | HealthResponse) -> Response:

@@ -7,6 +7,10 @@ all or nothing. Its outputs come back as Deltas, the n streams interleaved as to
                                     snapshot of logprobs; RequestOutput.token_ids is the live list)
     Delta.is_last                   the final output of the last choice to finish
 
+`trace()` is the engine's RequestTrace.to_dict() plus what only the tokenizer knows: `prompt_tokens`
+(each prompt token decoded alone, special tokens keeping their text, so a viewer can draw the
+prompt token by token) and, at a cache divergence, the two differing tokens as text.
+
 `close()` aborts every request still running (idempotent, a no-op for finished ones); each
 consumer calls it in a `finally`, so a client that disconnects, a cancelled task or an error
 mid-stream frees the KV blocks at once. The abort of each stream is queued before any await
@@ -20,7 +24,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -65,8 +69,9 @@ class Delta:
 class Generation:
     """The n engine requests behind one HTTP request."""
 
-    def __init__(self, streams: list[RequestStream]) -> None:
+    def __init__(self, streams: list[RequestStream], tokenizer: Tokenizer | None = None) -> None:
         self.streams = streams
+        self.tokenizer = tokenizer  # None: the trace goes out without token texts
         self.finals: list[RequestOutput | None] = [None] * len(streams)
 
     @classmethod
@@ -74,10 +79,11 @@ class Generation:
         cls, engine: AsyncEngine, request_id: str, prompt: Prompt, params: list[SamplingParams]
     ) -> Generation:
         """Add the requests; the engine's typed errors (400, 429, 503) are raised here, before any token."""
+        tokenizer = engine.engine.tokenizer
         if len(params) == 1:
-            return cls([await engine.add_request(f"{request_id}-0", prompt, params[0])])
+            return cls([await engine.add_request(f"{request_id}-0", prompt, params[0])], tokenizer)
         items = [(f"{request_id}-{i}", prompt, p) for i, p in enumerate(params)]
-        return cls(await engine.add_requests(items))
+        return cls(await engine.add_requests(items), tokenizer)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         remaining = len(self.streams)
@@ -128,7 +134,24 @@ class Generation:
     def trace(self) -> Trace:
         """The engine trace: a dict for one choice, a list of dicts (choice order) for n > 1."""
         traces = [f.trace.to_dict() for f in self.finals if f is not None]
+        if self.tokenizer is not None and traces:
+            # every choice shares the prompt: decode its tokens once
+            texts = [token_text(self.tokenizer, t) for t in traces[0]["prompt_token_ids"]]
+            for t in traces:
+                _add_token_texts(t, texts, self.tokenizer)
         return traces[0] if len(traces) == 1 else traces
+
+
+def _add_token_texts(trace: dict[str, Any], prompt_tokens: list[str], tokenizer: Tokenizer) -> None:
+    """`prompt_tokens` (one string per prompt_token_ids entry) and the divergence's tokens as text."""
+    trace["prompt_tokens"] = list(prompt_tokens)
+    divergence = trace.get("divergence")
+    if divergence:  # a new dict beside the engine's fields, which keep their meaning
+        trace["divergence"] = {
+            **divergence,
+            "prompt_token_text": token_text(tokenizer, divergence["prompt_token"]),
+            "cached_token_text": token_text(tokenizer, divergence["cached_token"]),
+        }
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
