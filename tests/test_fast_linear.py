@@ -155,3 +155,31 @@ def test_engine_greedy_tokens_match_the_reference_path() -> None:
         diffs = [abs(a - b) for a, b in zip(fast[rid].logprobs, ref[rid].logprobs, strict=True)]
         assert diffs[0] < 1e-4  # the prompt's logits: a prefill chunk of > INT4_MAX_ROWS rows (oneDNN)
         assert max(diffs) < 0.5  # decode rows: bfloat16 activations on logits of magnitude ~50 here
+
+
+def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
+    """The streaming load (pack_on_load) of the real 4-bit GGUF: every projection gets the file's own
+    int4 groups, no dense projection weight is left in the model, and a prefill (oneDNN, float32,
+    > INT4_MAX_ROWS rows) matches the reference kernels' logits to float32 summation-order tolerance."""
+    from onecall.config import EngineConfig
+    from onecall.engine.loading import load_engine_parts
+
+    fast = load_engine_parts(EngineConfig(kernels="fast", kv_cache_gib=0.05))
+    ref = load_engine_parts(EngineConfig(kernels="reference", kv_cache_gib=0.05))
+    num_layers = fast.model_config.num_hidden_layers
+    assert fast.kernels == f"onednn float32 + int4 decode ({4 * num_layers} of {4 * num_layers} projections)"
+    assert not any(name.endswith(("proj.weight",)) for name, _ in fast.model.named_parameters())
+    ids = fast.tokenizer.encode("The streaming loader packs each projection as it arrives. " * 3)
+    assert len(ids) > INT4_MAX_ROWS
+    logits = {}
+    for name, parts in (("fast", fast), ("ref", ref)):
+        engine = Engine(EngineConfig(kernels=name if name == "fast" else "reference"), parts=parts)
+        engine.add_request("r", ids, SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+        (out,) = [o for o in engine.step() if o.finished]
+        logits[name] = out
+    assert logits["fast"].token_ids == logits["ref"].token_ids
+    got = dict(logits["fast"].top_logprobs[0])
+    want = dict(logits["ref"].top_logprobs[0])
+    assert set(got) == set(want)
+    for token, lp in want.items():
+        assert abs(got[token] - lp) < 1e-3, (token, got[token], lp)

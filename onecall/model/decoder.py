@@ -155,7 +155,8 @@ class DecoderLM(nn.Module):
         weight = self.model.embed_tokens.weight
         if self.kernels != "reference" or not fast_kernels_supported(weight.device, weight.dtype):
             return self.kernels
-        packer = StreamingPacker(self._pack_slots(), int4_weights or {}, torch.get_num_threads())
+        int4 = {} if int4_weights is None else int4_weights
+        packer = StreamingPacker(self._pack_slots(), int4, torch.get_num_threads())
         for slot in packer.slots:
             packer.submit(slot, getattr(slot.owner, slot.attr).weight.detach())
         self._install(packer)
@@ -229,7 +230,9 @@ class DecoderLM(nn.Module):
         tied = self.lm_head is None
         packer = None
         if self.pack_on_load and self.kernels == "reference":
-            packer = StreamingPacker(self._pack_slots(), int4_weights or {}, torch.get_num_threads())
+            # not `int4_weights or {}`: the dict the weight iterator fills is still empty here
+            int4 = {} if int4_weights is None else int4_weights
+            packer = StreamingPacker(self._pack_slots(), int4, torch.get_num_threads())
         loaded: set[str] = set()
         try:
             for name, tensor in weights:
