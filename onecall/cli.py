@@ -2,8 +2,13 @@
 
     onecall run "What is the capital of France?" --trace     # answer + the trace table
     onecall run "..." --json                                  # answer + trace as JSON
+    onecall run "..." --save-bundle call.json                 # + a replayable bundle
+    onecall replay call.json                                  # re-run it: did every token match?
     onecall chat                                              # multi-turn, cached tokens per turn
     onecall serve --port 8000                                 # the OpenAI-compatible HTTP server
+    onecall lab --out lab-report                              # every experiment, report with plots
+
+run and replay (and the flags every command shares) live in cli_run.py.
 
 Errors a user can cause print one clear line and exit 2; no stack trace.
 """
@@ -11,118 +16,18 @@ Errors a user can cause print one clear line and exit 2; no stack trace.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
-import time
 from typing import Any
 
+from onecall.cli_run import add_engine_args as _add_engine_args
+from onecall.cli_run import add_replay_command, add_run_command
+from onecall.cli_run import add_sampling_args as _add_sampling_args
+from onecall.cli_run import engine_kwargs as _engine_kwargs
+from onecall.cli_run import load_llm as _llm
+from onecall.cli_run import sampling_params as _params
 from onecall.errors import InvalidParameterError, OnecallError
-from onecall.sampling_params import SamplingParams
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M)"
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)",
-    )
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=None)
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    p.add_argument(
-        "--kernels",
-        default="fast",
-        choices=["fast", "reference"],
-        help="fast: oneDNN and the GGUF's own int4 weights on CPU (default); reference: plain torch ops",
-    )
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--system", default=None, help="system message")
-
-
-def _params(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=a.max_tokens,
-        temperature=a.temperature,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        min_p=a.min_p,
-        seed=a.seed,
-        stop=tuple(a.stop),
-    )
-
-
-def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields every subcommand takes from _add_engine_args' flags."""
-    return {
-        "model": a.model,
-        "dtype": a.dtype,
-        "device": a.device,
-        "max_model_len": a.max_model_len,
-        "kv_cache_gib": a.kv_cache_gib,
-        "num_threads": a.num_threads,
-        "kernels": a.kernels,
-    }
-
-
-def _llm(a: argparse.Namespace) -> Any:
-    from onecall.llm import LLM
-
-    t0 = time.perf_counter()
-    llm = LLM(**_engine_kwargs(a))
-    print(f"loaded {llm.engine.parts.model_name} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
-    return llm
-
-
-def cmd_run(a: argparse.Namespace) -> int:
-    from onecall.trace_view import format_trace
-
-    params = _params(a)
-    llm = _llm(a)
-    if a.raw:
-        stream = llm.generate_stream(a.prompt, params)
-    else:
-        messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
-            {"role": "user", "content": a.prompt}
-        ]
-        stream = llm.chat_stream(messages, params)
-    last = None
-    for out in stream:
-        if not a.json:
-            print(out.delta_text, end="", flush=True)
-        last = out
-    assert last is not None
-    if a.json:
-        print(
-            json.dumps(
-                {
-                    "text": last.text,
-                    "token_ids": last.token_ids,
-                    "finish_reason": last.finish_reason,
-                    "trace": last.trace.to_dict(),
-                }
-            )
-        )
-        return 0
-    print()
-    if a.trace:
-        print()
-        print(format_trace(last.trace, llm.tokenizer, color=sys.stdout.isatty()))
-    return 0
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -228,16 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="onecall", description="Serve a model and see what one call really does."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run one call and print the answer (and its trace)")
-    run.add_argument("prompt")
-    run.add_argument("--trace", action="store_true", help="print the stage-by-stage trace table")
-    run.add_argument("--json", action="store_true", help="print answer and trace as one JSON object")
-    run.add_argument(
-        "--raw", action="store_true", help="complete the prompt as raw text, without the chat template"
-    )
-    _add_engine_args(run)
-    _add_sampling_args(run)
-    run.set_defaults(func=cmd_run)
+    add_run_command(sub)
+    add_replay_command(sub)
     chat = sub.add_parser("chat", help="interactive multi-turn chat showing cached tokens per turn")
     _add_engine_args(chat)
     _add_sampling_args(chat)
@@ -262,7 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
     )
     serve.set_defaults(func=cmd_serve)
+    _add_lab_command(sub)
     return parser
+
+
+def _add_lab_command(sub: Any) -> None:
+    """`onecall lab`: its flags and command live in onecall/lab/cli.py (imported here, so it keeps
+    its own heavy imports inside cmd_lab); the subcommand is left out while that module is missing."""
+    try:
+        from onecall.lab.cli import add_lab_arguments, cmd_lab
+    except ModuleNotFoundError as e:
+        if e.name in ("onecall.lab", "onecall.lab.cli"):
+            return
+        raise
+    p_lab = sub.add_parser("lab", help="reproduce the anatomy of one call on this model: a report with plots")
+    add_lab_arguments(p_lab)
+    p_lab.set_defaults(func=cmd_lab)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,20 +51,28 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
-            raise InvalidParameterError("dtype", f"must be one of float32, bfloat16, float16; got {self.dtype!r}")
+            raise InvalidParameterError(
+                "dtype", f"must be one of float32, bfloat16, float16; got {self.dtype!r}"
+            )
         if self.device is not None:
             try:
                 dev = torch.device(self.device)
             except (RuntimeError, TypeError) as e:
                 raise InvalidParameterError("device", f"not a torch device: {self.device!r} ({e})") from None
             if dev.type == "cuda" and not torch.cuda.is_available():
-                raise InvalidParameterError("device", f"{self.device!r} asked for, but CUDA is not available here")
+                raise InvalidParameterError(
+                    "device", f"{self.device!r} asked for, but CUDA is not available here"
+                )
         for name, lo in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise InvalidParameterError(name, f"must be an integer >= {lo}, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise InvalidParameterError("max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise InvalidParameterError(
+                "max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}"
+            )
         if self.kv_cache_gib is not None and not (self.kv_cache_gib > 0):
             raise InvalidParameterError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib!r}")
         if self.kernels not in ("fast", "reference"):

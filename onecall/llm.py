@@ -1,7 +1,8 @@
 """LLM: the Python entry point. `LLM().generate(...)`, `.chat(...)`, and streaming forms.
 
 Every method drives the same Engine.add_request / step loop; nothing here knows
-about tensors. Chat conversations are rendered with the model's own template
+about tensors, except attention_probs(), which runs the model's separate inspection
+path (model/attention_probe.py) for the lab. Chat conversations are rendered with the model's own template
 (the seed's point: without it the model does not stop cleanly) and the render
 (text, ids, control-token mask) goes into each request's trace.
 """
@@ -12,9 +13,12 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
 from onecall.config import EngineConfig
 from onecall.engine.engine import Engine, RequestOutput
-from onecall.errors import InvalidParameterError
+from onecall.errors import ContextLengthExceededError, InvalidParameterError
+from onecall.model.attention_probe import last_position_attention
 from onecall.sampling_params import SamplingParams
 from onecall.text.chat_template import RenderedPrompt, render_chat
 
@@ -61,30 +65,55 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> RenderedPrompt:
+        """The prompt a chat request sends: text, ids, control-token mask. `chat_template` (Jinja
+        source, e.g. onecall.text.templates.get_named_template("qwen3-style")) replaces the model's."""
         return render_chat(
             self.tokenizer,
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=chat_template_kwargs,
+            template=chat_template,
         )
 
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
         params: Params = None,
+        *,
+        chat_template: str | None = None,
         **render_kwargs: Any,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a batch of them; params as in generate()."""
+        """One conversation (a list of messages) or a batch of them; params as in generate().
+        render_kwargs (tools, chat_template_kwargs, ...) and chat_template go to render()."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        rendered = [self.render(conv, **render_kwargs) for conv in convs]  # type: ignore[arg-type]
+        rendered = [
+            self.render(conv, chat_template=chat_template, **render_kwargs)  # type: ignore[arg-type]
+            for conv in convs
+        ]
         return self._run_all(rendered, params)
 
     def chat_stream(
-        self, messages: list[Message], params: SamplingParams | None = None, **render_kwargs: Any
+        self,
+        messages: list[Message],
+        params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        **render_kwargs: Any,
     ) -> Iterator[RequestOutput]:
-        yield from self._stream(self.render(messages, **render_kwargs), params)
+        yield from self._stream(self.render(messages, chat_template=chat_template, **render_kwargs), params)
+
+    # ---- inspection --------------------------------------------------------------------------
+    def attention_probs(self, prompt: Prompt | RenderedPrompt) -> torch.Tensor:
+        """(num_layers, num_prompt_tokens) float32: per layer, the attention the prompt's last position
+        pays to every position, averaged over heads (rows sum to 1). A separate plain forward
+        (model/attention_probe.py): no KV cache, nothing shared with the engine's requests."""
+        ids = self.engine.prompt_token_ids(prompt)
+        if len(ids) > self.engine.max_model_len:
+            raise ContextLengthExceededError(len(ids), self.engine.max_model_len)
+        return last_position_attention(self.engine.parts.model, torch.tensor(ids, dtype=torch.int64))
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run_all(self, prompts: Sequence[Prompt | RenderedPrompt], params: Params) -> list[RequestOutput]:

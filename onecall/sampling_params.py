@@ -21,6 +21,7 @@ from typing import Any
 from onecall.errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
+TRACE_LEVELS = ("basic", "full")
 _SO = "structured_outputs"
 _SO_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -146,7 +147,10 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 (or -1) disables top-k. seed gives the
     request its own generator: the same seed gives the same tokens whatever
     else shares the batch. logprobs=N returns the chosen token's logprob and
-    the N likeliest alternatives (0 <= N <= 20).
+    the N likeliest alternatives (0 <= N <= 20). trace_level "full" makes the
+    sampler record, per generated token, the top candidates and the chosen
+    token's rank after each of its stages (sampling/provenance.py); it never
+    changes which token is chosen, and "basic" rows pay nothing for it.
     """
 
     max_tokens: int = 256
@@ -166,6 +170,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    trace_level: str = "basic"  # "full": the trace records each token's logit provenance
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -211,6 +216,10 @@ class SamplingParams:
             raise InvalidParameterError(
                 "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+        if self.trace_level not in TRACE_LEVELS:
+            raise InvalidParameterError(
+                "trace_level", f"must be one of {', '.join(TRACE_LEVELS)}; got {self.trace_level!r}"
+            )
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise InvalidParameterError(
@@ -250,6 +259,7 @@ class SamplingParams:
             "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs,
+            "trace_level": self.trace_level,
         }
         if self.logit_bias:
             d["logit_bias"] = dict(self.logit_bias)

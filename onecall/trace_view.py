@@ -1,5 +1,8 @@
 """Human-readable views of a RequestTrace: the table `onecall run --trace` prints.
 
+With trace_level "full", a short per-token table follows: the chosen token's rank after
+each sampler stage (sampling/provenance.py), the ids left after truncation, its probability.
+
 Control tokens are shown distinctly: wrapped in ⟦ ⟧ (and coloured when the
 output is a terminal), so the template's scaffolding is visible next to the text.
 """
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from typing import Any
 
 from onecall.engine.trace import RequestTrace, StepRecord
 from onecall.sampling_params import SamplingParams
@@ -20,7 +24,9 @@ def render_prompt_tokens(trace: RequestTrace, tokenizer: Tokenizer, color: bool 
     """The prompt with every control token shown as ⟦token⟧; plain text decoded in runs."""
     parts: list[str] = []
     run: list[int] = []
-    for tok, is_ctrl in zip(trace.prompt_token_ids, trace.prompt_is_control or [False] * len(trace.prompt_token_ids)):
+    for tok, is_ctrl in zip(
+        trace.prompt_token_ids, trace.prompt_is_control or [False] * len(trace.prompt_token_ids)
+    ):
         if not is_ctrl:
             run.append(tok)
             continue
@@ -74,15 +80,25 @@ def format_trace(trace: RequestTrace, tokenizer: Tokenizer, color: bool = False,
                 else ""
             ),
         ),
-        ("finish", f"{trace.finish_reason}" + (f" ({_stop_str(trace.stop_reason, tok)})" if trace.stop_reason is not None else "")),
+        (
+            "finish",
+            f"{trace.finish_reason}"
+            + (f" ({_stop_str(trace.stop_reason, tok)})" if trace.stop_reason is not None else ""),
+        ),
         ("sampler", _sampler_line(trace.sampling)),
         *([("grammar", _grammar_line(trace))] if trace.grammar is not None else []),
         ("total", _ms(trace.e2e_time)),
     ]
     width = max(len(k) for k, _ in rows)
-    lines = ["prompt as the model sees it (⟦control tokens⟧):", render_prompt_tokens(trace, tokenizer, color), ""]
+    lines = [
+        "prompt as the model sees it (⟦control tokens⟧):",
+        render_prompt_tokens(trace, tokenizer, color),
+        "",
+    ]
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += ["", _steps_table(trace, tok, max_steps)]
+    if any(s.provenance for s in trace.steps):
+        lines += ["", _provenance_table(trace, tok, max_steps)]
     return "\n".join(lines)
 
 
@@ -104,7 +120,9 @@ def _grammar_line(trace: RequestTrace) -> str:
     first = next((s for s in trace.steps if s.num_allowed is not None), None)
     if first is not None:
         vocab = first.num_allowed + first.num_masked  # type: ignore[operator]
-        line += f"; first masked step: {first.num_allowed:,} allowed, {first.num_masked:,} of {vocab:,} masked"
+        line += (
+            f"; first masked step: {first.num_allowed:,} allowed, {first.num_masked:,} of {vocab:,} masked"
+        )
     line += f"; masks {_ms(trace.mask_time)} in all"
     if g.reasoning_end is not None:
         line += f"; applied after {g.reasoning_end!r}" + (
@@ -143,5 +161,42 @@ def _steps_table(trace: RequestTrace, tok, max_steps: int) -> str:  # type: igno
             masked = f"  allowed {s.num_allowed:,}, masked {s.num_masked:,}"
         else:
             masked = f"  masked {s.num_masked}" if s.num_masked else ""
-        lines.append(f"{s.step:>5} {s.kind:<8} {s.num_tokens:>6} {s.batch_size:>5} {s.duration * 1e3:>8.2f}  {token}{masked}")
+        lines.append(
+            f"{s.step:>5} {s.kind:<8} {s.num_tokens:>6} {s.batch_size:>5} {s.duration * 1e3:>8.2f}  {token}{masked}"
+        )
+    return "\n".join(lines)
+
+
+_STAGE_HEADS = {
+    "raw": "raw",
+    "penalties": "pen",
+    "mask": "mask",
+    "temperature": "temp",
+    "truncation": "trunc",
+}
+
+
+def _provenance_table(trace: RequestTrace, tok, max_steps: int) -> str:  # type: ignore[no-untyped-def]
+    """One line per generated token: its rank at each stage (- = skipped), ids kept, probability."""
+    records = [s.provenance for s in trace.steps if s.provenance]
+    lines = [
+        "logit provenance: the chosen token's rank after each sampler stage (1 = top, - = skipped)",
+        f"{'token':<16} " + " ".join(f"{h:>5}" for h in _STAGE_HEADS.values()) + f" {'kept':>7} {'p':>6}",
+    ]
+    shown: list[dict[str, Any] | None] = list(records)
+    if len(records) > max_steps:
+        shown = [*records[: max_steps // 2], None, *records[-max_steps // 2 :]]
+    for p in shown:
+        if p is None:
+            lines.append(f"{'...':<16} ({len(records) - max_steps} more tokens)")
+            continue
+        stages = {st["stage"]: st for st in p["stages"]}
+        ranks = [stages[name]["chosen_rank"] if name in stages else None for name in _STAGE_HEADS]
+        kept = stages.get("truncation", {}).get("num_surviving")
+        prob = p["probability"]
+        lines.append(
+            f"{tok(p['token_id'])[:16]:<16} "
+            + " ".join(f"{'-' if r is None else r:>5}" for r in ranks)
+            + f" {'-' if kept is None else f'{kept:,}':>7} {'-' if prob is None else f'{prob:.3f}':>6}"
+        )
     return "\n".join(lines)

@@ -26,14 +26,20 @@ def test_embedded_model_answers_paris(llm: LLM) -> None:
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # the template's <|im_end|> ends it cleanly
     t = out.trace
-    control = [llm.tokenizer.decode([i], skip_special_tokens=False) for i, c in
-               zip(t.prompt_token_ids, t.prompt_is_control) if c]
+    control = [
+        llm.tokenizer.decode([i], skip_special_tokens=False)
+        for i, c in zip(t.prompt_token_ids, t.prompt_is_control)
+        if c
+    ]
     assert control == ["<|im_start|>", "<|im_end|>", "<|im_start|>", "<|im_end|>", "<|im_start|>"]
 
 
 def test_second_turn_hits_prefix_cache(llm: LLM) -> None:
     first = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=32))[0]
-    conv = PARIS + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Italy?"}]
+    conv = PARIS + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And of Italy?"},
+    ]
     second = llm.chat(conv, SamplingParams(temperature=0, max_tokens=32))[0]
     # the whole first call (prompt + answer) is reused, token for token
     assert second.num_cached_tokens >= first.num_prompt_tokens + len(first.token_ids) - 2
@@ -99,8 +105,13 @@ def test_sampling_params_name_the_parameter(kwargs: dict, param: str) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "param"),
-    [({"dtype": "int3"}, "dtype"), ({"block_size": 0}, "block_size"), ({"device": "cuda:0"}, "device"),
-     ({"max_num_seqs": 0}, "max_num_seqs"), ({"kv_cache_gib": -1.0}, "kv_cache_gib")],
+    [
+        ({"dtype": "int3"}, "dtype"),
+        ({"block_size": 0}, "block_size"),
+        ({"device": "cuda:0"}, "device"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"kv_cache_gib": -1.0}, "kv_cache_gib"),
+    ],
 )
 def test_engine_config_names_the_parameter(kwargs: dict, param: str) -> None:
     if param == "device":

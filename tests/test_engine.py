@@ -31,7 +31,9 @@ def naive_greedy(prompt: list[int], num_tokens: int) -> list[int]:
         for _ in range(num_tokens):
             n = len(ids)
             nb = (n + 3) // 4
-            kv = PagedKVCache(mc.num_hidden_layers, nb, 4, mc.num_key_value_heads, mc.head_dim, torch.float32, "cpu")
+            kv = PagedKVCache(
+                mc.num_hidden_layers, nb, 4, mc.num_key_value_heads, mc.head_dim, torch.float32, "cpu"
+            )
             meta = build_attention_metadata([list(range(nb))], [n], [n], 4, "cpu")
             h = model(torch.tensor(ids), torch.arange(n), kv, meta)
             tok = int(model.compute_logits(h[-1:]).argmax(-1))
@@ -65,8 +67,12 @@ def test_alone_equals_naive_loop(reference: dict[str, list[int]]) -> None:
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_batch_of_8_equals_alone(reference: dict[str, list[int]], prefix_caching: bool, block_size: int) -> None:
-    engine = tiny_engine(num_blocks=1024 // block_size, block_size=block_size, enable_prefix_caching=prefix_caching)
+def test_batch_of_8_equals_alone(
+    reference: dict[str, list[int]], prefix_caching: bool, block_size: int
+) -> None:
+    engine = tiny_engine(
+        num_blocks=1024 // block_size, block_size=block_size, enable_prefix_caching=prefix_caching
+    )
     outs = run_all(engine, prompts_mixed(), GREEDY)
     assert {rid: o.token_ids for rid, o in outs.items()} == reference
     # a second round hits the prefix cache (prompts + answers were cached) and still matches
@@ -114,22 +120,30 @@ def test_seed_determinism_independent_of_batch() -> None:
     params["s"] = seeded
     batched = run_all(tiny_engine(), {**others, "s": [11, 12, 13]}, params)["s"].token_ids
     assert alone == batched
-    other_seed = run_all(tiny_engine(), {"s": [11, 12, 13]}, SamplingParams(temperature=3.0, seed=99, max_tokens=10,
-                                                                            ignore_eos=True))["s"].token_ids
+    other_seed = run_all(
+        tiny_engine(),
+        {"s": [11, 12, 13]},
+        SamplingParams(temperature=3.0, seed=99, max_tokens=10, ignore_eos=True),
+    )["s"].token_ids
     assert other_seed != alone
 
 
 def test_stop_string_across_token_boundary() -> None:
     tok = embedded_tokenizer()
-    free = run_all(tiny_engine(), {"a": [100, 200, 300]}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))["a"]
+    free = run_all(
+        tiny_engine(), {"a": [100, 200, 300]}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    )["a"]
     # choose a stop string that starts inside token 3 and ends inside token 4
     pieces = [tok.decode([t]) for t in free.token_ids]
     start = len("".join(pieces[:3]))
     assert len(pieces[3]) >= 1 and len(pieces[4]) >= 1
     stop = free.text[start + len(pieces[3]) - 1 : start + len(pieces[3]) + 1]
     first = free.text.find(stop)
-    out = run_all(tiny_engine(), {"a": [100, 200, 300]},
-                  SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]))["a"]
+    out = run_all(
+        tiny_engine(),
+        {"a": [100, 200, 300]},
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]),
+    )["a"]
     assert out.finish_reason == "stop"
     assert out.text == free.text[:first]
     assert stop not in out.text
@@ -137,18 +151,25 @@ def test_stop_string_across_token_boundary() -> None:
 
 
 def test_max_tokens_and_stop_token_ids() -> None:
-    out = run_all(tiny_engine(), {"a": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))["a"]
+    out = run_all(
+        tiny_engine(), {"a": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    )["a"]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
     third = out.token_ids[2]
-    out2 = run_all(tiny_engine(), {"a": [1, 2, 3]},
-                   SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, stop_token_ids=[third]))["a"]
+    out2 = run_all(
+        tiny_engine(),
+        {"a": [1, 2, 3]},
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, stop_token_ids=[third]),
+    )["a"]
     assert out2.token_ids == out.token_ids[: out.token_ids.index(third) + 1]
     assert out2.finish_reason == "stop"
 
 
 def test_abort_frees_blocks_at_once() -> None:
     engine = tiny_engine(num_blocks=64)
-    engine.add_request("a", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.add_request(
+        "a", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    )
     engine.step()
     assert engine.kv.num_free_blocks < 64
     out = engine.abort("a")
@@ -163,13 +184,17 @@ def test_abort_frees_blocks_at_once() -> None:
 
 def test_trace_records_stages() -> None:
     engine = tiny_engine()
-    out = run_all(engine, {"a": list(range(100, 120))}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))["a"]
+    out = run_all(
+        engine, {"a": list(range(100, 120))}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )["a"]
     t = out.trace
     assert t.num_prompt_tokens == 20 and t.num_prefilled_tokens == 20
     assert [s.kind for s in t.steps] == ["prefill", "decode", "decode", "decode"]
     assert [s.token_id for s in t.steps] == out.token_ids
     assert t.queue_time is not None and t.queue_time >= 0
-    assert t.time_to_first_token is not None and t.e2e_time is not None and t.e2e_time >= t.time_to_first_token
+    assert (
+        t.time_to_first_token is not None and t.e2e_time is not None and t.e2e_time >= t.time_to_first_token
+    )
     assert t.finish_reason == "length" and t.sampling["mode"] == "greedy"
     # a second request sharing 15 tokens then differing reports where the match broke
     prompt2 = list(range(100, 115)) + [7, 8, 9]

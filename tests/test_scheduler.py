@@ -11,8 +11,12 @@ from onecall.sampling_params import SamplingParams
 
 def make_seq(i: int, n_prompt: int) -> Sequence:
     return Sequence(
-        seq_id=i, request_id=f"r{i}", prompt_token_ids=[1000 * i + j for j in range(n_prompt)],
-        params=SamplingParams(), max_total_tokens=10_000, trace=RequestTrace(request_id=f"r{i}"),
+        seq_id=i,
+        request_id=f"r{i}",
+        prompt_token_ids=[1000 * i + j for j in range(n_prompt)],
+        params=SamplingParams(),
+        max_total_tokens=10_000,
+        trace=RequestTrace(request_id=f"r{i}"),
     )
 
 

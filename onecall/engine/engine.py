@@ -150,18 +150,13 @@ class Engine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    def _prompt_ids(self, prompt: str | list[int] | RenderedPrompt, trace: RequestTrace) -> list[int]:
-        special = self.tokenizer.special_ids
+    def prompt_token_ids(self, prompt: str | list[int] | RenderedPrompt) -> list[int]:
+        """The token ids this engine runs for `prompt` (a str gets the tokenizer's BOS, if any);
+        InvalidParameterError for an empty prompt, ids outside the vocabulary, or another type."""
         if isinstance(prompt, RenderedPrompt):
-            ids, trace.prompt_text, trace.prompt_is_control = (
-                list(prompt.token_ids),
-                prompt.text,
-                list(prompt.is_control),
-            )
+            ids = list(prompt.token_ids)
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            trace.prompt_text = prompt
-            trace.prompt_is_control = [i in special for i in ids]
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
@@ -169,13 +164,22 @@ class Engine:
                 raise InvalidParameterError(
                     "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.tokenizer.vocab_size})"
                 )
-            trace.prompt_is_control = [i in special for i in ids]
         else:
             raise InvalidParameterError(
                 "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
             )
         if not ids:
             raise InvalidParameterError("prompt", "is empty: at least one token is needed")
+        return ids
+
+    def _prompt_ids(self, prompt: str | list[int] | RenderedPrompt, trace: RequestTrace) -> list[int]:
+        ids = self.prompt_token_ids(prompt)
+        special = self.tokenizer.special_ids
+        if isinstance(prompt, RenderedPrompt):
+            trace.prompt_text, trace.prompt_is_control = prompt.text, list(prompt.is_control)
+        else:
+            trace.prompt_text = prompt if isinstance(prompt, str) else None
+            trace.prompt_is_control = [i in special for i in ids]
         trace.prompt_token_ids = ids
         return ids
 

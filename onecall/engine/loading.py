@@ -93,7 +93,11 @@ def _load_tokenizer(files: ModelFiles) -> Tokenizer:
 
 
 def _load_model(
-    config: EngineConfig, files: ModelFiles, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    files: ModelFiles,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> DecoderLM:
     """4. Build the module tree and stream the weights in. The fast kernels pack each projection as
     it arrives, keeping a 4-bit GGUF's own int4 groups (decoded once on the way in); no dense copy

@@ -31,6 +31,9 @@ def postprocess_token(
     record.num_masked = result.num_masked[row]
     record.num_allowed = result.num_allowed[row]
     record.mask_time = result.mask_time[row]
+    provenance = result.provenance[row] if result.provenance else None  # trace_level "full" only
+    if provenance is not None:
+        record.provenance = provenance.to_dict()
     if seq.params.logprobs is not None:
         seq.output_logprobs.append(result.logprobs[row])
         seq.output_top_logprobs.append(result.top_logprobs[row])

@@ -29,6 +29,8 @@ class StepRecord:
     num_masked: int = 0  # tokens a constraint/ban set to -inf before sampling
     num_allowed: int | None = None  # tokens a grammar left allowed (None: unconstrained step)
     mask_time: float = 0.0  # seconds spent on this request's grammar mask in the step
+    # trace_level "full": TokenProvenance.to_dict() of the sampled token (sampling/provenance.py)
+    provenance: dict[str, Any] | None = None
 
 
 @dataclass

@@ -28,7 +28,7 @@ from onecall.model.fast_linear import (
     fast_kernels_supported,
 )
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from onecall.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
 from onecall.model.quants import Int4Groups
 
 # Our projections and the checkpoint tensors each is made of, in row order.
@@ -96,7 +96,7 @@ class DecoderLM(nn.Module):
         self.model = DecoderModel(config, dtype, "meta")
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(
+            self.lm_head = Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta"
             )
         self.fast_lm_head: FastLMHead | None = None

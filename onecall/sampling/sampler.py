@@ -24,18 +24,25 @@ float rounding at a top-p cutoff could differ between batch shapes.
 The sampler is pure apart from advancing generators and asking constraints
 for this step's mask: it never calls `TokenConstraint.advance`; the engine
 does that when it appends the token.
+
+Rows at trace_level "full" also get their logit provenance (provenance.py):
+a copy of the row after stages 1-2, 3, temperature and truncation, read once
+the token is chosen. Copies are taken before the stage after them edits the
+logits in place, and draw no random numbers; a batch without such a row
+builds no recorder and runs exactly the plain path.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from onecall.sampling.penalties import MaskResult, apply_logit_bias, apply_penalties, apply_token_masks
+from onecall.sampling.provenance import ProvenanceRecorder, TokenProvenance
 from onecall.sampling_params import SamplingParams
 
 # Below this temperature a row is greedy: dividing by it would overflow float32.
@@ -97,6 +104,7 @@ class SampleResult:
     num_masked: list[int]  # tokens the constraint and bans set to -inf this step
     num_allowed: list[int | None]  # tokens a constraint left allowed; None = no constraint this step
     mask_time: list[float]  # seconds: the row's constraint filling its mask, plus the one shared apply
+    provenance: list[TokenProvenance | None] = field(default_factory=list)  # trace_level "full" rows
 
 
 def sample(
@@ -111,6 +119,10 @@ def sample(
     assert logits.dim() == 2 and logits.shape[0] == len(requests), "logits must be (len(requests), vocab)"
     batch = logits.shape[0]
     device = logits.device
+    full = [i for i, r in enumerate(requests) if r.params.trace_level == "full"]
+    recorder = ProvenanceRecorder(full) if full else None  # None: no copies, no extra work
+    if recorder is not None:
+        recorder.capture("raw", logits)  # before stages 1-3 may edit `logits` in place
 
     # 1-3. processed logits, on our own float32 copy when a stage edits them (unless inplace).
     masks = MaskResult.none(batch)
@@ -119,9 +131,15 @@ def sample(
             logits = logits.to(torch.float32, copy=True)
         apply_penalties(logits, requests)
         apply_logit_bias(logits, requests)
+        if recorder is not None:
+            recorder.capture("penalties", logits)
         masks = apply_token_masks(logits, requests)
     else:
         logits = logits.float()  # no copy when already float32; read-only from here on
+        if recorder is not None:
+            recorder.capture("penalties", logits)
+    if recorder is not None:
+        recorder.capture("mask", logits)
 
     # 4. logprobs of the processed logits.
     lp_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -130,13 +148,21 @@ def sample(
     # 5-6. greedy argmax, then overwrite the sampled rows.
     sampled = [i for i, r in enumerate(requests) if r.params.temperature >= _MIN_TEMPERATURE]
     if len(sampled) == batch:
-        token_ids = _sample_rows(logits, requests)
+        token_ids = _sample_rows(logits, requests, recorder, sampled)
     else:
         token_ids = logits.argmax(dim=-1)  # (batch,)
         if sampled:
             rows = [requests[i] for i in sampled]
-            token_ids[torch.tensor(sampled, device=device)] = _sample_rows(_rows(logits, sampled), rows)
-    return _result(token_ids, logprobs, lp_rows, requests, masks)
+            token_ids[torch.tensor(sampled, device=device)] = _sample_rows(
+                _rows(logits, sampled), rows, recorder, sampled
+            )
+    result = _result(token_ids, logprobs, lp_rows, requests, masks)
+    result.provenance = (
+        recorder.finish(result.token_ids, result.num_allowed, result.num_masked)
+        if recorder
+        else [None] * batch
+    )
+    return result
 
 
 def _edits_logits(r: SamplingRequest) -> bool:
@@ -158,13 +184,23 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x[torch.tensor(rows, device=x.device)]
 
 
-def _sample_rows(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
-    """Temperature -> top_k -> top_p -> min_p -> draw, for rows that all sample. Returns (n,) int64."""
+def _sample_rows(
+    logits: torch.Tensor,
+    requests: Sequence[SamplingRequest],
+    recorder: ProvenanceRecorder | None = None,
+    batch_rows: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Temperature -> top_k -> top_p -> min_p -> draw, for rows that all sample. Returns (n,) int64.
+
+    With a recorder, x is copied after temperature and after truncation (row j of `logits` is
+    batch row batch_rows[j]); the draw reads the same x and the same uniforms either way."""
     device = logits.device
     params = [r.params for r in requests]
     # 1. temperature (a new tensor: the input stays untouched).
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     x = logits / temperature[:, None]  # (n, vocab)
+    if recorder is not None:
+        recorder.capture("temperature", x, batch_rows)  # before top-k/top-p edit x in place
 
     # 2. top-k and top-p, with one (partial) sort over the rows that use either.
     trunc = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
@@ -184,6 +220,8 @@ def _sample_rows(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> t
         )
         threshold = x.max(dim=-1, keepdim=True).values + log_min_p[:, None].to(x.dtype)
         x = x.masked_fill(x < threshold, float("-inf"))
+    if recorder is not None:
+        recorder.capture("truncation", x, batch_rows)
 
     # 4. inverse-CDF draw. v < total guarantees the first cdf entry above v has
     #    positive probability (a masked token adds exactly 0 to the running sum).

@@ -68,6 +68,7 @@ def to_sampling_params(
         min_tokens=req.min_tokens,
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured_outputs,
+        trace_level=req.trace_level,
     )
     return [SamplingParams(seed=None if req.seed is None else req.seed + i, **common) for i in range(req.n)]
 

@@ -19,6 +19,8 @@ fields), `reasoning_content` on messages and deltas (a thinking template's <thin
 `trace`: the engine's per-request trace (RequestTrace.to_dict()) in the response: a dict, or a
 list of dicts in choice order when n > 1; when streaming, on the last chunk before [DONE] (the
 usage chunk when stream_options.include_usage is set, else the chunk with the last finish_reason).
+`trace_level`: "basic" (the default) or "full", which adds each output token's logit provenance
+to its decode step (`steps[i].provenance`) and turns `trace` on.
 The response_format and tool-call shapes live in protocol_tools.py, the base classes in
 protocol_base.py.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from onecall.server.protocol_base import RequestModel as _Request
 from onecall.server.protocol_base import ResponseModel as _Response
@@ -83,6 +85,13 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     trace: bool = False
+    trace_level: Literal["basic", "full"] = "basic"  # "full": logit provenance per token; implies trace
+
+    @model_validator(mode="after")
+    def _full_trace_implies_trace(self) -> _SamplingFields:
+        if self.trace_level == "full":
+            self.trace = True
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):

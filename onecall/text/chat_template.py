@@ -219,13 +219,18 @@ def render_chat(
     tools: list[dict] | None = None,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    template: str | None = None,
 ) -> RenderedPrompt:
     """Render with the model's template and tokenize like HF's apply_chat_template(tokenize=True):
-    control tokens in the text are matched whole and no BOS is added (the template writes its own)."""
-    if tokenizer.chat_template is None:
+    control tokens in the text are matched whole and no BOS is added (the template writes its own).
+
+    `template` (Jinja source, e.g. from onecall.text.templates) replaces the model's own template for
+    this call; it runs in the same sandbox. Only the Python API passes one: the server does not."""
+    source = template if template is not None else tokenizer.chat_template
+    if source is None:
         raise TemplateError("this model has no chat template; send a plain prompt instead")
-    template = _compiled(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
-    text = template.render(
+    compiled = _compiled(source, tokenizer.bos_token, tokenizer.eos_token)
+    text = compiled.render(
         messages, tools=tools, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
     )
     token_ids = tokenizer.encode(text, add_special_tokens=False)

@@ -61,18 +61,36 @@ def tiny_model(arch: str = "llama", seed: int = 0) -> DecoderLM:
 
 
 def tiny_engine(
-    num_blocks: int = 256, block_size: int = 4, arch: str = "llama", model: DecoderLM | None = None, **config: Any
+    num_blocks: int = 256,
+    block_size: int = 4,
+    arch: str = "llama",
+    model: DecoderLM | None = None,
+    **config: Any,
 ) -> Engine:
     model = model or tiny_model(arch)
     mc = model.config
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=block_size, **config)
-    kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim,
-                            torch.float32, "cpu")
+    kv_cache = PagedKVCache(
+        mc.num_hidden_layers,
+        num_blocks,
+        block_size,
+        mc.num_key_value_heads,
+        mc.head_dim,
+        torch.float32,
+        "cpu",
+    )
     max_len = min(mc.max_position_embeddings, num_blocks * block_size)
     parts = LoadedEngineParts(
-        files=resolve_model(None), model_config=mc, model=model, tokenizer=embedded_tokenizer(),
-        kv_cache=kv_cache, num_blocks=num_blocks, max_model_len=max_len, device=torch.device("cpu"),
-        dtype=torch.float32, load_seconds=0.0,
+        files=resolve_model(None),
+        model_config=mc,
+        model=model,
+        tokenizer=embedded_tokenizer(),
+        kv_cache=kv_cache,
+        num_blocks=num_blocks,
+        max_model_len=max_len,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        load_seconds=0.0,
     )
     return Engine(cfg, parts=parts)
 

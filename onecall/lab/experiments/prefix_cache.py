@@ -1,0 +1,279 @@
+"""Experiment 2: a multi-turn chat re-sends its history every turn; the prefix cache makes that cheap.
+
+    for each template (the model's own, the named "qwen3-style"):
+        for turn k = 1..N: messages += [user_k]
+            cache on   ctx.llm: reply (greedy, capped), trace: cached tokens, prefilled, TTFT, divergence
+            cache off  a second LLM(enable_prefix_caching=False): the same prompt, one token: prefilled, TTFT
+            messages += [assistant: the reply's text]         (what a client does)
+
+The cache keeps the previous call's prompt and reply (all but the last sampled token, whose KV was
+never computed), so turn k+1 should reuse all of it: "new turn appended". The qwen3-style template
+drops the empty <think></think> block that it wrote at the end of turn k's prompt once that reply is
+history, so turn k+1 parts from the cached path just before it: "template rewrote an earlier turn",
+N tokens before the end of the previous prompt (the seed: 4 tokens, on Qwen3). The divergence
+itself comes from the trace: its index and the two differing tokens (decoded here).
+
+Turn 1 may reuse tokens an earlier call left in the shared cache (the default system prompt): the
+cache is per server, not per conversation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from onecall import LLM, SamplingParams
+from onecall.engine.engine import RequestOutput
+from onecall.lab.base import ExperimentResult, LabContext, SeedRow
+from onecall.lab.plots import line_plot
+from onecall.lab.report import md_table
+from onecall.text.templates import get_named_template
+
+NAME = "prefix_cache"
+TITLE = "Prefix cache: a 10-turn chat, history re-sent vs cached"
+
+USER_TURNS = (
+    "Hi! I'm planning a small web app to track my book collection.",
+    "Which database would you suggest for it?",
+    "How should I structure the table for books?",
+    "What fields should an author table have?",
+    "How do I link books to authors?",
+    "Should I add an index on the title?",
+    "What is a good way to back up the database?",
+    "How would I add user accounts later?",
+    "Any tips for testing the app?",
+    "Thanks! Can you sum up the plan in one sentence?",
+)
+TEMPLATES = ("own", "qwen3-style")  # "own": the model's template; the others are named templates
+MAX_REPLY_TOKENS, QUICK_MAX_REPLY_TOKENS = 40, 8
+QUICK_TURNS = 4
+
+
+@dataclass
+class _Previous:
+    """What the cache holds after a turn: its prompt and the reply tokens whose KV was computed."""
+
+    num_prompt_tokens: int
+    num_reply_tokens: int  # output tokens minus the last one (sampled, never run through the model)
+
+    @property
+    def end(self) -> int:
+        return self.num_prompt_tokens + self.num_reply_tokens
+
+
+def run(ctx: LabContext) -> ExperimentResult:
+    num_turns = QUICK_TURNS if ctx.quick else len(USER_TURNS)
+    max_tokens = QUICK_MAX_REPLY_TOKENS if ctx.quick else MAX_REPLY_TOKENS
+    ctx.progress("loading a second copy of the model with the prefix cache disabled")
+    off_llm = LLM(**{**ctx.engine_kwargs, "enable_prefix_caching": False})
+    chats: dict[str, Any] = {}
+    for template in TEMPLATES:
+        turns = _chat(ctx, off_llm, template, num_turns, max_tokens)
+        chats[template] = {"turns": turns, "totals": _totals(turns)}
+    results = {
+        "num_turns": num_turns,
+        "max_reply_tokens": max_tokens,
+        "user_turns": list(USER_TURNS[:num_turns]),
+        "templates": chats,
+    }
+    return ExperimentResult(
+        NAME, TITLE, results, _seed_rows(chats, num_turns), _markdown(chats, max_tokens), _plots(ctx, chats)
+    )
+
+
+def _chat(
+    ctx: LabContext, off_llm: LLM, template: str, num_turns: int, max_tokens: int
+) -> list[dict[str, Any]]:
+    """One conversation, turn by turn: the reply from the cached LLM, the same prompt on the uncached one."""
+    source = None if template == "own" else get_named_template(template)
+    reply_params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    first_token = SamplingParams(temperature=0.0, max_tokens=1)  # cache off: prefill + TTFT are enough
+    turns: list[dict[str, Any]] = []
+    messages: list[dict[str, Any]] = []
+    previous: _Previous | None = None
+    for k in range(num_turns):
+        ctx.progress(f"{template} template: turn {k + 1}/{num_turns}")
+        messages.append({"role": "user", "content": USER_TURNS[k]})
+        on = ctx.llm.chat(messages, reply_params, chat_template=source)[0]
+        off = off_llm.chat(messages, first_token, chat_template=source)[0]
+        turns.append(_turn(ctx.llm, k + 1, on, off, previous))
+        previous = _Previous(on.num_prompt_tokens, max(len(on.token_ids) - 1, 0))
+        messages.append({"role": "assistant", "content": on.text})
+    return turns
+
+
+def _turn(
+    llm: LLM, k: int, on: RequestOutput, off: RequestOutput, previous: _Previous | None
+) -> dict[str, Any]:
+    """One turn's figures, and where (and why) its prompt left the cached path."""
+    t, d = on.trace, on.trace.divergence
+    # The prompt matched the cache up to the divergence, or (no divergence) as far as the cache went.
+    match_len = d["index"] if d is not None else t.num_cached_tokens + int(t.cache_match_capped)
+    divergence = None
+    if d is not None:
+        text = [
+            llm.tokenizer.decode([d[key]], skip_special_tokens=False)
+            for key in ("prompt_token", "cached_token")
+        ]
+        divergence = {**d, "prompt_token_text": text[0], "cached_token_text": text[1]}
+    cause, tokens_early, tokens_lost = _cause(match_len, previous)
+    return {
+        "turn": k,
+        "num_prompt_tokens": on.num_prompt_tokens,
+        "num_cached_tokens": on.num_cached_tokens,
+        "prefilled_cache_on": t.num_prefilled_tokens,
+        "prefilled_cache_off": off.trace.num_prefilled_tokens,
+        "ttft_ms_cache_on": _ms(t.time_to_first_token),
+        "ttft_ms_cache_off": _ms(off.trace.time_to_first_token),
+        "reply": on.text,
+        "num_reply_tokens": len(on.token_ids),
+        "divergence": divergence,
+        "match_len": match_len,
+        "cause": cause,
+        "tokens_early": tokens_early,  # before the end of the previous prompt
+        "tokens_lost": tokens_lost,  # of what the previous call left cached (its prompt and reply)
+    }
+
+
+def _cause(match_len: int, previous: _Previous | None) -> tuple[str, int | None, int | None]:
+    if previous is None:
+        return "first turn of this chat", None, None
+    lost = max(previous.end - match_len, 0)
+    if lost == 0:
+        return "new turn appended", 0, 0
+    if match_len >= previous.num_prompt_tokens:
+        return f"the re-sent reply tokenized differently, {lost} tokens early", 0, lost
+    early = previous.num_prompt_tokens - match_len
+    return f"template rewrote an earlier turn: {early} tokens before the previous prompt's end", early, lost
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
+def _totals(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    last = turns[-1]
+    return {
+        "prefilled_cache_on": sum(t["prefilled_cache_on"] for t in turns),
+        "prefilled_cache_off": sum(t["prefilled_cache_off"] for t in turns),
+        "prompt_tokens_sent": sum(t["num_prompt_tokens"] for t in turns),
+        "last_turn_ttft_ms_cache_on": last["ttft_ms_cache_on"],
+        "last_turn_ttft_ms_cache_off": last["ttft_ms_cache_off"],
+        "tokens_early_after_turn_1": sorted({t["tokens_early"] for t in turns[1:]}),
+    }
+
+
+def _plots(ctx: LabContext, chats: dict[str, Any]) -> list[Any]:
+    x = list(range(1, len(next(iter(chats.values()))["turns"]) + 1))
+    prefilled, ttft = {}, {}
+    for template, chat in chats.items():
+        for mode in ("on", "off"):
+            label = f"{template} template, cache {mode}"
+            prefilled[label] = [t[f"prefilled_cache_{mode}"] for t in chat["turns"]]
+            ttft[label] = [t[f"ttft_ms_cache_{mode}"] for t in chat["turns"]]
+    return [
+        line_plot(
+            ctx.out_dir / "prefix_cache_prefilled.png",
+            x,
+            prefilled,
+            title="Tokens prefilled per turn",
+            xlabel="turn",
+            ylabel="tokens prefilled",
+        ),
+        line_plot(
+            ctx.out_dir / "prefix_cache_ttft.png",
+            x,
+            ttft,
+            title="Time to first token per turn",
+            xlabel="turn",
+            ylabel="TTFT (ms)",
+        ),
+    ]
+
+
+def _seed_rows(chats: dict[str, Any], num_turns: int) -> list[SeedRow]:
+    own, qwen = chats["own"]["totals"], chats["qwen3-style"]["totals"]
+    short = "" if num_turns == len(USER_TURNS) else f"{num_turns} turns (quick form); "
+    early = ", ".join(str(e) for e in qwen["tokens_early_after_turn_1"]) or "-"
+    return [
+        SeedRow(
+            f"tokens prefilled over {num_turns} turns, re-sent / cached",
+            "5,549 / 999",
+            f"{own['prefilled_cache_off']:,} / {own['prefilled_cache_on']:,}",
+            short + "SmolLM2's template and our replies (greedy, capped) are shorter than Qwen3-8B's",
+        ),
+        SeedRow(
+            f"time to first token at turn {num_turns}, re-sent / cached",
+            "139 ms / 64.2 ms",
+            f"{_fmt_ms(own['last_turn_ttft_ms_cache_off'])} / {_fmt_ms(own['last_turn_ttft_ms_cache_on'])}",
+            short + "the re-sent prompt grows every turn; the cached prefill stays one turn long",
+        ),
+        SeedRow(
+            "Qwen3-style template: the match breaks N tokens early",
+            "4 tokens",
+            f"{early} tokens (every turn after the first)",
+            "<think> and </think> are single tokens in Qwen3's vocabulary, plain text in SmolLM2's",
+        ),
+    ]
+
+
+def _fmt_ms(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.1f} ms"
+
+
+def _markdown(chats: dict[str, Any], max_tokens: int) -> str:
+    parts = [
+        f"Fixed user messages; each reply is the model's own (greedy, at most {max_tokens} tokens), appended "
+        "to the history as a client would. Cache on: the shared LLM; cache off: a second LLM built with "
+        "`enable_prefix_caching=False`, sent the same prompt. The divergence is where the prompt left "
+        "the cached path (from the trace); none means the cache simply ran out, after the previous reply."
+    ]
+    header = ["turn", "prompt", "cached", "prefilled on / off", "TTFT on / off", "divergence", "cause"]
+    for template, chat in chats.items():
+        rows = []
+        for t in chat["turns"]:
+            d = t["divergence"]
+            where = (
+                "-"
+                if d is None
+                else (f"@{d['index']}: `{d['prompt_token_text']!r}` vs cached `{d['cached_token_text']!r}`")
+            )
+            rows.append(
+                [
+                    t["turn"],
+                    t["num_prompt_tokens"],
+                    t["num_cached_tokens"],
+                    f"{t['prefilled_cache_on']} / {t['prefilled_cache_off']}",
+                    f"{_fmt_ms(t['ttft_ms_cache_on'])} / {_fmt_ms(t['ttft_ms_cache_off'])}",
+                    where,
+                    t["cause"],
+                ]
+            )
+        tot = chat["totals"]
+        name = "the model's own template" if template == "own" else f"the `{template}` template"
+        parts += [
+            f"### With {name}",
+            md_table(header, rows),
+            f"Total prefilled: **{tot['prefilled_cache_on']:,}** tokens with the cache, "
+            f"**{tot['prefilled_cache_off']:,}** re-sent ({tot['prompt_tokens_sent']:,} prompt tokens sent).",
+        ]
+    retokenized = [
+        f"{template} turn {t['turn']}"
+        for template, chat in chats.items()
+        for t in chat["turns"]
+        if t["cause"].startswith("the re-sent reply")
+    ]
+    if retokenized:
+        parts.append(
+            f"At {', '.join(retokenized)} the match broke inside the previous reply: the model generated a "
+            "token sequence that its tokenizer does not produce from the same text (e.g. `IN` + `DEX` where "
+            "encoding gives `INDEX`). A client sends text, not tokens, so the reply is re-tokenized and the "
+            "cache cannot match past that point."
+        )
+    parts.append(
+        "The qwen3-style template writes an empty `<think>\\n\\n</think>\\n\\n` after the last "
+        "`<|im_start|>assistant\\n` but leaves it out of earlier assistant turns, as Qwen3's does with "
+        "thinking off. So each turn's prompt rewrites the end of the one before, and the cached path "
+        "is lost from there: the previous reply is prefilled again every turn."
+    )
+    return "\n\n".join(parts)

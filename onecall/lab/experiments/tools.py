@@ -1,0 +1,299 @@
+"""Experiment 7: one tool round trip with get_weather(city), every stage's text shown.
+
+    1. render     the user's question with the tools, as the template renders them: a template with
+                  a tool format (Qwen's <tool_call>, "hermes") renders `tools` itself; one without
+                  (the embedded SmolLM2) gets the json convention of text/tool_specs.py in its
+                  system message
+    2. call       tool_choice "get_weather" as a grammar (tool_call_schema / tool_call_grammar), so
+                  the output always parses (text/tool_calls.py: parse_tool_calls); greedy
+    3. result     the call as an assistant message with tool_calls, and a canned weather report as
+                  the `tool` message, rendered back through the template
+    4. answer     a free (unconstrained) greedy reply with the tools still offered (tool_choice
+                  "auto"); a model that calls the tool again (small ones do) gets a second try with
+                  the tools withdrawn (tool_choice "none"), and that reply is the final answer
+
+Only the public text-layer helpers (tool_specs, tool_calls) and LLM.render / LLM.chat are used:
+the same pieces the server composes, without the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from onecall import LLM, SamplingParams
+from onecall.engine.engine import RequestOutput
+from onecall.lab.base import ExperimentResult, LabContext, SeedRow
+from onecall.lab.plots import bar_plot
+from onecall.lab.report import md_code
+from onecall.sampling_params import StructuredOutputsParams
+from onecall.text.chat_template import RenderedPrompt
+from onecall.text.tool_calls import ParsedToolCalls, ToolCall, parse_tool_calls
+from onecall.text.tool_specs import (
+    TOOL_CALL_OPEN,
+    ToolFormat,
+    messages_for_json_tools,
+    tool_call_grammar,
+    tool_call_schema,
+)
+
+NAME = "tools"
+TITLE = "One tool round trip: get_weather(city)"
+
+TOOL_NAME = "get_weather"
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": TOOL_NAME,
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "the city's name, e.g. Paris"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+QUESTION = "What's the weather like in Paris right now?"
+WEATHER = {"temperature_c": 18, "conditions": "light rain", "wind_kmh": 12}  # the canned tool result
+CALL_MAX_TOKENS = 64  # the forced call takes about 25 tokens
+ANSWER_MAX_TOKENS, QUICK_ANSWER_MAX_TOKENS = 96, 32
+
+
+@dataclass
+class _Chat:
+    """One model's way of talking tools: its format, and whether <tool_call> is a control token."""
+
+    llm: LLM
+    fmt: ToolFormat
+    special: bool
+
+    def inputs(
+        self, messages: list[dict[str, Any]], *, offered: bool = True
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(messages, tools) for LLM.render / LLM.chat: the template's own tool format, or the json
+        convention. `offered` False withdraws the tools (tool_choice "none"); earlier calls still render."""
+        if self.fmt == ToolFormat.HERMES:
+            return messages, TOOLS if offered else None
+        return messages_for_json_tools(messages, TOOLS if offered else None), None
+
+    def render(self, messages: list[dict[str, Any]]) -> RenderedPrompt:
+        conv, tools = self.inputs(messages)
+        return self.llm.render(conv, tools=tools)
+
+    def reply(
+        self, messages: list[dict[str, Any]], max_tokens: int, *, offered: bool = True, forced: bool = False
+    ) -> tuple[RequestOutput, ParsedToolCalls]:
+        """One greedy reply, parsed for calls; `forced`: a grammar makes it a call of get_weather."""
+        conv, tools = self.inputs(messages, offered=offered)
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            structured_outputs=self._forced_call() if forced else None,
+            skip_special_tokens=not self.special,  # special <tool_call> markers must reach the parser
+        )
+        out = self.llm.chat(conv, params, tools=tools)[0]
+        if not offered:  # no tools, no calls: the text is the answer (as the server does for "none")
+            return out, ParsedToolCalls(out.text.strip() or None, [])
+        return out, parse_tool_calls(out.text, self.fmt, tool_names=[TOOL_NAME])
+
+    def _forced_call(self) -> StructuredOutputsParams:
+        """The constraint of tool_choice {"function": {"name": "get_weather"}}."""
+        if self.fmt == ToolFormat.HERMES:
+            grammar = tool_call_grammar(TOOLS, required_name=TOOL_NAME, special_markers=self.special)
+            return StructuredOutputsParams(grammar=grammar)
+        return StructuredOutputsParams(json=tool_call_schema(TOOLS, required_name=TOOL_NAME))
+
+
+def run(ctx: LabContext) -> ExperimentResult:
+    llm = ctx.llm
+    fmt = ToolFormat.for_template(llm.tokenizer.chat_template)
+    chat = _Chat(llm, fmt, fmt == ToolFormat.HERMES and _is_special(llm, TOOL_CALL_OPEN))
+    answer_max_tokens = QUICK_ANSWER_MAX_TOKENS if ctx.quick else ANSWER_MAX_TOKENS
+
+    # 1. the question with the tools, as the template renders them; 2. the call, forced by a grammar
+    ctx.progress(f"tools: render ({fmt.value} format) and the constrained call")
+    history: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+    first = chat.render(history)
+    call_out, parsed = chat.reply(history, CALL_MAX_TOKENS, forced=True)
+    call = parsed.tool_calls[0] if parsed.tool_calls else None
+    arguments = _arguments(call)
+
+    # 3. the call and its result back through the template
+    ctx.progress("tools: tool result and the final answer")
+    city = arguments.get("city") if isinstance(arguments, dict) else None
+    history += _round_trip_messages(call, {"city": city, **WEATHER})
+    second = chat.render(history)
+
+    # 4. the answer with the tools still offered (tool_choice "auto", as an agent loop sends it); a
+    #    model that calls the tool again is answered once more with the tools withdrawn ("none")
+    auto_out, auto = chat.reply(history, answer_max_tokens)
+    answer_out, answer = auto_out, auto
+    if auto.tool_calls:
+        ctx.progress("tools: the model called again; answering with the tools withdrawn")
+        answer_out, answer = chat.reply(history, answer_max_tokens, offered=False)
+
+    shared = len(os.path.commonprefix([first.text, second.text]))
+    results: dict[str, Any] = {
+        "format": fmt.value,
+        "rendered_prompt": first.text,
+        "rendered_prompt_tokens": len(first.token_ids),
+        "call_text": call_out.text,
+        "call_finish_reason": call_out.finish_reason,
+        "api_finish_reason": "tool_calls" if call is not None and call_out.finish_reason == "stop" else None,
+        "call": None if call is None else {"name": call.name, "arguments": arguments},
+        "arguments_valid": _valid_arguments(arguments),
+        "tool_result": history[-1],
+        "second_prompt_added": second.text[shared:],
+        "second_prompt_tokens": len(second.token_ids),
+        "second_cached_tokens": auto_out.num_cached_tokens,
+        "auto_reply": auto_out.text,
+        "auto_called_again": bool(auto.tool_calls),
+        "auto_finish_reason": auto_out.finish_reason,
+        "final_answer": answer.content or "",
+        "final_tools_withdrawn": bool(auto.tool_calls),
+        "final_finish_reason": answer_out.finish_reason,
+        "final_output_tokens": len(answer_out.token_ids),
+        "calls": _call_sizes(
+            {"1: forced call": call_out, "2: reply, tools offered": auto_out}
+            | ({"3: reply, tools withdrawn": answer_out} if auto.tool_calls else {})
+        ),
+    }
+    plot = bar_plot(
+        ctx.out_dir / "tools_calls.png",
+        [c["call"] for c in results["calls"]],
+        {
+            "prompt tokens": [c["prompt_tokens"] for c in results["calls"]],
+            "from the prefix cache": [c["cached_tokens"] for c in results["calls"]],
+            "generated": [c["output_tokens"] for c in results["calls"]],
+        },
+        title=f"The round trip's calls, {ctx.llm.engine.parts.model_name}",
+        xlabel="call",
+        ylabel="tokens",
+    )
+    return ExperimentResult(
+        name=NAME,
+        title=TITLE,
+        results=results,
+        seed_rows=_seed_rows(ctx, results),
+        markdown=_markdown(ctx, results),
+        plots=[plot],
+    )
+
+
+def _call_sizes(outputs: dict[str, RequestOutput]) -> list[dict[str, Any]]:
+    return [
+        {
+            "call": name,
+            "prompt_tokens": out.num_prompt_tokens,
+            "cached_tokens": out.num_cached_tokens,
+            "output_tokens": len(out.token_ids),
+        }
+        for name, out in outputs.items()
+    ]
+
+
+def _is_special(llm: LLM, text: str) -> bool:
+    """Is `text` one control token of this tokenizer (dropped from output unless asked to keep it)?"""
+    ids = llm.tokenizer.encode(text)
+    return len(ids) == 1 and ids[0] in llm.tokenizer.special_ids
+
+
+def _arguments(call: ToolCall | None) -> Any:
+    if call is None:
+        return None
+    try:
+        return json.loads(call.arguments_json)
+    except json.JSONDecodeError:
+        return call.arguments_json  # kept as text: _valid_arguments says no
+
+
+def _valid_arguments(arguments: Any) -> bool:
+    """The schema's rules by hand: an object with a non-empty string `city` and no other key."""
+    return (
+        isinstance(arguments, dict)
+        and set(arguments) == {"city"}
+        and isinstance(arguments["city"], str)
+        and bool(arguments["city"].strip())
+    )
+
+
+def _round_trip_messages(call: ToolCall | None, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The assistant's call (OpenAI shape) and the tool's reply to it."""
+    if call is None:  # the grammar makes this unreachable unless the call was cut short
+        return [{"role": "assistant", "content": "(no call)"}]
+    return [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments_json},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": json.dumps(result)},
+    ]
+
+
+def _seed_rows(ctx: LabContext, r: dict[str, Any]) -> list[SeedRow]:
+    call = r["call"]
+    shown = "no call" if call is None else f"{call['name']}({json.dumps(call['arguments'])})"
+    return [
+        SeedRow(
+            "forced tool call (grammar)",
+            "not measured (the seed ends at the bridge to tool calling, 12:04)",
+            f"{shown}, finish_reason {r['api_finish_reason']!r}",
+            f"ours: {ctx.setting}; {r['format']} tool format",
+        ),
+        SeedRow(
+            "second call: prompt tokens served by the prefix cache",
+            "not measured",
+            f"{r['second_cached_tokens']:,} of {r['second_prompt_tokens']:,}",
+            "the tools block sits at the top of the prompt, so the round trip re-uses it (the seed's advice)",
+        ),
+    ]
+
+
+def _markdown(ctx: LabContext, r: dict[str, Any]) -> str:
+    fmt_note = (
+        "The template renders the tools itself (hermes format)."
+        if r["format"] == "hermes"
+        else "The template has no tool format, so the tools go into the system message as onecall's JSON "
+        'convention (text/tool_specs.py) and the model answers `{"tool_calls": [...]}`.'
+    )
+    return "\n\n".join(
+        [
+            f"{ctx.setting}. {fmt_note}",
+            f"**1. The prompt as rendered** ({r['rendered_prompt_tokens']} tokens):",
+            _block(r["rendered_prompt"]),
+            f"**2. The constrained call** (a grammar forces {TOOL_NAME}; engine finish_reason "
+            f"{r['call_finish_reason']!r}, API finish_reason {r['api_finish_reason']!r}; arguments valid: "
+            f"{r['arguments_valid']}):",
+            _block(r["call_text"]),
+            f"**3. The call and the tool result, as the second prompt adds them** ({r['second_prompt_tokens']} "
+            f"tokens, {r['second_cached_tokens']} from the prefix cache):",
+            _block(r["second_prompt_added"]),
+            f"**4. The reply with the tools still offered** (finish_reason {r['auto_finish_reason']!r}"
+            f"{'; it called the tool again' if r['auto_called_again'] else ''}):",
+            _block(r["auto_reply"]),
+            *(
+                [
+                    f'**5. The final answer, tools withdrawn** (tool_choice "none"; finish_reason '
+                    f"{r['final_finish_reason']!r}, {r['final_output_tokens']} tokens):",
+                    _block(r["final_answer"]),
+                ]
+                if r["final_tools_withdrawn"]
+                else ["That reply is the final answer."]
+            ),
+        ]
+    )
+
+
+def _block(text: str) -> str:
+    return md_code(text, "text")

@@ -1,0 +1,264 @@
+"""Replayable bundles: save -> load -> replay matches token for token; anything else is reported.
+
+On the tiny random-weight engine: greedy and seeded nucleus sampling replay exactly (on a fresh
+engine, so no cached prefix helps); a bundle edited to another token reports that index and
+both tokens; a different model hash or an unseeded sampled call is a warning, not a crash;
+every malformed field is an InvalidParameterError naming it. Through the real `onecall`
+command on the embedded model: run --save-bundle, then replay, exit code 0 (and 1 after an edit).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import onecall
+from onecall.bundle import (
+    Bundle,
+    load_bundle,
+    model_sha256,
+    params_from_dict,
+    params_to_dict,
+    replay_bundle,
+    save_bundle,
+)
+from onecall.cli import main
+from onecall.errors import InvalidParameterError
+from onecall.llm import LLM
+from onecall.model.loader import resolve_model
+from onecall.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.helpers.tiny_engine import tiny_engine
+
+ONECALL = "/work/main/.venv/bin/onecall"
+HI = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def tiny_llm() -> LLM:
+    return LLM(engine=tiny_engine())
+
+
+def saved(tmp_path: Path, params: SamplingParams, name: str = "b.json") -> tuple[Path, Any]:
+    llm = tiny_llm()
+    out = llm.chat(HI, params)[0]
+    path = tmp_path / name
+    save_bundle(path, out, params, llm)
+    return path, out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=16),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16),
+    ],
+    ids=["greedy", "seeded-top-p"],
+)
+def test_replay_matches_token_for_token(tmp_path: Path, params: SamplingParams) -> None:
+    path, out = saved(tmp_path, params)
+    bundle = load_bundle(path)
+    assert bundle.params == params and bundle.params.seed == params.seed
+    assert bundle.output_token_ids == out.token_ids and bundle.prompt_token_ids == out.trace.prompt_token_ids
+    assert bundle.model_sha256 == model_sha256(resolve_model(None)) and bundle.replay_exact
+    assert bundle.onecall_version == onecall.__version__
+
+    report = replay_bundle(bundle, tiny_llm())  # a fresh engine: nothing cached
+    assert report.is_exact and report.first_mismatch is None and all(report.matches)
+    assert report.replayed_token_ids == out.token_ids and report.replayed_text == out.text
+    assert report.model_matches and report.warnings == []
+    n = len(out.token_ids)
+    assert report.verdict() == f"replay: {n}/{n} tokens matched"
+
+
+def test_an_edited_token_is_reported_where_it_differs(tmp_path: Path) -> None:
+    path, out = saved(tmp_path, SamplingParams(temperature=0.0, max_tokens=12))
+    data = json.loads(path.read_text())
+    original = data["output"]["token_ids"][5]
+    data["output"]["token_ids"][5] = original + 1
+    report = replay_bundle(data, tiny_llm())
+    assert not report.is_exact and report.first_mismatch == 5
+    assert report.expected_token == original + 1 and report.replayed_token == original
+    assert report.matches[:5] == [True] * 5 and report.matches[5] is False
+    tok = tiny_llm().tokenizer
+    verdict = report.verdict(tok)
+    assert (
+        verdict.startswith("replay: 5/12 tokens matched; first mismatch at token 5")
+        and str(original) in verdict
+    )
+
+    # a replay that runs past the saved output's end mismatches where the saved one ended
+    data["output"]["token_ids"] = out.token_ids[:7]
+    short = replay_bundle(data, tiny_llm())
+    assert (
+        short.first_mismatch == 7
+        and short.expected_token is None
+        and short.replayed_token == out.token_ids[7]
+    )
+    assert "the end of the output" in short.verdict(tok)
+
+
+def test_other_model_and_unseeded_sampling_are_warnings(tmp_path: Path) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=6)  # sampled, no seed: not replayable exactly
+    path, _ = saved(tmp_path, params)
+    data = json.loads(path.read_text())
+    assert data["replay_exact"] is False and data["sampling_params"]["seed"] is None
+    data["model"]["sha256"] = "0" * 64
+    data["dtype"] = "bfloat16"
+    report = replay_bundle(data, tiny_llm())
+    assert not report.model_matches
+    text = "\n".join(report.warnings)
+    assert "different model" in text and "dtype differs" in text and "without a seed" in text
+
+
+def test_sampling_params_round_trip_every_field() -> None:
+    params = SamplingParams(
+        max_tokens=9,
+        temperature=0.6,
+        top_p=0.8,
+        top_k=7,
+        min_p=0.1,
+        seed=-3,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+        frequency_penalty=-0.3,
+        logit_bias={5: 1.5, 70: -100.0},
+        logprobs=3,
+        stop=("\n\n", "END"),
+        stop_token_ids=(4,),
+        ignore_eos=True,
+        min_tokens=2,
+        skip_special_tokens=False,
+        structured_outputs=StructuredOutputsParams(choice=["a", "b"], reasoning_end="</think>"),
+        trace_level="full",
+    )
+    d = json.loads(json.dumps(params_to_dict(params)))
+    assert params_from_dict(d) == params
+    so = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    assert params_from_dict(json.loads(json.dumps(params_to_dict(so)))) == so
+
+
+@pytest.mark.parametrize(
+    "edit, param",
+    [
+        (lambda d: d.pop("prompt_token_ids"), "prompt_token_ids"),
+        (lambda d: d.__setitem__("prompt_token_ids", []), "prompt_token_ids"),
+        (lambda d: d.__setitem__("prompt_token_ids", [1, "two"]), "prompt_token_ids"),
+        (lambda d: d["output"].__setitem__("token_ids", "123"), "output.token_ids"),
+        (lambda d: d["model"].pop("sha256"), "model.sha256"),
+        (lambda d: d.__setitem__("format_version", 99), "format_version"),
+        (lambda d: d.__setitem__("format_version", True), "format_version"),
+        (lambda d: d.__setitem__("format", "something-else"), "format"),
+        (lambda d: d["sampling_params"].__setitem__("temperature", "hot"), "sampling_params.temperature"),
+        (lambda d: d["sampling_params"].__setitem__("top_p", 2.0), "sampling_params.top_p"),
+        (lambda d: d["sampling_params"].__setitem__("warmth", 1), "sampling_params"),
+        (lambda d: d["sampling_params"].__setitem__("logit_bias", {"x": 1.0}), "sampling_params.logit_bias"),
+        (lambda d: d.__setitem__("replay_exact", "yes"), "replay_exact"),
+    ],
+)
+def test_malformed_bundles_name_the_field(tmp_path: Path, edit: Any, param: str) -> None:
+    path, _ = saved(tmp_path, SamplingParams(temperature=0.0, max_tokens=2))
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidParameterError) as e:
+        load_bundle(path)
+    assert e.value.param == param, str(e.value)
+
+
+def test_unreadable_bundles(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text("{not json")
+    for name in ("bad.json", "missing.json"):
+        with pytest.raises(InvalidParameterError) as e:
+            load_bundle(tmp_path / name)
+        assert e.value.param == "bundle" and name in str(e.value)
+    with pytest.raises(InvalidParameterError):
+        Bundle.from_dict([1, 2, 3])
+
+
+def test_cli_run_save_bundle_then_replay(tmp_path: Path) -> None:
+    bundle = tmp_path / "call.json"
+    run = subprocess.run(
+        # one thread: the machine's 2 cores are shared, and a second thread mostly waits
+        [
+            ONECALL,
+            "run",
+            "Name a colour.",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0.8",
+            "--top-p",
+            "0.95",
+            "--num-threads",
+            "1",
+            "--save-bundle",
+            str(bundle),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "using seed" in run.stderr  # sampled without --seed: run chose one so the bundle replays
+    data = json.loads(bundle.read_text())
+    assert isinstance(data["sampling_params"]["seed"], int) and data["replay_exact"] is True
+    assert data["num_threads"] == 1  # replay takes it from the bundle
+    assert data["model"]["sha256"] == model_sha256(resolve_model(None))
+
+    replay = subprocess.run([ONECALL, "replay", str(bundle)], capture_output=True, text=True, timeout=120)
+    n = len(data["output"]["token_ids"])
+    assert replay.returncode == 0, replay.stderr
+    assert replay.stdout.strip() == f"replay: {n}/{n} tokens matched"
+    assert "warning" not in replay.stderr
+
+
+def test_cli_replay_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """`onecall replay` in-process, its LLM swapped for the tiny engine (the command builds it)."""
+    path, out = saved(tmp_path, SamplingParams(temperature=0.7, seed=3, max_tokens=10))
+    built: list[dict[str, Any]] = []
+
+    def fake_llm(**kwargs: Any) -> LLM:
+        built.append(kwargs)
+        return tiny_llm()
+
+    monkeypatch.setattr("onecall.llm.LLM", fake_llm)
+    assert main(["replay", str(path)]) == 0
+    assert (
+        capsys.readouterr().out.strip() == f"replay: {len(out.token_ids)}/{len(out.token_ids)} tokens matched"
+    )
+    # the bundle's model, dtype and kernels switch fill in what the flags leave out
+    assert built[0]["model"] == str(resolve_model(None).path) and built[0]["dtype"] == "float32"
+    assert built[0]["kernels"] == "fast" and built[0]["device"] == "cpu" and built[0]["num_threads"] >= 1
+
+    data = json.loads(path.read_text())
+    data["output"]["token_ids"][2] += 1
+    path.write_text(json.dumps(data))
+    assert main(["replay", str(path), "--json", "--kernels", "reference"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["exact"] is False and report["first_mismatch"] == 2 and report["model_matches"] is True
+    assert built[1]["kernels"] == "reference"
+
+
+def test_lab_subcommand_is_wired_to_its_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`onecall lab` takes its flags and command from onecall.lab.cli (a stand-in here)."""
+    import argparse
+    import sys
+    import types
+
+    from onecall.cli import build_parser
+
+    def add_lab_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--calls", type=int, default=20)
+
+    def cmd_lab(a: argparse.Namespace) -> int:
+        return 0
+
+    fake = types.ModuleType("onecall.lab.cli")
+    fake.add_lab_arguments = add_lab_arguments  # type: ignore[attr-defined]
+    fake.cmd_lab = cmd_lab  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "onecall.lab.cli", fake)
+    args = build_parser().parse_args(["lab", "--calls", "3"])
+    assert args.func is cmd_lab and args.calls == 3
