@@ -51,19 +51,23 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) 
 
     `allowed` is (len(rows), n) bool with n <= vocab; ids at or past n count as
     disallowed (a model's vocab is often padded past its tokenizer's). Returns
-    the number of masked ids per row. (torch.where measured about twice as fast
-    as masked_fill_ on CPU here.)
+    the number of masked ids per row.
+
+    The mask is added, not selected: 1 - 1/a maps a = 1 to 0 and a = 0 to -inf, so
+    logit + that is the logit or -inf, exactly. Three vectorized float passes and an
+    in-place add per row measured 4x faster on this CPU than torch.where or
+    masked_fill_ with the bool mask (1.3 ms against 0.3 ms for 4 rows of 49,152).
     """
     vocab = logits.shape[1]
     n = allowed.shape[1]
     assert n <= vocab, "a bitmask wider than the logits"
     allowed = allowed.to(logits.device)
-    if n < vocab:
-        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - n)], dim=1)
-    neg_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
+    additive = allowed.to(logits.dtype).reciprocal_().neg_().add_(1)  # (len(rows), n): 0 or -inf
     if rows == list(range(logits.shape[0])):
-        logits.copy_(torch.where(allowed, logits, neg_inf))
+        logits[:, :n].add_(additive)
+        logits[:, n:] = -math.inf
     else:
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = torch.where(allowed, logits[index], neg_inf)
+        for j, r in enumerate(rows):
+            logits[r, :n].add_(additive[j])
+            logits[r, n:] = -math.inf
     return (vocab - allowed.sum(dim=-1)).tolist()
