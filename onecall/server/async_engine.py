@@ -67,6 +67,7 @@ class RequestStream:
         self._finished = False  # the last item was delivered (set on the loop, by _deliver)
         self._error: BaseException | None = None
         self._exhausted = False  # the iterator returned (or raised) its last item
+        self._has_output = asyncio.Event()  # set with the first item delivered
 
     @property
     def finished(self) -> bool:
@@ -86,6 +87,10 @@ class RequestStream:
             raise item
         self._exhausted = item.finished
         return item
+
+    async def ready(self) -> None:
+        """Wait until the first output (or the engine's death) is there to read, without taking it."""
+        await self._has_output.wait()
 
     async def abort(self) -> None:
         """Stop the request and free its KV blocks (in the engine thread); idempotent."""
@@ -107,6 +112,7 @@ class RequestStream:
         if isinstance(item, BaseException) or item.finished:
             self._finished = True
         self._queue.put_nowait(item)
+        self._has_output.set()
 
 
 # ---- commands (event loop -> engine thread) -------------------------------------------------------

@@ -84,6 +84,7 @@ async def create_chat_completion(state: ServerState, request: Request, request_i
     # 4. answer
     head = _Head(chat_id, int(time.time()), state.model_name)
     if req.stream:
+        await gen.first_outputs(request)
         return SSEResponse(_chat_events(gen, req, head, tokenizer, setup), cleanup=gen.close)
     finals = await cancel_on_disconnect(request, gen.collect())
     response = ChatCompletionResponse(

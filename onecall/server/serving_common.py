@@ -98,6 +98,19 @@ class Generation:
                 remaining -= 1
             yield Delta(index, out, ids, lps, tops, is_last=out.finished and remaining == 0)
 
+    async def first_outputs(self, request: Request) -> None:
+        """Wait until every choice has its first output (the prefill is done), then return; abort
+        everything if the client disconnects first.
+
+        A streaming response starts after this: its 200, its headers and its first events then go
+        out together instead of during the prefill, where on a small CPU the server's and the
+        client's work on them shares the cores the prefill runs on (the HTTP layer's cost, README)."""
+        try:
+            await cancel_on_disconnect(request, asyncio.gather(*(s.ready() for s in self.streams)))
+        except BaseException:
+            await self.close()
+            raise
+
     async def collect(self) -> list[RequestOutput]:
         """Run every choice to its end; the final outputs in choice order."""
         try:

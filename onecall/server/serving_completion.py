@@ -65,6 +65,7 @@ async def create_completion(state: ServerState, request: Request, request_id: st
     # 4. answer
     head = CompletionResponse(id=cmpl_id, created=int(time.time()), model=state.model_name, choices=[])
     if req.stream:
+        await gen.first_outputs(request)
         return SSEResponse(_completion_events(gen, req, head, tokenizer, echo), cleanup=gen.close)
     finals = await cancel_on_disconnect(request, gen.collect())
     choices = [_choice(i, out, req, tokenizer, echo) for i, out in enumerate(finals)]
