@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import time
@@ -85,6 +86,11 @@ class ServerState:
         self._ready(engine)
 
     def _ready(self, engine: AsyncEngine) -> None:
+        # Everything loaded so far (the model's modules, FastAPI, pydantic's schemas) lives as long as
+        # the server: moved out of the collector's reach, a full collection no longer walks it,
+        # in the middle of some request's prefill.
+        gc.collect()
+        gc.freeze()
         engine.start()
         self.engine = engine
         where = f" on {self.config.url}" if self.config.url else ""
