@@ -18,8 +18,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from onecall.model.attention_probe import last_position_attention
-from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
+from tests.helpers.make_models import hf_and_ours
 
 ATOL = 1e-5
 _COMMON: dict[str, Any] = dict(
@@ -50,18 +50,9 @@ def single_thread() -> Iterator[None]:
 def models(request: pytest.FixtureRequest) -> tuple[Any, DecoderLM]:
     config_cls, model_cls, extra = FAMILIES[request.param]
     hf_config = config_cls(**_COMMON, **extra, attn_implementation="eager")
-    torch.manual_seed(0)
-    hf = model_cls(hf_config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))  # large enough that attention is far from uniform
-    ours = DecoderLM(ModelConfig.from_hf_config(hf_config.to_dict()), dtype=torch.float32, device="cpu")
-    ours.load_weights(hf.state_dict().items())
+    hf, ours = hf_and_ours(
+        hf_config, model_cls, weight_scale=0.3
+    )  # large enough that attention is far from uniform
     return hf, ours
 
 

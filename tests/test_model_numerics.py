@@ -27,9 +27,9 @@ from transformers import (
 )
 
 from onecall.model.attention import build_attention_metadata
-from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
+from tests.helpers.make_models import hf_and_ours
 
 ATOL = 1e-4  # max abs diff between our logits and transformers'
 BLOCK_SIZE = 4
@@ -88,19 +88,7 @@ class Models:
 def models(request: pytest.FixtureRequest) -> Models:
     config_cls, model_cls, extra = FAMILIES[request.param]
     hf_config = config_cls(**_COMMON, **extra, attn_implementation="eager")
-    torch.manual_seed(0)
-    hf = model_cls(hf_config).eval()
-    # transformers initialises norms to 1 and biases to 0; randomise everything so they count.
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
-    ours = DecoderLM(ModelConfig.from_hf_config(hf_config.to_dict()), dtype=torch.float32, device="cpu")
-    ours.load_weights(hf.state_dict().items())
+    hf, ours = hf_and_ours(hf_config, model_cls, weight_scale=0.15)
     return Models(hf, ours)
 
 

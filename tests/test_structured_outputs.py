@@ -27,6 +27,7 @@ import pytest
 
 from onecall import LLM, SamplingParams
 from onecall.errors import InvalidParameterError
+from onecall.lab.experiments import json_exp
 from onecall.sampling_params import StructuredOutputsParams
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench-glaiveai2k.jsonl"
@@ -100,40 +101,9 @@ def test_jsonschemabench_outputs_validate(llm: LLM) -> None:
     assert all(out.trace.grammar is not None and out.trace.grammar.error is None for out in outputs)
 
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "maxLength": 24},
-    },
-    "required": ["name", "age", "city"],
-}
-ASK = "Reply in JSON: a fictional person with a name, an age and a city."
-STRICT_SYSTEM = (
-    "You are a JSON API. Reply with exactly one JSON object with the keys name (string), "
-    "age (integer) and city (string). No Markdown, no code fences, no explanations."
-)
-
-
-def parses(text: str) -> bool:
-    try:
-        json.loads(text)
-        return True
-    except json.JSONDecodeError:
-        return False
-
-
 def test_seed_json_experiment(llm: LLM) -> None:
     n = 20
-    runs: dict[str, tuple[list[dict[str, str]], StructuredOutputsParams | None]] = {
-        "naive prompt": ([{"role": "user", "content": ASK}], None),
-        "strict system prompt": (
-            [{"role": "system", "content": STRICT_SYSTEM}, {"role": "user", "content": ASK}],
-            None,
-        ),
-        "grammar": ([{"role": "user", "content": ASK}], StructuredOutputsParams(json=PERSON)),
-    }
+    runs = json_exp.METHODS  # the prompts and schema of the lab's json experiment
     conversations = [messages for messages, _ in runs.values() for _ in range(n)]
     params = [
         SamplingParams(temperature=0.7, seed=seed, max_tokens=96, structured_outputs=so)
@@ -144,11 +114,11 @@ def test_seed_json_experiment(llm: LLM) -> None:
     failures = {}
     for k, name in enumerate(runs):
         texts = [out.text for out in outputs[k * n : (k + 1) * n]]
-        failures[name] = sum(not parses(t) for t in texts)
+        failures[name] = sum(not json_exp.parses(t) for t in texts)
         print(f"\n{name}: json.loads failed {failures[name]} of {n}; e.g. {texts[0][:70]!r}")
     grammar_outputs = outputs[2 * n :]
     assert failures["grammar"] == 0
-    assert all(o.finish_reason == "stop" and validates(o.text, PERSON) for o in grammar_outputs)
+    assert all(o.finish_reason == "stop" and validates(o.text, json_exp.PERSON) for o in grammar_outputs)
     first = next(s for s in grammar_outputs[0].trace.steps if s.token_id is not None)
     print(f"grammar, first step: {first.num_allowed:,} allowed, {first.num_masked:,} of 49,152 masked")
     assert first.num_allowed is not None and first.num_masked >= 49_000

@@ -1,27 +1,15 @@
-"""`python -m onecall.lab [flags]`: the lab on its own, the same as `onecall lab [flags]`."""
+"""`python -m onecall.lab [flags]`: the lab on its own, the same as `onecall lab [flags]` (one parser,
+one error handling: onecall/cli.py's)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
-
-from onecall.errors import OnecallError
-from onecall.lab.cli import add_lab_arguments, cmd_lab
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m onecall.lab", description="Reproduce the anatomy of one call."
-    )
-    add_lab_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return cmd_lab(args)
-    except OnecallError as e:
-        print(f"onecall lab: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    from onecall.cli import main as onecall_main
+
+    return onecall_main(["lab", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ after sampling, never while a fill is in flight (the step waits for all fills in
 
 from __future__ import annotations
 
-import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -62,7 +61,6 @@ class MaskPrefetcher:
         self.vocab_size = vocab_size
         self._pool: ThreadPoolExecutor | None = None  # started on the first constrained step
         self._job: Future[list[bool]] | None = None
-        self.last_fill_seconds = 0.0  # worker time of the last step's fills (for benchmarks)
 
     def start(self, constraints: list[TokenConstraint]) -> list[PrefetchedConstraint]:
         """Begin filling one bitmask row per constraint; returns their stand-ins, in order."""
@@ -74,11 +72,9 @@ class MaskPrefetcher:
         self._job = job
         return [PrefetchedConstraint(c, job, bitmask, j) for j, c in enumerate(constraints)]
 
-    def _fill(self, constraints: list[TokenConstraint], bitmask: torch.Tensor) -> list[bool]:
-        t0 = time.perf_counter()
-        applies = [c.fill_bitmask(bitmask, j) for j, c in enumerate(constraints)]
-        self.last_fill_seconds = time.perf_counter() - t0
-        return applies
+    @staticmethod
+    def _fill(constraints: list[TokenConstraint], bitmask: torch.Tensor) -> list[bool]:
+        return [c.fill_bitmask(bitmask, j) for j, c in enumerate(constraints)]
 
     def wait(self) -> None:
         """Block until the last step's fills are done. A fill's error is not raised here: it

@@ -236,3 +236,25 @@ def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
         writer.add_key_value(key, list(value), GGUFValueType.ARRAY)
     else:
         raise TypeError(f"cannot write {key}={value!r} as GGUF metadata")
+
+
+def hf_and_ours(hf_config: Any, model_cls: Any, *, weight_scale: float, seed: int = 0) -> tuple[Any, Any]:
+    """A transformers model with every parameter random (norms ~1 + 0.2 N, biases 0.2 N, the rest
+    weight_scale * N: transformers initialises norms to 1 and biases to 0, which would hide them),
+    and our DecoderLM loaded from its state dict."""
+    from onecall.model.config import ModelConfig
+    from onecall.model.decoder import DecoderLM
+
+    torch.manual_seed(seed)
+    hf = model_cls(hf_config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(weight_scale * torch.randn_like(p))
+    ours = DecoderLM(ModelConfig.from_hf_config(hf_config.to_dict()), dtype=torch.float32, device="cpu")
+    ours.load_weights(hf.state_dict().items())
+    return hf, ours
