@@ -5,18 +5,19 @@ Tolerances, written down:
   rounding (exact for Q4_1 and Q4_K; Q4_0 computes q*d - 8d instead of (q-8)*d: 1 ulp).
 * oneDNN path (rows > INT4_MAX_ROWS): same float32 math in another summation order:
   |fast - ref| <= 1e-5 * (|x| @ |W|^T) + 1e-6.
-* int4 path (rows <= INT4_MAX_ROWS): activations, group scales and zeros rounded to bfloat16
-  (relative error <= 2^-9 each), so |fast - ref| <= 2^-7 * (|x| @ (|W| + |s (q-8)| + |z|)^T) + 1e-5,
-  a bound with a 2x margin over the three rounding terms.
+* int4 path (rows <= INT4_MAX_ROWS), torch's kernel: activations, group scales and zeros rounded to
+  bfloat16 (relative error <= 2^-9 each), so |fast - ref| <= 2^-7 * (|x| @ (|W| + |s (q-8)| + |z|)^T)
+  + 1e-5, a bound with a 2x margin over the three rounding terms.
+* int4 path, the native kernel: activations rounded to int16 steps of absmax/32767 per group of 32, so
+  |fast - ref| <= sum_g (step_g / 2) * sum_{j in g} |w_j| + 1e-5 * (|x| @ |W|^T) + 1e-6
+  (tests/test_native_kernels.py checks the kernel itself against the same bound).
 * engine level, tiny model with int4-representable weights: greedy tokens equal to the reference
   path's; the first token's logprob (prefill, oneDNN) within 1e-4 and later ones (decode, int4) within
   0.5 nats: the tiny model's logits are ~50 in magnitude (weights scaled for wide greedy gaps), so
-  bfloat16's 2^-9 relative rounding moves them by a few tenths.
+  bfloat16's 2^-9 relative rounding moves them by a few tenths (the native kernel's int16 steps far less).
 """
 
 from __future__ import annotations
-
-import copy
 
 import numpy as np
 import pytest
@@ -24,10 +25,12 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from onecall.engine.engine import Engine
+from onecall.model import native
 from onecall.model.fast_linear import INT4_MAX_ROWS, FastLinear, onednn_available
 from onecall.model.quants import Int4Groups, dequantize, int4_groups
 from onecall.sampling_params import SamplingParams
-from tests.helpers.tiny_engine import run_all, tiny_engine, tiny_model
+from tests.helpers.int4 import int4_engine, quantize_int4
+from tests.helpers.tiny_engine import run_all
 
 T = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -61,16 +64,6 @@ def test_other_types_have_no_int4_groups() -> None:
     assert int4_groups(raw, T.Q8_0, (4, 32)) is None
 
 
-def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Groups:
-    """Asymmetric min/max quantization to 4-bit groups (the Q4_1 recipe), for test weights."""
-    rows, cols = w.shape
-    g = w.reshape(rows, cols // group_size, group_size)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-8)
-    q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
-    return Int4Groups(q.reshape(rows, cols), scale, lo, group_size)
-
-
 def _linear(groups: Int4Groups, bias: bool) -> torch.nn.Linear:
     out_features, in_features = groups.q.shape
     lin = torch.nn.Linear(in_features, out_features, bias=bias)
@@ -91,7 +84,10 @@ def test_fast_linear_within_its_written_tolerance(rows: int, bias: bool) -> None
     with torch.no_grad():
         ref, got = lin(x), fast(x)
     w = groups.dequantize()
-    if rows <= INT4_MAX_ROWS:
+    if rows <= INT4_MAX_ROWS and fast.int4_kernel == "native":
+        step = x.view(rows, -1, 32).abs().amax(-1) / 32767
+        bound = (step / 2) @ w.abs().view(96, -1, 32).sum(-1).T + 1e-5 * (x.abs() @ w.abs().T) + 1e-6
+    elif rows <= INT4_MAX_ROWS:
         s = groups.scale.repeat_interleave(32, dim=1)
         z = groups.offset.repeat_interleave(32, dim=1)
         spread = w.abs() + (s * (groups.q.float() - 8)).abs() + (s * 8 + z).abs()
@@ -104,52 +100,21 @@ def test_fast_linear_within_its_written_tolerance(rows: int, bias: bool) -> None
 
 def test_fast_linear_without_int4_is_float32_everywhere() -> None:
     torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 40)  # 40 rows: not a multiple of 16, so no int4 copy even if offered
-    fast = FastLinear(lin.weight, lin.bias, quantize_int4(lin.weight.detach()))
+    lin = torch.nn.Linear(64, 40)
+    # groups of 64 (the native kernel takes 32) and 40 rows (torch's int4 kernel wants a multiple of
+    # 16): neither 4-bit kernel fits, so no int4 copy is kept even though one is offered
+    fast = FastLinear(lin.weight, lin.bias, quantize_int4(lin.weight.detach(), group_size=64))
     assert not fast.has_int4
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
         torch.testing.assert_close(fast(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
-def _int4_engine(kernels: str) -> Engine:
-    """The tiny engine with its projections rounded to int4 groups (so both paths run the same weights)."""
-    model = copy.deepcopy(tiny_model("qwen2"))  # qwen2: q/k/v biases go through the int4 path too
-    c = model.config
-    q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    splits = {
-        "self_attn.qkv_proj": [
-            ("self_attn.q_proj", q_size),
-            ("self_attn.k_proj", kv_size),
-            ("self_attn.v_proj", kv_size),
-        ],
-        "self_attn.o_proj": [("self_attn.o_proj", c.hidden_size)],
-        "mlp.gate_up_proj": [("mlp.gate_proj", c.intermediate_size), ("mlp.up_proj", c.intermediate_size)],
-        "mlp.down_proj": [("mlp.down_proj", c.hidden_size)],
-    }
-    int4: dict[str, Int4Groups] = {}
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            for ours, parts in splits.items():
-                owner, attr = ours.split(".")
-                lin = getattr(getattr(layer, owner), attr)
-                groups = quantize_int4(lin.weight)
-                lin.weight.copy_(groups.dequantize())
-                start = 0
-                for hf_name, size in parts:
-                    index = torch.arange(start, start + size)
-                    int4[f"model.layers.{i}.{hf_name}.weight"] = groups.select_rows(index)
-                    start += size
-    if kernels == "fast":
-        assert "int4" in model.enable_fast_kernels(int4)
-    return tiny_engine(arch="qwen2", model=model, kernels=kernels)
-
-
 def test_engine_greedy_tokens_match_the_reference_path() -> None:
     prompts = {f"r{i}": f"Tell me about the number {i}, please." for i in range(3)}
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    ref = run_all(_int4_engine("reference"), prompts, params)
-    fast = run_all(_int4_engine("fast"), prompts, params)
+    ref = run_all(int4_engine("reference"), prompts, params)
+    fast = run_all(int4_engine("fast"), prompts, params)
     for rid in prompts:
         assert fast[rid].token_ids == ref[rid].token_ids
         diffs = [abs(a - b) for a, b in zip(fast[rid].logprobs, ref[rid].logprobs, strict=True)]
@@ -167,7 +132,11 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
     fast = load_engine_parts(EngineConfig(kernels="fast", kv_cache_gib=0.05))
     ref = load_engine_parts(EngineConfig(kernels="reference", kv_cache_gib=0.05))
     num_layers = fast.model_config.num_hidden_layers
-    assert fast.kernels == f"onednn float32 + int4 decode ({4 * num_layers} of {4 * num_layers} projections)"
+    kind, logits_kernel = ("native", "native q8") if native.load() else ("torch", "onednn float32")
+    assert fast.kernels == (
+        f"onednn float32 + {kind} int4 decode ({4 * num_layers} of {4 * num_layers} projections), "
+        f"{logits_kernel} logits"  # the embedded GGUF's tied embedding is Q8_0: kept as int8
+    )
     assert not any(name.endswith(("proj.weight",)) for name, _ in fast.model.named_parameters())
     ids = fast.tokenizer.encode("The streaming loader packs each projection as it arrives. " * 3)
     assert len(ids) > INT4_MAX_ROWS

@@ -126,7 +126,7 @@ class Harness:
         while len(seq.block_table) * BLOCK_SIZE < length:
             seq.block_table.append(self.free.pop())
 
-    def step(self, batch: list[tuple[Seq, int]], batched_decode: bool = True) -> list[torch.Tensor]:
+    def step(self, batch: list[tuple[Seq, int]], backend: str = "paged") -> list[torch.Tensor]:
         """Run `num_new` uncached tokens of each sequence in one flat forward; per-sequence logits."""
         ids: list[int] = []
         positions: list[int] = []
@@ -141,7 +141,7 @@ class Harness:
             [n for _, n in batch],
             BLOCK_SIZE,
             "cpu",
-            batched_decode=batched_decode,
+            backend=backend,
         )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv, meta)
@@ -227,24 +227,24 @@ def test_mixed_batch_matches_each_sequence_alone(models: Models) -> None:
         hf_logits(models.hf, d.tokens)[-1:],
         hf_logits(models.hf, p2.tokens),
     ]
-    for batched_decode in (True, False):
+    for backend in ("paged", "reference"):
         for s in (p1, p2, d):  # rerun the same step on both paths (rewrites identical K/V)
             s.num_cached = 0 if s is not d else 11
-        out = harness.step([(p1, 9), (d, 1), (p2, 14)], batched_decode=batched_decode)
+        out = harness.step([(p1, 9), (d, 1), (p2, 14)], backend=backend)
         for ours, ref in zip(out, refs, strict=True):
             assert_close(ours, ref)
 
 
-def test_batched_decode_equals_reference_loop(models: Models) -> None:
+def test_paged_decode_equals_reference_loop(models: Models) -> None:
     harness = Harness(models.ours)
     seqs = [Seq(prompt(n, seed=20 + n)) for n in (3, 9, 6, 13)]  # different lengths: padding mask in use
     harness.step([(s, len(s.tokens)) for s in seqs])
     for s in seqs:
         s.tokens.append(int(prompt(1, seed=40 + len(s.tokens))[0]))
-    fast = harness.step([(s, 1) for s in seqs], batched_decode=True)
+    fast = harness.step([(s, 1) for s in seqs], backend="paged")
     for s in seqs:
         s.num_cached -= 1
-    loop = harness.step([(s, 1) for s in seqs], batched_decode=False)
+    loop = harness.step([(s, 1) for s in seqs], backend="reference")
     for f, ref_loop, s in zip(fast, loop, seqs, strict=True):
         assert (f - ref_loop).abs().max().item() <= 1e-5
         assert_close(f[-1], hf_logits(models.hf, s.tokens)[-1])

@@ -67,23 +67,38 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.refcount = [0] * num_blocks  # holders: sequences + (1 if tree_tokens > 0)
         self.tree_tokens = [0] * num_blocks  # tree positions whose slot lies in the block
-        self._free = list(range(num_blocks - 1, -1, -1))  # stack: low ids come out first
+        # Free blocks: a stack (low ids come out first) with lazy deletion: allocate(prefer=b) takes b
+        # out of the middle by clearing is_free[b] only, so the stack may hold stale entries, which
+        # pop skips. Every free block has at least one entry; compaction bounds the stale ones.
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._is_free = [True] * num_blocks
+        self._num_free = num_blocks
         self._num_evictable = 0  # running count of blocks held by the tree only
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_evictable(self) -> int:
         return self._num_evictable
 
     def free_blocks(self) -> list[int]:
-        return list(self._free)
+        """The free blocks the stack can hand out (each once)."""
+        return list(dict.fromkeys(b for b in self._free if self._is_free[b]))
 
-    def allocate(self) -> int:
-        block = self._free.pop()
+    def allocate(self, prefer: int | None = None) -> int:
+        """A free block: `prefer` if it is free (keeps a sequence's blocks consecutive), else the top
+        of the stack. The caller checked num_free > 0."""
+        if prefer is not None and 0 <= prefer < len(self._is_free) and self._is_free[prefer]:
+            block = prefer
+        else:
+            block = self._free.pop()
+            while not self._is_free[block]:  # a stale entry (taken by prefer)
+                block = self._free.pop()
         assert self.refcount[block] == 0 and self.tree_tokens[block] == 0
+        self._is_free[block] = False
+        self._num_free -= 1
         self.refcount[block] = 1
         return block
 
@@ -116,6 +131,11 @@ class BlockPool:
         self._num_evictable += self.is_evictable(block) - was_evictable
         if d_ref < 0 and self.refcount[block] == 0:
             self._free.append(block)
+            self._is_free[block] = True
+            self._num_free += 1
+            if len(self._free) > 2 * len(self._is_free):  # drop stale and repeated entries, keep LIFO order
+                live = dict.fromkeys(b for b in reversed(self._free) if self._is_free[b])
+                self._free = list(reversed(live))
 
 
 class KVCacheManager:
@@ -132,6 +152,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.tree = RadixCache(self.pool, block_size)
         self._tables: dict[int, list[int]] = {}  # seq_id -> block ids, logical order
+        self._runs: dict[int, int] = {}  # seq_id -> leading blocks known to be consecutive ids
         self._copy_ops: list[tuple[int, int]] = []  # pending (src_slot, dst_slot), in order
 
     # ---- accounting ---------------------------------------------------------------------------
@@ -160,6 +181,21 @@ class KVCacheManager:
 
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._tables[seq_id])
+
+    def block_table_view(self, seq_id: int) -> Sequence[int]:
+        """The live table, not a copy (O(1)): for readers within one step that do not keep it."""
+        return self._tables[seq_id]
+
+    def first_run_length(self, seq_id: int) -> int:
+        """How many leading blocks of the sequence's table are consecutive ids (its KV is then one
+        contiguous range of slots). Kept up to date as the table grows: O(new blocks), not O(table)."""
+        table, run = self._tables[seq_id], self._runs[seq_id]
+        if run == len(table) or run == 0:  # the run may have grown with the table
+            run = max(run, 1 if table else 0)
+            while run < len(table) and table[run] == table[run - 1] + 1:
+                run += 1
+            self._runs[seq_id] = run
+        return run
 
     def slots(self, seq_id: int, start: int, end: int) -> list[int]:
         """Slot ids of positions [start, end) of the sequence."""
@@ -218,12 +254,13 @@ class KVCacheManager:
         if num_copies:
             table = []
             for i, shared in enumerate(plan):
-                block = self._allocate() if shared is None else shared
+                block = self._allocate(after=table[-1] if table else None) if shared is None else shared
                 table.append(block)
                 if shared is None:
                     for p in range(i * bs, min((i + 1) * bs, n)):
                         self._copy_ops.append((cached_slots[p], block * bs + p % bs))
         self._tables[seq_id] = table
+        self._runs[seq_id] = 0
         self.tree.touch(nodes)
         return match
 
@@ -238,11 +275,12 @@ class KVCacheManager:
         if not self.can_allocate(need):
             return False
         self.tree.evict(need)
-        table.extend(self._allocate() for _ in range(need))
+        for _ in range(need):  # prefer the block right after the last: the KV stays one run of slots
+            table.append(self._allocate(after=table[-1] if table else None))
         return True
 
-    def _allocate(self) -> int:
-        block = self.pool.allocate()
+    def _allocate(self, after: int | None = None) -> int:
+        block = self.pool.allocate(prefer=None if after is None else after + 1)
         if self._copy_ops:  # copies still queued into this block's previous life are dead
             bs = self.block_size
             self._copy_ops = [op for op in self._copy_ops if op[1] // bs != block]
@@ -267,6 +305,7 @@ class KVCacheManager:
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references (finish, abort, preemption). Unknown ids: no-op."""
+        self._runs.pop(seq_id, None)
         for block in self._tables.pop(seq_id, ()):
             self.pool.decref(block)
 
@@ -290,6 +329,6 @@ class KVCacheManager:
         assert holders == pool.refcount, "refcounts != recomputed holders"
         # 3. free list and the evictable count
         free = pool.free_blocks()
-        assert len(free) == len(set(free)), "block on the free list twice"
+        assert len(free) == pool.num_free, "free count drifted from the free stack"
         assert set(free) == {b for b, r in enumerate(holders) if r == 0}, "free list != unheld blocks"
         assert pool.num_evictable == sum(pool.is_evictable(b) for b in range(self.num_blocks))

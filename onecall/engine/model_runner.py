@@ -2,8 +2,8 @@
 
 The only engine module that touches tensors. Per step it
   1. applies the KV manager's pending copy-on-write slot copies,
-  2. flattens every scheduled chunk into one packed batch (input ids, positions,
-     block tables, sequence and query lengths -> AttentionMetadata),
+  2. flattens every scheduled chunk into one packed batch, decode rows first (input ids,
+     positions, block tables, sequence and query lengths -> AttentionMetadata),
   3. runs the model once, and
   4. returns the logits at the last fed position of each sequence that samples.
 """
@@ -18,6 +18,7 @@ from onecall.engine.kv_cache import KVCacheManager
 from onecall.engine.scheduler import ScheduledSeq
 from onecall.model.attention import build_attention_metadata
 from onecall.model.decoder import DecoderLM
+from onecall.model.fast_linear import decode_rows
 from onecall.model.kv_cache import PagedKVCache
 
 
@@ -38,30 +39,41 @@ class ModelRunner:
         if copies:
             self.kv_cache.copy_slots([s for s, _ in copies], [d for _, d in copies])
 
-        # 2. pack the chunks
+        # 2. pack the chunks, decode rows first: the fast kernels run a request's decode tokens and its
+        #    prompt tokens on fixed kernels whatever else is in the batch (fast_linear.decode_rows)
+        order = sorted(range(len(batch)), key=lambda i: batch[i].seq.is_prefilling)  # stable
+        num_decode = sum(not batch[i].seq.is_prefilling for i in order)
         input_ids: list[int] = []
         positions: list[int] = []
-        block_tables: list[list[int]] = []
+        block_tables: list[Seq[int]] = []
+        run_lengths: list[int] = []
         seq_lens: list[int] = []
         query_lens: list[int] = []
-        sample_rows: list[int] = []
-        for item in batch:
+        last_row: dict[int, int] = {}  # batch index -> its last row in the packed batch
+        for i in order:
+            item = batch[i]
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            block_tables.append(self.kv.block_table(seq.seq_id))
+            block_tables.append(self.kv.block_table_view(seq.seq_id))  # no copy: read-only here
+            run_lengths.append(self.kv.first_run_length(seq.seq_id))
             seq_lens.append(start + n)
             query_lens.append(n)
-            if item.samples:
-                sample_rows.append(len(input_ids) - 1)
-        meta = build_attention_metadata(block_tables, seq_lens, query_lens, self.kv.block_size, self.device)
+            last_row[i] = len(input_ids) - 1
+        sample_rows = [last_row[i] for i, item in enumerate(batch) if item.samples]
+        meta = build_attention_metadata(
+            block_tables, seq_lens, query_lens, self.kv.block_size, self.device, run_lengths=run_lengths
+        )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
 
         # 3. one forward over the packed batch; 4. logits only where a token is sampled
-        hidden = self.model(ids_t, pos_t, self.kv_cache, meta)  # (num_tokens, hidden_size)
+        with decode_rows(num_decode):
+            hidden = self.model(ids_t, pos_t, self.kv_cache, meta)  # (num_tokens, hidden_size)
         if not sample_rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        if sample_rows == list(range(len(sample_rows))) and len(sample_rows) == hidden.shape[0]:
+            return self.model.compute_logits(hidden)  # every row samples (pure decode): no gather
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))

@@ -1,17 +1,30 @@
 """Attention over the paged KV cache, with the per-step metadata it needs.
 
-A step's batch is flat: sequence i contributes query_lens[i] consecutive tokens
-whose positions are seq_lens[i] - query_lens[i] ... seq_lens[i] - 1 (seq_lens is
-the KV length after this step: cached prefix + new tokens). Everything that
-depends only on the step (slots to write, slots to read, masks) is built once in
-`build_attention_metadata`, then reused by every layer.
+A step's batch is flat: sequence i contributes query_len consecutive tokens (rows
+q_start:q_end) whose positions are seq_len - query_len ... seq_len - 1 (seq_len is the KV
+length after this step: cached prefix + new tokens). A prefill chunk and a decode row are
+the same thing with different query_len, so one mixed batch needs no special cases.
+Everything that depends only on the step (slots to write, where each sequence's KV lives,
+masks) is built once in `build_attention_metadata` and reused by every layer.
 
-Two paths compute the same thing:
-- the reference loop, one sequence at a time: gather its KV slots, SDPA with a
-  causal mask shifted by the cached length (obviously correct; used for prefill);
-- batched decode: every sequence with query_len == 1 in one padded SDPA with a
-  key-padding mask. `batched_decode=False` turns it off, so tests can hold the
-  fast path against the loop.
+Backends (one switch, `AttentionMetadata.backend`), all computing the same thing:
+
+    | backend     | reads a sequence's KV                             | per layer            |
+    |-------------|---------------------------------------------------|----------------------|
+    | "reference" | gathers its slots one by one (index_select)       | one SDPA per seq     |
+    | "paged"     | in place: a strided view of the cache when its    | one SDPA per seq     |
+    |             | blocks are one run (the allocator keeps them so),  |                      |
+    |             | else a gather of whole blocks                     |                      |
+    | "triton"    | in place, through the block table, in the kernel  | one kernel per batch |
+
+"reference" is the oracle the tests hold the others against. "paged" is the CPU default: on
+a CPU, SDPA over a view of the cache reads each KV byte once (measured against the other
+choices in the README's attention table). "triton" (model/triton_attention.py) is the CUDA
+path; its numerics run on CPU under TRITON_INTERPRET=1 in the tests.
+
+Batch invariance: on "paged" and "reference" a sequence's attention is computed by a call that
+sees only that sequence (its own query rows, its own KV, its own mask), so its result does not
+depend on what else shares the step.
 """
 
 from __future__ import annotations
@@ -22,47 +35,61 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from onecall.model import native
 from onecall.model.kv_cache import PagedKVCache
+
+ATTENTION_BACKENDS = ("reference", "paged", "triton")
 
 
 @dataclass
-class DecodeBatch:
-    """The query_len == 1 sequences of a step, padded to one (num_decodes, max_len) grid."""
+class SeqSpan:
+    """One sequence of the step, as attention sees it."""
 
-    seq_ids: list[int]  # which sequences of the step (indices into query_lens)
-    token_idx: torch.Tensor  # (num_decodes,) int64: their token's row in the flat batch
-    slots: torch.Tensor  # (num_decodes * max_len,) int64 KV slots, row-major; padding points at slot 0
-    max_len: int
-    mask: torch.Tensor | None  # (num_decodes, 1, 1, max_len) bool, True = attend; None if no padding
-    covers_all: bool  # the decodes are the whole batch, in order (no scatter needed)
+    q_start: int  # its query rows in the flat batch: q_start:q_end
+    q_end: int
+    seq_len: int  # KV length after this step (cached + new)
+    kv_start: int  # "paged": first slot of its KV when its blocks form one run, else -1
+    blocks: torch.Tensor | None  # "paged", not one run: (num_blocks,) int64 block ids, in order
+    slots: torch.Tensor | None  # "reference": (seq_len,) int64 slots of its whole KV
+    # (query_len, seq_len) bool, True = attend: only when 1 < query_len < seq_len (a chunk after a
+    # cached prefix). One query sees everything; query_len == seq_len is SDPA's own is_causal.
+    mask: torch.Tensor | None
+
+    @property
+    def query_len(self) -> int:
+        return self.q_end - self.q_start
+
+
+@dataclass
+class DecodeRows:
+    """ "paged" on CPU: the step's one-query sequences, for one native kernel call per layer that reads
+    their KV in place through the block tables (model/native.py)."""
+
+    seq_index: list[int]  # which of meta.seqs
+    rows: torch.Tensor  # (n,) int64: their rows in the flat batch
+    rows_are_prefix: bool  # rows == 0..n-1 (the engine puts decode rows first): slice, no gather
+    block_tables: torch.Tensor  # (n, max_blocks) int32, padded with 0
+    seq_lens: torch.Tensor  # (n,) int32
 
 
 @dataclass
 class AttentionMetadata:
     """Per-step attention inputs, shared by all layers."""
 
+    backend: str
     slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot where each new token's K/V goes
-    query_lens: list[int]
-    seq_lens: list[int]
-    query_starts: list[int]  # (num_seqs + 1): sequence i's tokens are rows query_starts[i]:query_starts[i+1]
-    loop_seq_ids: list[int]  # sequences taken by the reference loop
-    kv_slots: dict[int, torch.Tensor]  # loop sequence -> (seq_len,) int64 slots of its whole KV
-    # loop sequence -> (query_len, seq_len) bool, True = attend. None when there is one query (it sees
-    # everything) or no cached prefix (then SDPA's own is_causal applies: query_len == seq_len).
-    causal_masks: dict[int, torch.Tensor | None]
-    decode: DecodeBatch | None  # batched-decode sequences, or None
+    seqs: list[SeqSpan]
+    block_size: int
+    # "triton" only: the whole batch as tensors on the device
+    block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int32, padded with 0
+    seq_lens_t: torch.Tensor | None = None  # (num_seqs,) int32
+    query_starts_t: torch.Tensor | None = None  # (num_seqs + 1,) int32
+    max_query_len: int = 0
+    decode: DecodeRows | None = None  # "paged" on CPU with the native kernels: the one-query sequences
 
     @property
     def num_tokens(self) -> int:
-        return self.query_starts[-1]
-
-
-def _seq_slots(block_table: Sequence[int], seq_len: int, block_size: int) -> torch.Tensor:
-    """(seq_len,) int64 slots of positions 0..seq_len-1, on CPU."""
-    num_blocks = -(-seq_len // block_size)
-    assert len(block_table) >= num_blocks, f"block table has {len(block_table)} blocks, needs {num_blocks}"
-    blocks = torch.tensor(block_table[:num_blocks], dtype=torch.int64)
-    return (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:seq_len]
+        return self.seqs[-1].q_end if self.seqs else 0
 
 
 def _causal_mask(query_len: int, seq_len: int) -> torch.Tensor:
@@ -71,80 +98,120 @@ def _causal_mask(query_len: int, seq_len: int) -> torch.Tensor:
     return torch.ones(query_len, seq_len, dtype=torch.bool).tril(diagonal=cached)
 
 
+def first_run_length(block_table: Sequence[int]) -> int:
+    """How many leading blocks of the table are consecutive ids (table[i] == table[0] + i)."""
+    n = 1 if block_table else 0
+    while n < len(block_table) and block_table[n] == block_table[n - 1] + 1:
+        n += 1
+    return n
+
+
 def build_attention_metadata(
     block_tables: Sequence[Sequence[int]],
     seq_lens: Sequence[int],
     query_lens: Sequence[int],
     block_size: int,
     device: torch.device | str,
-    batched_decode: bool = True,
+    backend: str = "paged",
+    run_lengths: Sequence[int] | None = None,
 ) -> AttentionMetadata:
-    """Build a step's metadata. block_tables[i][j] = physical block of positions j*block_size... of seq i."""
+    """Build a step's metadata. block_tables[i][j] = physical block of positions j*block_size... of seq i.
+
+    `run_lengths[i]` (optional): how many leading blocks of table i are one run, when the caller
+    tracks it incrementally (the engine's KV manager does); otherwise it is computed here.
+    """
+    assert backend in ATTENTION_BACKENDS, f"unknown attention backend {backend!r}"
     assert len(block_tables) == len(seq_lens) == len(query_lens), (
         "one block table, seq_len, query_len per seq"
     )
-    # 1. Slots of every sequence's whole KV; the new tokens' slots are its tail.
-    all_slots = [_seq_slots(bt, s, block_size) for bt, s in zip(block_tables, seq_lens, strict=True)]
-    for q, s in zip(query_lens, seq_lens, strict=True):
-        assert 1 <= q <= s, f"query_len {q} must be in [1, seq_len {s}]"
-    slot_mapping = torch.cat(
-        [slots[s - q :] for slots, s, q in zip(all_slots, seq_lens, query_lens, strict=True)]
+    device = torch.device(device)
+    slot_parts: list[torch.Tensor] = []
+    seqs: list[SeqSpan] = []
+    q_start = 0
+    for i, (table, seq_len, query_len) in enumerate(zip(block_tables, seq_lens, query_lens, strict=True)):
+        assert 1 <= query_len <= seq_len, f"query_len {query_len} must be in [1, seq_len {seq_len}]"
+        num_blocks = -(-seq_len // block_size)
+        assert len(table) >= num_blocks, f"block table has {len(table)} blocks, needs {num_blocks}"
+        # 1. slots of the new tokens (positions seq_len - query_len .. seq_len - 1)
+        first = seq_len - query_len
+        if query_len == 1:
+            slot_parts.append(torch.tensor([table[first // block_size] * block_size + first % block_size]))
+        else:
+            slot_parts.append(_slots(table, first, seq_len, block_size))
+        # 2. where its whole KV lives, per backend
+        kv_start, blocks, slots = -1, None, None
+        if backend == "reference":
+            slots = _slots(table, 0, seq_len, block_size).to(device)
+        elif backend == "paged":
+            run = first_run_length(table) if run_lengths is None else run_lengths[i]
+            if run >= num_blocks:
+                kv_start = table[0] * block_size
+            else:
+                blocks = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
+        mask = None
+        if backend != "triton" and 1 < query_len < seq_len:
+            mask = _causal_mask(query_len, seq_len).to(device)
+        seqs.append(SeqSpan(q_start, q_start + query_len, seq_len, kv_start, blocks, slots, mask))
+        q_start += query_len
+    slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64)
+    meta = AttentionMetadata(backend, slot_mapping.to(device), seqs, block_size)
+    if backend == "paged" and device.type == "cpu" and native.load() is not None:
+        meta.decode = _decode_rows(seqs, block_tables, block_size)
+    if backend == "triton":
+        _add_triton_tensors(meta, block_tables, seq_lens, query_lens, device)
+    return meta
+
+
+def _slots(table: Sequence[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """(end - start,) int64 slots of positions start..end-1, on CPU."""
+    first_block, last_block = start // block_size, -(-end // block_size)
+    blocks = torch.tensor(table[first_block:last_block], dtype=torch.int64)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+    offset = start - first_block * block_size
+    return slots[offset : offset + end - start]
+
+
+def _decode_rows(
+    seqs: list[SeqSpan], block_tables: Sequence[Sequence[int]], block_size: int
+) -> DecodeRows | None:
+    index = [i for i, s in enumerate(seqs) if s.query_len == 1]
+    if not index:
+        return None
+    max_blocks = max(-(-seqs[i].seq_len // block_size) for i in index)
+    tables = torch.zeros(len(index), max_blocks, dtype=torch.int32)
+    for row, i in enumerate(index):
+        n = -(-seqs[i].seq_len // block_size)
+        tables[row, :n] = torch.tensor(block_tables[i][:n], dtype=torch.int32)
+    rows = [seqs[i].q_start for i in index]
+    return DecodeRows(
+        seq_index=index,
+        rows=torch.tensor(rows, dtype=torch.int64),
+        rows_are_prefix=rows == list(range(len(rows))),
+        block_tables=tables,
+        seq_lens=torch.tensor([seqs[i].seq_len for i in index], dtype=torch.int32),
     )
-    query_starts = [0]
-    for q in query_lens:
-        query_starts.append(query_starts[-1] + q)
-
-    # 2. Split: query_len == 1 sequences go to the batched decode path (if on), the rest to the loop.
-    decode_ids = [i for i, q in enumerate(query_lens) if q == 1] if batched_decode else []
-    decode_set = set(decode_ids)
-    loop_ids = [i for i in range(len(query_lens)) if i not in decode_set]
-    decode = (
-        _build_decode_batch(decode_ids, all_slots, seq_lens, query_starts, device) if decode_ids else None
-    )
-
-    # 3. The loop's per-sequence gather indices and causal masks.
-    return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        query_lens=list(query_lens),
-        seq_lens=list(seq_lens),
-        query_starts=query_starts,
-        loop_seq_ids=loop_ids,
-        kv_slots={i: all_slots[i].to(device) for i in loop_ids},
-        causal_masks={
-            i: _causal_mask(query_lens[i], seq_lens[i]).to(device)
-            if 1 < query_lens[i] < seq_lens[i]
-            else None
-            for i in loop_ids
-        },
-        decode=decode,
-    )
 
 
-def _build_decode_batch(
-    seq_ids: list[int],
-    all_slots: list[torch.Tensor],
+def _add_triton_tensors(
+    meta: AttentionMetadata,
+    block_tables: Sequence[Sequence[int]],
     seq_lens: Sequence[int],
-    query_starts: list[int],
-    device: torch.device | str,
-) -> DecodeBatch:
-    lens = [seq_lens[i] for i in seq_ids]
-    max_len = max(lens)
-    slots = torch.zeros(len(seq_ids), max_len, dtype=torch.int64)  # padding -> slot 0, masked out
-    for row, i in enumerate(seq_ids):
-        slots[row, : lens[row]] = all_slots[i]
-    mask = None
-    if min(lens) != max_len:
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-        mask = (torch.arange(max_len)[None, :] < lens_t[:, None])[:, None, None, :]
-    token_idx = [query_starts[i] for i in seq_ids]
-    return DecodeBatch(
-        seq_ids=seq_ids,
-        token_idx=torch.tensor(token_idx, dtype=torch.int64, device=device),
-        slots=slots.reshape(-1).to(device),
-        max_len=max_len,
-        mask=None if mask is None else mask.to(device),
-        covers_all=token_idx == list(range(query_starts[-1])),
-    )
+    query_lens: Sequence[int],
+    device: torch.device,
+) -> None:
+    bs = meta.block_size
+    max_blocks = max(-(-s // bs) for s in seq_lens)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for i, (table, seq_len) in enumerate(zip(block_tables, seq_lens, strict=True)):
+        n = -(-seq_len // bs)
+        tables[i, :n] = torch.tensor(table[:n], dtype=torch.int32)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    meta.block_tables = tables.to(device)
+    meta.seq_lens_t = torch.tensor(list(seq_lens), dtype=torch.int32, device=device)
+    meta.query_starts_t = torch.tensor(starts, dtype=torch.int32, device=device)
+    meta.max_query_len = max(query_lens)
 
 
 def paged_attention(
@@ -165,51 +232,77 @@ def paged_attention(
     k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # (num_slots, num_kv_heads, head_dim)
     k_cache.index_copy_(0, meta.slot_mapping, k_new)
     v_cache.index_copy_(0, meta.slot_mapping, v_new)
+    if meta.backend == "triton":
+        from onecall.model.triton_attention import triton_paged_attention
 
-    d = meta.decode
-    if d is not None and d.covers_all:
-        return _decode_attention(q, k_cache, v_cache, d, scale)
-    out = torch.empty_like(q)
+        return triton_paged_attention(q, k_cache, v_cache, meta, scale)
+
+    d = meta.decode if k_cache.dtype == torch.float32 else None
+    done: set[int] = set()
+    out: torch.Tensor | None = None
     if d is not None:
-        out.index_copy_(
-            0, d.token_idx, _decode_attention(q.index_select(0, d.token_idx), k_cache, v_cache, d, scale)
-        )
-    for i in meta.loop_seq_ids:
-        start, end = meta.query_starts[i], meta.query_starts[i + 1]
-        slots = meta.kv_slots[i]
-        k = k_cache.index_select(0, slots).transpose(0, 1)  # (num_kv_heads, seq_len, head_dim)
-        v = v_cache.index_select(0, slots).transpose(0, 1)
-        # 4-D inputs (a batch of one): CPU SDPA takes its flash kernel only for 4-D tensors; with
-        # 3-D ones it falls back to the math path, 5x slower at a 1,024-token prefill.
-        o = F.scaled_dot_product_attention(
-            q[None, start:end].transpose(1, 2),  # (1, num_heads, query_len, head_dim)
-            k[None],
-            v[None],
-            attn_mask=meta.causal_masks[i],
-            is_causal=1 < end - start == meta.seq_lens[i],
-            scale=scale,
-            enable_gqa=True,
-        )[0]
-        out[start:end] = o.transpose(0, 1)
+        lib = native.load()
+        assert lib is not None
+        n = len(d.seq_index)
+        q_dec = q[:n] if d.rows_are_prefix else q.index_select(0, d.rows)
+        o_dec = native.paged_decode_attention(
+            lib, q_dec, k_cache, v_cache, d.block_tables, d.seq_lens, meta.block_size, scale,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if n == len(meta.seqs):
+            return o_dec
+        out = torch.empty_like(q)
+        if d.rows_are_prefix:
+            out[:n] = o_dec
+        else:
+            out.index_copy_(0, d.rows, o_dec)
+        done = set(d.seq_index)
+    elif len(meta.seqs) == 1:  # the whole batch is one sequence: no scatter into `out`
+        return _attend(q, k_cache, v_cache, meta.seqs[0], meta.block_size, scale)
+    if out is None:
+        out = torch.empty_like(q)
+    for i, s in enumerate(meta.seqs):
+        if i not in done:
+            out[s.q_start : s.q_end] = _attend(
+                q[s.q_start : s.q_end], k_cache, v_cache, s, meta.block_size, scale
+            )
     return out
 
 
-def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeBatch, scale: float
-) -> torch.Tensor:
-    """One query per sequence, all sequences in one padded SDPA. q: (num_decodes, num_heads, head_dim).
+def _sequence_kv(cache: torch.Tensor, s: SeqSpan, block_size: int) -> torch.Tensor:
+    """(seq_len, num_kv_heads, head_dim): the sequence's K or V, a view of the cache when it can be."""
+    if s.kv_start >= 0:
+        return cache[s.kv_start : s.kv_start + s.seq_len]
+    if s.blocks is not None:
+        by_block = cache.view(-1, block_size, *cache.shape[1:])  # (num_blocks, block_size, kv_heads, dim)
+        return by_block.index_select(0, s.blocks).flatten(0, 1)[: s.seq_len]
+    assert s.slots is not None, "metadata has no KV source for this sequence"
+    return cache.index_select(0, s.slots)
 
-    GQA by folding: the `group` query heads that share a KV head become `group` queries of that KV
-    head, (num_decodes, num_kv_heads, group, head_dim). With one query per sequence they all see the
-    same keys, so no mask changes, and no repeated K/V is built (CPU SDPA is 2-3x faster so).
-    """
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    grid = (num_seqs, d.max_len, num_kv_heads, head_dim)
-    # (num_decodes, num_kv_heads, max_len, head_dim)
-    k = k_cache.index_select(0, d.slots).view(grid).transpose(1, 2)
-    v = v_cache.index_select(0, d.slots).view(grid).transpose(1, 2)
-    # Head h = kv_head * group + g, as in transformers' repeat_kv.
-    q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scale)
-    return o.reshape(num_seqs, num_heads, head_dim)
+
+def _attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: SeqSpan, block_size: int, scale: float
+) -> torch.Tensor:
+    """One sequence: q (query_len, num_heads, head_dim) over its KV -> (query_len, num_heads, head_dim)."""
+    query_len, num_heads, head_dim = q.shape
+    k = _sequence_kv(k_cache, s, block_size).transpose(0, 1)[None]  # (1, num_kv_heads, seq_len, head_dim)
+    v = _sequence_kv(v_cache, s, block_size).transpose(0, 1)[None]
+    num_kv_heads = k.shape[1]
+    if query_len == 1:
+        # GQA by folding: the `group` query heads that share a KV head become `group` queries of that
+        # KV head, (1, num_kv_heads, group, head_dim). One query sees every key, so no mask changes and
+        # no repeated K/V is built. Head h = kv_head * group + g, as in transformers' repeat_kv.
+        o = F.scaled_dot_product_attention(q.view(1, num_kv_heads, -1, head_dim), k, v, scale=scale)
+        return o.view(1, num_heads, head_dim)
+    # 4-D inputs (a batch of one): CPU SDPA takes its flash kernel only for 4-D tensors; with 3-D
+    # ones it falls back to the math path, 5x slower at a 1,024-token prefill.
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # (1, num_heads, query_len, head_dim)
+        k,
+        v,
+        attn_mask=s.mask,
+        is_causal=s.mask is None,  # query_len == seq_len here (the other case has a mask)
+        scale=scale,
+        enable_gqa=True,
+    )[0]
+    return o.transpose(0, 1)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from onecall.errors import UnsupportedModelError
+from onecall.model import native
 from onecall.model.attention import AttentionMetadata
 from onecall.model.config import ModelConfig
 from onecall.model.fast_linear import (
@@ -51,14 +52,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv: PagedKVCache,
         layer_idx: int,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer_idx, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the residual stream before the previous layer's MLP output `residual` is added (None in
+        layer 0). Returns (h, this layer's MLP output): adding it is the next norm's first step."""
+        h, x = self.input_layernorm.add_and_norm(h, residual)
+        h, x = self.post_attention_layernorm.add_and_norm(h, self.self_attn(x, cos, sin, kv, layer_idx, meta))
+        return h, self.mlp(x)
 
 
 class DecoderModel(nn.Module):
@@ -115,9 +120,10 @@ class DecoderLM(nn.Module):
         """input_ids, positions: (num_tokens,) int64 -> hidden states (num_tokens, hidden_size)."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
+        residual: torch.Tensor | None = None
         for layer_idx, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv, layer_idx, meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv, layer_idx, meta)
+        return self.model.norm.add_and_norm(h, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> (n, vocab_size) float32."""
@@ -138,8 +144,10 @@ class DecoderLM(nn.Module):
             if isinstance(module, FastLinear):
                 total += module.weight_bytes_read(rows)
         for name, param in self.named_parameters():
-            if name != "model.embed_tokens.weight":
+            if name != "model.embed_tokens.weight" and not (self.fast_lm_head and name == "lm_head.weight"):
                 total += param.numel() * param.element_size()
+        if self.fast_lm_head is not None:
+            return total + self.fast_lm_head.weight_bytes_read()
         out = self._output_weight()
         return total + (out.numel() * out.element_size() if self.lm_head is None else 0)
 
@@ -179,13 +187,17 @@ class DecoderLM(nn.Module):
     def _install(self, packer: StreamingPacker) -> None:
         """Wait for the packer, then record what the projections now run on."""
         self.fast_lm_head, modules = packer.finish(self._output_weight())
+        lib = native.load()
+        if lib is not None:  # residual add + RMSNorm in one native pass
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.native = lib
+        kinds = sorted({k for m in modules if (k := m.int4_kernel) is not None})
         num_int4 = sum(m.has_int4 for m in modules)
-        total = len(modules)
-        self.kernels = (
-            f"onednn float32 + int4 decode ({num_int4} of {total} projections)"
-            if num_int4
-            else "onednn float32"
+        decode = (
+            f" + {'/'.join(kinds)} int4 decode ({num_int4} of {len(modules)} projections)" if kinds else ""
         )
+        self.kernels = f"onednn float32{decode}, {self.fast_lm_head.kernel} logits"
 
     def _part_rows(self) -> dict[str, tuple[int, int]]:
         """Rows of a fused projection that each of its checkpoint parts fills."""

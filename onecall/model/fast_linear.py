@@ -1,46 +1,75 @@
 """Fast CPU matmuls behind one switch (EngineConfig.kernels = "fast"); nn.Linear is the reference.
 
-Decode on a CPU is bound by how fast the weights stream through the cores, and
-torch's default float32 GEMM (MKL) streams them slowly at the skinny shapes of
-decode: measured on this project's 2-core AMD machine (benchmarks/README numbers),
-a batch of 16 tokens through SmolLM2-135M's projections ran at ~20 GFLOP/s. Two
-kernels that ship inside torch do better, and this module picks between them per call:
+Decode on a CPU is bound by how fast the weights stream through the cores; torch's default
+float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection, two kernels:
 
-* oneDNN with the weight prepacked once into its blocked layout
-  (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`): same float32
-  math as the reference (only the summation order differs), ~1.5-2x faster than
-  MKL from batch 1 up to prefill chunks of 512.
-* torch's int4 group-quantized kernel (`_weight_int4pack_mm_for_cpu`) for calls of
-  at most INT4_MAX_ROWS rows, used only when the checkpoint itself stored the weight in
-  4-bit groups of 32 (GGUF Q4_0/Q4_1/Q4_K, see quants.Int4Groups): the same weights as
-  the file, at an eighth of float32's bytes. Its activations, scales and zeros are
-  bfloat16, so its outputs differ from the float32 reference by bfloat16 rounding
-  (tolerance in tests/test_fast_linear.py).
+* prefill rows: oneDNN with the float32 weight prepacked once into its blocked layout
+  (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`). Same float32 math as the
+  reference, only the summation order differs; a row's result does not depend on how many rows
+  share the call (checked in tests), so chunked prefill gives the same bits as one chunk.
+* decode rows, when the checkpoint stored the weight in 4-bit groups of 32 (GGUF Q4_0/Q4_1/Q4_K,
+  see quants.Int4Groups): the file's own 4-bit weights, at an eighth of float32's bytes. The
+  native kernel (model/native.py, csrc/quant_gemm.c: int16 activations per group of 32,
+  exact integer dot products) where it builds, else torch's `_weight_int4pack_mm_for_cpu` (bfloat16
+  activations, scales and zeros). Both are row-independent too.
 
-Numerics are therefore batch-variant on the fast path (a token computed in a small
-decode batch goes through int4, one in a prefill chunk through oneDNN). The
-reference path (`kernels="reference"`) is the oracle the tests compare against.
+Which rows are "decode" is the step's, not the call's: the engine runs each forward inside
+`decode_rows(n)` (the batch's first n rows are decode tokens, the rest prompt tokens), so a
+request's tokens go through the same kernels whatever else shares its batch (batch invariance;
+tests/test_batch_invariance.py). Outside such a scope (tests, the attention probe) a call of at
+most INT4_MAX_ROWS rows counts as decode. The logits (FastLMHead) of a weight stored as Q8_0 run
+the native int8 kernel with float32 activations (exact products; summation order only).
+
+The reference path (`kernels="reference"`) is the oracle the tests compare against.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import ctypes
+import threading
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from onecall.model import native
 from onecall.model.quants import Int4Groups
 
-# Calls with at most this many rows use the int4 kernel when one is available. Its cost grows about
-# linearly with rows while oneDNN's GEMM amortises the weight reads; measured for SmolLM2-135M's
-# projections on 2 cores (all 30 layers, ms): rows 4: int4 21 / oneDNN 53; 12: 43 / 71; 16: 77 / 79.
+# Outside a decode_rows() scope, calls with at most this many rows use the 4-bit kernel.
 INT4_MAX_ROWS = 16
 # oneDNN packs a weight for an expected batch size; any batch works with any packing, but packing for
 # 16 rows ran batch-16 decode 1.3x faster than packing for 1 (67 vs 87 ms) at no cost for 1 row.
 _ONEDNN_PACK_ROWS = 16
 _INT4_INNER_K_TILES = 2  # packing parameter of torch's CPU int4 layout
+# A logits weight counts as stored in int8 groups when re-quantizing it reproduces it to this
+# fraction of its largest magnitude (Q8_0 data: ~1e-7, float32 rounding of the scale; a float weight
+# would be off by up to 1/254 of each group's largest value).
+_Q8_EXACT_RTOL = 2.0**-20
+
+_scope = threading.local()
+
+
+@contextmanager
+def decode_rows(num_rows: int) -> Iterator[None]:
+    """Within this scope, the first `num_rows` rows of every projection call are decode tokens (the
+    4-bit kernel) and the rest prompt tokens (oneDNN). One scope per thread; nesting is refused."""
+    assert getattr(_scope, "num_rows", None) is None, "decode_rows() scopes do not nest"
+    _scope.num_rows = num_rows
+    try:
+        yield
+    finally:
+        _scope.num_rows = None
+
+
+def _num_decode_rows(rows: int) -> int:
+    planned: int | None = getattr(_scope, "num_rows", None)
+    if planned is None:
+        return rows if rows <= INT4_MAX_ROWS else 0
+    assert planned <= rows, f"decode_rows({planned}) but the call has {rows} rows"
+    return planned
 
 
 def onednn_available() -> bool:
@@ -57,8 +86,12 @@ def int4_shape_ok(out_features: int, in_features: int, group_size: int) -> bool:
     return in_features % group_size == 0 and in_features % 2 == 0 and out_features % 16 == 0
 
 
+def _native() -> ctypes.CDLL | None:
+    return native.load()
+
+
 class FastLinear(nn.Module):
-    """A drop-in for a float32 nn.Linear on CPU (see the module docstring for the two kernels)."""
+    """A drop-in for a float32 nn.Linear on CPU (see the module docstring for the kernels)."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Groups | None = None
@@ -73,49 +106,80 @@ class FastLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         # Opaque oneDNN tensor, packed for decode-sized batches (it serves any batch size).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ONEDNN_PACK_ROWS)
+        self.group_size = 0
+        # native q4 kernel: (out, in / 2) uint8 nibbles, (out, in / 32) float32 scale and offset
+        self.q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # torch's int4 kernel: packed weight and (in / group, out, 2) bfloat16 scales and zeros
         self.int4_weight: torch.Tensor | None = None
         self.int4_scale_zeros: torch.Tensor | None = None
-        self.group_size = 0
-        if int4 is not None and int4_shape_ok(self.out_features, self.in_features, int4.group_size):
+        if int4 is not None:
             self._pack_int4(int4)
 
     def _pack_int4(self, g: Int4Groups) -> None:
         assert tuple(g.q.shape) == (self.out_features, self.in_features), (
             "int4 groups do not match the weight"
         )
-        self.group_size = g.group_size
-        self.int4_weight = torch._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32), _INT4_INNER_K_TILES)
-        # torch's layout: w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
-        # (num_groups, out_features, 2) bfloat16
-        scale_zeros = torch.stack((g.scale, g.offset + 8 * g.scale), dim=-1).transpose(0, 1)
-        self.int4_scale_zeros = scale_zeros.contiguous().to(torch.bfloat16)
+        if g.group_size == 32 and self.in_features % 32 == 0 and _native() is not None:
+            self.group_size = 32
+            self.q4 = (native.pack_q4(g.q), g.scale.float().contiguous(), g.offset.float().contiguous())
+        elif int4_shape_ok(self.out_features, self.in_features, g.group_size):
+            self.group_size = g.group_size
+            self.int4_weight = torch._convert_weight_to_int4pack_for_cpu(
+                g.q.to(torch.int32), _INT4_INNER_K_TILES
+            )
+            # torch's layout: w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
+            # (num_groups, out_features, 2) bfloat16
+            scale_zeros = torch.stack((g.scale, g.offset + 8 * g.scale), dim=-1).transpose(0, 1)
+            self.int4_scale_zeros = scale_zeros.contiguous().to(torch.bfloat16)
 
     @property
     def has_int4(self) -> bool:
-        return self.int4_weight is not None
+        return self.q4 is not None or self.int4_weight is not None
+
+    @property
+    def int4_kernel(self) -> str | None:
+        """Which 4-bit kernel decode rows run on: "native", "torch", or None (no 4-bit copy)."""
+        return "native" if self.q4 is not None else "torch" if self.int4_weight is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.int4_weight is not None and x2.shape[0] <= INT4_MAX_ROWS:
-            assert self.int4_scale_zeros is not None
-            y = torch._weight_int4pack_mm_for_cpu(
-                x2.to(torch.bfloat16), self.int4_weight, self.group_size, self.int4_scale_zeros
-            ).float()
-            if self.bias is not None:
-                y += self.bias
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
+        rows = x2.shape[0]
+        num_small = _num_decode_rows(rows) if self.has_int4 else 0
+        if num_small == rows:
+            y = self._int4(x2)
+        elif num_small == 0:
+            y = self._onednn(x2)
+        else:  # a mixed step: decode rows first, prompt rows after
+            y = torch.cat((self._int4(x2[:num_small]), self._onednn(x2[num_small:])))
         return y.view(*lead, self.out_features)
 
+    def _onednn(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
+
+    def _int4(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.q4 is not None:
+            lib = _native()
+            assert lib is not None
+            qs, scale, offset = self.q4
+            return native.q4_gemm(lib, x2.contiguous(), qs, scale, offset, self.bias, torch.get_num_threads())
+        assert self.int4_weight is not None and self.int4_scale_zeros is not None
+        y = torch._weight_int4pack_mm_for_cpu(
+            x2.to(torch.bfloat16), self.int4_weight, self.group_size, self.int4_scale_zeros
+        ).float()
+        if self.bias is not None:
+            y += self.bias
+        return y
+
     def weight_bytes_read(self, rows: int) -> int:
-        """Bytes of weights one call over `rows` rows streams (int4 data + bf16 scales, or float32)."""
-        if self.int4_weight is not None and self.int4_scale_zeros is not None and rows <= INT4_MAX_ROWS:
-            return _nbytes(self.int4_weight) + _nbytes(self.int4_scale_zeros)
+        """Bytes of weights one call over `rows` rows (outside a decode_rows scope) streams."""
+        if self.has_int4 and rows <= INT4_MAX_ROWS:
+            parts = self.q4 if self.q4 is not None else (self.int4_weight, self.int4_scale_zeros)
+            return sum(_nbytes(t) for t in parts if t is not None)
         return self.in_features * self.out_features * 4
 
     def extra_repr(self) -> str:
-        kind = f"int4 g{self.group_size} (<= {INT4_MAX_ROWS} rows) + onednn" if self.has_int4 else "onednn"
+        kind = f"{self.int4_kernel} int4 g{self.group_size} decode + onednn" if self.has_int4 else "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, kernels={kind}"
 
 
@@ -124,18 +188,39 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class FastLMHead(nn.Module):
-    """The logits projection over a oneDNN-prepacked copy of the (possibly tied) output weight."""
+    """The logits projection: the native int8 kernel when the (possibly tied) output weight was stored
+    as Q8_0 (checked by re-quantizing it), else a oneDNN-prepacked float32 copy."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().float().contiguous(), _ONEDNN_PACK_ROWS
-        )
+        w = weight.detach().float().contiguous()
+        self.num_weights = w.numel()
+        self.q8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.packed: torch.Tensor | None = None
+        if w.shape[1] % 32 == 0 and _native() is not None:
+            q, scale = native.quantize_q8_groups(w)
+            err = (q.view(w.shape[0], -1, 32).float() * scale.unsqueeze(-1)).view_as(w).sub_(w).abs_().max()
+            if float(err) <= _Q8_EXACT_RTOL * float(w.abs().max()):
+                self.q8 = (q, scale)
+        if self.q8 is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _ONEDNN_PACK_ROWS)
+
+    @property
+    def kernel(self) -> str:
+        return "native q8" if self.q8 is not None else "onednn float32"
+
+    def weight_bytes_read(self) -> int:
+        if self.q8 is not None:
+            return sum(_nbytes(t) for t in self.q8)
+        return self.num_weights * 4
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(
-            hidden.float().contiguous(), self.packed, None, "none", [], ""
-        )
+        x = hidden.float().contiguous()
+        if self.q8 is not None:
+            lib = _native()
+            assert lib is not None
+            return native.q8_gemm(lib, x, *self.q8, None, torch.get_num_threads())
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
 @dataclass

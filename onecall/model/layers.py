@@ -10,10 +10,13 @@ by the AttentionMetadata only.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onecall.model import native
 from onecall.model.attention import AttentionMetadata, paged_attention
 from onecall.model.config import ModelConfig
 from onecall.model.kv_cache import PagedKVCache
@@ -34,6 +37,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        # Set by the fast kernels (float32 CPU): add_and_norm runs as one native pass.
+        self.native: ctypes.CDLL | None = None
+
+    def add_and_norm(
+        self, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm step: h + residual (h is updated in place on the native path: it must be a
+        tensor the forward owns), and its norm. Returns (new h, norm(new h))."""
+        if self.native is not None:
+            return h, native.add_rms_norm(self.native, h, residual, self.weight, self.eps)
+        if residual is not None:
+            h = h + residual
+        return h, self(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

@@ -1,0 +1,345 @@
+/* onecall's native CPU kernels: matrix products over weights kept as the GGUF stored them.
+ *
+ * Built at first use by model/native.py (gcc -O3 -mavx2 -mfma -fopenmp), cached on disk, loaded
+ * with ctypes. The OpenMP runtime here is the libgomp torch has already loaded (same soname), so
+ * these loops run on torch's thread pool rather than spinning up a second one beside it.
+ *
+ * Numerics:
+ *   q4 (the projections): each activation row is quantized per group of 32 to int16 with a float32
+ *   step (absmax / 32767, round to nearest: relative error <= 1.5e-5 of the group's largest value,
+ *   finer than bfloat16's 2^-9 per value; llama.cpp's int8 steps measurably changed SmolLM2's greedy
+ *   text); weight x activation products are exact integer dot products (madd), scaled by weight
+ *   scale x activation step in float32. The offset term uses the exact float32 sum of each group.
+ *   q8 (the logits): activations stay float32; only the summation order differs from float32 math.
+ *   Tolerances against the float32 reference are written down in tests/test_native_kernels.py.
+ *
+ * Batch invariance: every activation row goes through the same operations in the same order
+ * whatever the number of rows M in the call, so a row's result never depends on its neighbours.
+ *
+ * Layouts (groups of 32 along K; K % 32 == 0):
+ *   q4: qs (N, K/2) uint8; in group g of row n, byte j (0..15) holds q[g*32 + j] in its low nibble
+ *       and q[g*32 + 16 + j] in its high nibble. w = q * scale[n, g] + offset[n, g], q in 0..15.
+ *   q8: q (N, K) int8. w = q * scale[n, g].
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define ROW_TILE 4  /* activation rows that share one load of a weight group */
+#define ACT_MAX 32767.0f /* activations are quantized to int16 steps of absmax / ACT_MAX per group */
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+typedef struct {
+    int16_t *q;  /* (M, K) */
+    float *d;    /* (M, G): activation step per group */
+    float *sum;  /* (M, G): float32 sum per group */
+} QuantRows;
+
+static void free_rows(QuantRows *r) {
+    free(r->q);
+    free(r->d);
+    free(r->sum);
+}
+
+/* Quantize x (M, K) to int16 per group of 32 (scalar code: K values per row, small next to the weights). */
+static int quantize_rows(const float *x, int64_t M, int64_t K, QuantRows *r) {
+    const int64_t G = K / 32;
+    r->q = malloc(sizeof(int16_t) * (size_t)(M * K));
+    r->d = malloc(sizeof(float) * (size_t)(M * G));
+    r->sum = malloc(sizeof(float) * (size_t)(M * G));
+    if (!r->q || !r->d || !r->sum) {
+        free_rows(r);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *p = x + m * K + g * 32;
+            float amax = 0.0f, s = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                const float a = fabsf(p[j]);
+                amax = a > amax ? a : amax;
+                s += p[j];
+            }
+            const float d = amax / ACT_MAX, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int16_t *out = r->q + m * K + g * 32;
+            for (int j = 0; j < 32; j++) out[j] = (int16_t)nearbyintf(p[j] * inv);
+            r->d[m * G + g] = d;
+            r->sum[m * G + g] = s;
+        }
+    return 0;
+}
+
+/* y (M, N) = x (M, K) @ W^T (+ bias), W in the q4 layout. 0 on success, -1 out of memory. */
+int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *scale,
+                    const float *offset, int64_t N, const float *bias, float *y, int num_threads) {
+    const int64_t G = K / 32;
+    QuantRows r;
+    if (quantize_rows(x, M, K, &r)) return -1;
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qrow = qs + n * (K / 2);
+        const float *srow = scale + n * G, *orow = offset + n * G;
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+            const int rows = (int)(M - m0 < ROW_TILE ? M - m0 : ROW_TILE);
+            __m256 acc[ROW_TILE];
+            for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t g = 0; g < G; g++) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(qrow + g * 16));
+                /* q of columns 0..15 and 16..31 of the group, as int16 */
+                const __m256i w_lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low4));
+                const __m256i w_hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4));
+                for (int i = 0; i < rows; i++) {
+                    const int64_t m = m0 + i;
+                    const int16_t *xq = r.q + m * K + g * 32;
+                    /* (8,) int32: exact, |sum| <= 32 * 15 * 32767 */
+                    const __m256i dot = _mm256_add_epi32(
+                        _mm256_madd_epi16(w_lo, _mm256_loadu_si256((const __m256i *)xq)),
+                        _mm256_madd_epi16(w_hi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+                    const __m256 ds = _mm256_set1_ps(srow[g] * r.d[m * G + g]);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[i]);
+                }
+            }
+            for (int i = 0; i < rows; i++) {
+                const float *xs = r.sum + (m0 + i) * G;
+                float off = 0.0f; /* the offsets' share: sum over g of offset[n, g] * sum(x in group g) */
+                for (int64_t g = 0; g < G; g++) off += orow[g] * xs[g];
+                float v = hsum8(acc[i]) + off;
+                if (bias) v += bias[n];
+                y[(m0 + i) * N + n] = v;
+            }
+        }
+    }
+    free_rows(&r);
+    return 0;
+}
+
+/* y (M, N) = x (M, K) @ W^T (+ bias), W in the q8 layout. Activations stay float32 here (this is
+ * the logits projection: the int8 weight is the checkpoint's own Q8_0, and the logits differ from
+ * a float32 GEMM over the dequantized weight only in summation order). Always returns 0. */
+int onecall_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
+                    const float *bias, float *y, int num_threads) {
+    const int64_t G = K / 32;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *qrow = q + n * K;
+        const float *srow = scale + n * G;
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+            const int rows = (int)(M - m0 < ROW_TILE ? M - m0 : ROW_TILE);
+            __m256 acc[ROW_TILE];
+            for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t g = 0; g < G; g++) {
+                const int8_t *p = qrow + g * 32;
+                /* the group's 32 weights as exact float32 integers, 8 at a time */
+                const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+                const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+                const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16))));
+                const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 24))));
+                const __m256 d = _mm256_set1_ps(srow[g]);
+                for (int i = 0; i < rows; i++) {
+                    const float *xr = x + (m0 + i) * K + g * 32;
+                    __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
+                    t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
+                    t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
+                    t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
+                    acc[i] = _mm256_fmadd_ps(t, d, acc[i]);
+                }
+            }
+            for (int i = 0; i < rows; i++) {
+                float v = hsum8(acc[i]);
+                if (bias) v += bias[n];
+                y[(m0 + i) * N + n] = v;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- attention over the paged KV cache, one query per sequence (decode) ------------------------
+ *
+ * out (S, H, D) = softmax(q k^T * scale) v for each sequence s over its seq_lens[s] cached positions,
+ * reading K and V where they lie: position p of sequence s is slot
+ * block_tables[s, p / block_size] * block_size + p % block_size of the (num_slots, KVH, D) caches.
+ * GQA: query heads kvh*G .. kvh*G + G - 1 (G = H / KVH) share KV head kvh, and read it once.
+ *
+ * Work is split into tasks (s, kvh, chunk of ATTN_CHUNK positions); each task keeps a running
+ * max, sum and weighted V sum per query head, and the chunks of a (s, kvh) are merged in position
+ * order afterwards. Chunk boundaries are fixed positions, so a sequence's result depends only on its
+ * own query, KV and length: never on the batch or the thread count.
+ */
+#define ATTN_CHUNK 256
+#define ATTN_MAX_GROUP 16 /* query heads per KV head handled here (larger groups: the caller falls back) */
+
+/* exp(x) for x <= 0 (softmax arguments), 8 at a time: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
+ * p a degree-6 Taylor polynomial (relative error < 2e-7 on that range); exp(x < -87) flushes to 0. */
+static inline __m256 exp_neg256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x); /* ln2, high part */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);    /* ln2, low part */
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* out[g] = dot(q + g * D, k, D) for g < n <= 4: four independent FMA chains share each load of k. */
+static inline void dots4(const float *q, const float *k, int64_t D, int n, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < D; i += 8) {
+        const __m256 kv = _mm256_loadu_ps(k + i);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv, a0);
+        if (n > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + i), kv, a1);
+        if (n > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + i), kv, a2);
+        if (n > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * D + i), kv, a3);
+    }
+    out[0] = hsum8(a0);
+    if (n > 1) out[1] = hsum8(a1);
+    if (n > 2) out[2] = hsum8(a2);
+    if (n > 3) out[3] = hsum8(a3);
+}
+
+int onecall_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                                   const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                                   int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                                   float scale, float *out, int num_threads) {
+    const int64_t G = H / KVH;
+    if (G > ATTN_MAX_GROUP || H % KVH || D % 8) return -2;
+    int64_t max_chunks = 1;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t c = (seq_lens[s] + ATTN_CHUNK - 1) / ATTN_CHUNK;
+        max_chunks = c > max_chunks ? c : max_chunks;
+    }
+    /* per task and query head: [max, sum, acc (D)] */
+    const int64_t stride = 2 + D;
+    const int64_t num_tasks = S * KVH * max_chunks;
+    float *part = malloc(sizeof(float) * (size_t)(num_tasks * G * stride));
+    if (!part) return -1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t t = 0; t < num_tasks; t++) {
+        const int64_t s = t / (KVH * max_chunks), h = (t / max_chunks) % KVH, c = t % max_chunks;
+        const int64_t start = c * ATTN_CHUNK, len = seq_lens[s];
+        float *pt = part + t * G * stride;
+        if (start >= len) {
+            for (int64_t g = 0; g < G; g++) pt[g * stride] = -INFINITY;
+            continue;
+        }
+        const int64_t end = start + ATTN_CHUNK < len ? start + ATTN_CHUNK : len;
+        const int32_t *table = block_tables + s * max_blocks;
+        const float *qh = q + (s * H + h * G) * D;
+        float sc[ATTN_MAX_GROUP][ATTN_CHUNK];
+        float mx[ATTN_MAX_GROUP];
+        for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+        /* 1. scores, reading each key once for the whole group */
+        for (int64_t p = start; p < end; p++) {
+            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+            const float *kp = k_cache + (slot * KVH + h) * D;
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                float d4[4];
+                const int n = (int)(G - g0 < 4 ? G - g0 : 4);
+                dots4(qh + g0 * D, kp, D, n, d4);
+                for (int i = 0; i < n; i++) {
+                    const float v = d4[i] * scale;
+                    sc[g0 + i][p - start] = v;
+                    mx[g0 + i] = v > mx[g0 + i] ? v : mx[g0 + i];
+                }
+            }
+        }
+        /* 2. exp and sums */
+        const int64_t len_c = end - start;
+        for (int64_t g = 0; g < G; g++) {
+            const __m256 m8 = _mm256_set1_ps(mx[g]);
+            __m256 sum8 = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 8 <= len_c; i += 8) {
+                const __m256 e = exp_neg256(_mm256_sub_ps(_mm256_loadu_ps(&sc[g][i]), m8));
+                _mm256_storeu_ps(&sc[g][i], e);
+                sum8 = _mm256_add_ps(sum8, e);
+            }
+            float sum = hsum8(sum8);
+            for (; i < len_c; i++) {
+                const float e = expf(sc[g][i] - mx[g]);
+                sc[g][i] = e;
+                sum += e;
+            }
+            pt[g * stride] = mx[g];
+            pt[g * stride + 1] = sum;
+            for (int64_t d = 0; d < D; d++) pt[g * stride + 2 + d] = 0.0f;
+        }
+        /* 3. weighted values, reading each value once for the whole group */
+        for (int64_t p = start; p < end; p++) {
+            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+            const float *vp = v_cache + (slot * KVH + h) * D;
+            for (int64_t g = 0; g < G; g++) {
+                float *acc = pt + g * stride + 2;
+                const __m256 w = _mm256_set1_ps(sc[g][p - start]);
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + d), _mm256_loadu_ps(acc + d)));
+            }
+        }
+    }
+    /* 4. merge the chunks of each (sequence, query head), in position order */
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t h = 0; h < KVH; h++)
+            for (int64_t g = 0; g < G; g++) {
+                const float *first = part + ((s * KVH + h) * max_chunks) * G * stride;
+                float m = -INFINITY;
+                for (int64_t c = 0; c < max_chunks; c++) {
+                    const float cm = first[c * G * stride + g * stride];
+                    m = cm > m ? cm : m;
+                }
+                float *o = out + (s * H + h * G + g) * D;
+                float total = 0.0f;
+                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                for (int64_t c = 0; c < max_chunks; c++) {
+                    const float *pc = first + c * G * stride + g * stride;
+                    if (pc[0] == -INFINITY) continue;
+                    const float w = expf(pc[0] - m);
+                    total += w * pc[1];
+                    for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
+                }
+                const float inv = 1.0f / total;
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+    free(part);
+    return 0;
+}
+
+/* h (M, K) += r (M, K) when r is given; then y = h / sqrt(mean(h^2) + eps) * w, row by row
+ * (the residual add and RMSNorm of a pre-norm decoder in one pass; float32, fixed order). */
+void onecall_add_rms_norm(float *h, const float *r, const float *w, int64_t M, int64_t K, float eps,
+                          float *y) {
+    for (int64_t m = 0; m < M; m++) {
+        float *hr = h + m * K;
+        if (r) {
+            const float *rr = r + m * K;
+            for (int64_t i = 0; i < K; i++) hr[i] += rr[i];
+        }
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= K; i += 8) {
+            const __m256 v = _mm256_loadu_ps(hr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (; i < K; i++) ss += hr[i] * hr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+        float *yr = y + m * K;
+        for (i = 0; i < K; i++) yr[i] = hr[i] * inv * w[i];
+    }
+}

@@ -1,0 +1,267 @@
+"""The native CPU kernels (csrc/quant_gemm.c): built with the system C compiler at first use, cached.
+
+Why native code at all: on an AVX2 CPU, torch's own int4 kernel expands 4-bit weights to floats
+and runs float FMAs; it is compute-bound well below the memory bandwidth (measured in the README's
+kernel table). The kernels in csrc/ multiply the GGUF's own 4-bit groups by int16-quantized
+activations with exact integer dot products (llama.cpp's idea, at a finer activation step), keep
+the Q8_0 logits matrix as int8, and read the paged KV cache in place for decode attention.
+
+How they are built and loaded:
+- `cc -O3 -mavx2 -mfma -fopenmp -shared` (about a second), into a cache folder keyed by a hash
+  of the source, the flags and the compiler's version: the next start loads the cached library.
+  The folder is $ONECALL_CACHE_DIR/kernels, else $XDG_CACHE_HOME/onecall/kernels, else
+  ~/.cache/onecall/kernels (read in onecall/envs.py).
+- loaded with ctypes after torch, so the library's libgomp is the one torch already loaded (the
+  same soname): one OpenMP thread pool, not two competing for the cores.
+- not available (no AVX2/FMA, no compiler, a failed build): `load()` returns None, says why in
+  `unavailable_reason()`, and the fast path falls back to torch's own kernels. Nothing raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from onecall import envs
+
+_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_REQUIRED_CPU_FLAGS = ("avx2", "fma")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None  # why the kernels are unavailable; None until load() decided
+_loaded = False
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where that cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, building it on first use; None where it cannot run here (see the docstring)."""
+    global _lib, _reason, _loaded
+    with _lock:
+        if not _loaded:
+            _loaded = True
+            try:
+                _lib = _build_and_load()
+            except _Unavailable as e:
+                _reason = str(e)
+        return _lib
+
+
+def unavailable_reason() -> str | None:
+    """Why load() returned None (after it was called), else None."""
+    return _reason
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _build_and_load() -> ctypes.CDLL:
+    if envs.disable_native_kernels():
+        raise _Unavailable("disabled by ONECALL_NATIVE_KERNELS=0")
+    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        raise _Unavailable(f"this CPU lacks {', '.join(missing)}")
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise _Unavailable("no C compiler (cc or gcc) on PATH")
+    path = _cached_library(compiler)
+    torch.ones(1).add_(1)  # torch's libgomp is loaded (it is, once torch is imported); reuse it
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise _Unavailable(f"could not load {path}: {e}") from e
+    _declare(lib)
+    return lib
+
+
+def _cached_library(compiler: str) -> Path:
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as e:
+        raise _Unavailable(f"{compiler} --version failed: {e}") from e
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    folder = envs.cache_dir() / "kernels"
+    path = folder / f"quant_gemm-{key}.so"
+    if path.exists():
+        return path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            out = Path(tmp) / path.name
+            result = subprocess.run(
+                [compiler, *_FLAGS, "-o", str(out), str(_SOURCE), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if result.returncode != 0:
+                raise _Unavailable(f"building {_SOURCE.name} failed: {result.stderr.strip()[-500:]}")
+            os.replace(out, path)  # atomic: a concurrent start sees no half-written library
+    except (OSError, subprocess.SubprocessError) as e:
+        raise _Unavailable(f"building {_SOURCE.name} failed: {e}") from e
+    return path
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.onecall_q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int]
+    lib.onecall_q4_gemm.restype = c_int
+    lib.onecall_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int]
+    lib.onecall_q8_gemm.restype = c_int
+    lib.onecall_paged_decode_attention.argtypes = [
+        p,
+        p,
+        p,
+        p,
+        i64,
+        p,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        p,
+        c_int,
+    ]
+    lib.onecall_paged_decode_attention.restype = c_int
+    lib.onecall_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p]
+    lib.onecall_add_rms_norm.restype = None
+
+
+# ---- the kernels, on tensors ------------------------------------------------------------------
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) uint8 values 0..15 -> (N, K/2) uint8 in the kernel's q4 layout (see csrc)."""
+    n, k = q.shape
+    groups = q.to(torch.uint8).view(n, k // 32, 32)
+    return (groups[:, :, :16] | (groups[:, :, 16:] << 4)).reshape(n, k // 2).contiguous()
+
+
+def q4_gemm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_threads: int,
+) -> torch.Tensor:
+    """x (M, K) float32 contiguous -> (M, N) float32, W = q * scale + offset in groups of 32."""
+    m, k = x.shape
+    n = qs.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.onecall_q4_gemm(
+        x.data_ptr(), m, k, qs.data_ptr(), scale.data_ptr(), offset.data_ptr(), n,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("onecall_q4_gemm: out of memory for the activation buffer")
+    return y
+
+
+def q8_gemm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_threads: int,
+) -> torch.Tensor:
+    """x (M, K) float32 contiguous -> (M, N) float32, W = q * scale in groups of 32."""
+    m, k = x.shape
+    n = q.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.onecall_q8_gemm(
+        x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), n,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("onecall_q8_gemm: out of memory for the activation buffer")
+    return y
+
+
+def paged_decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    num_threads: int,
+) -> torch.Tensor:
+    """One query per sequence over its paged KV, read in place (see csrc).
+
+    q (S, H, D) float32; k_cache, v_cache (num_slots, KVH, D) float32 contiguous; block_tables
+    (S, max_blocks) int32; seq_lens (S,) int32. Returns (S, H, D) float32.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
+    qc = q.contiguous()
+    out = torch.empty_like(qc)
+    rc = lib.onecall_paged_decode_attention(
+        qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+        block_size, scale, out.data_ptr(), num_threads,
+    )  # fmt: skip
+    if rc == -1:
+        raise MemoryError("onecall_paged_decode_attention: out of memory for partial results")
+    assert rc == 0, f"onecall_paged_decode_attention refused the shapes (rc {rc})"
+    return out
+
+
+def add_rms_norm(
+    lib: ctypes.CDLL, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """h += residual (in place, when given), then returns RMSNorm(h) * weight. h, residual (M, K)
+    float32 contiguous, weight (K,) float32."""
+    m, k = h.shape
+    assert h.is_contiguous() and (residual is None or residual.is_contiguous())
+    y = torch.empty_like(h)
+    lib.onecall_add_rms_norm(
+        h.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        m,
+        k,
+        eps,
+        y.data_ptr(),
+    )
+    return y
+
+
+def quantize_q8_groups(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (q (N, K) int8 in [-127, 127], scale (N, K / group_size) float32), per group
+    absmax / 127. For a weight that was stored as Q8_0 this recovers the stored values (to float32
+    rounding of the scale); for any other weight it is a lossy approximation."""
+    n, k = w.shape
+    groups = w.float().view(n, k // group_size, group_size)
+    scale = groups.abs().amax(dim=-1) / 127.0  # (N, G)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(groups * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8).view(n, k)
+    return q.contiguous(), scale.contiguous()

@@ -1,0 +1,55 @@
+"""4-bit test weights: Q4_1-style quantization, and the tiny engine running its projections as int4."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from onecall.engine.engine import Engine
+from onecall.model.quants import Int4Groups
+from tests.helpers.tiny_engine import tiny_engine, tiny_model
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Groups:
+    """Asymmetric min/max quantization to 4-bit groups (the Q4_1 recipe), for test weights."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+    return Int4Groups(q.reshape(rows, cols), scale, lo, group_size)
+
+
+def int4_engine(kernels: str, **config: Any) -> Engine:
+    """The tiny engine with its projections rounded to int4 groups (so both paths run the same weights)."""
+    model = copy.deepcopy(tiny_model("qwen2"))  # qwen2: q/k/v biases go through the int4 path too
+    c = model.config
+    q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    splits = {
+        "self_attn.qkv_proj": [
+            ("self_attn.q_proj", q_size),
+            ("self_attn.k_proj", kv_size),
+            ("self_attn.v_proj", kv_size),
+        ],
+        "self_attn.o_proj": [("self_attn.o_proj", c.hidden_size)],
+        "mlp.gate_up_proj": [("mlp.gate_proj", c.intermediate_size), ("mlp.up_proj", c.intermediate_size)],
+        "mlp.down_proj": [("mlp.down_proj", c.hidden_size)],
+    }
+    int4: dict[str, Int4Groups] = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for ours, parts in splits.items():
+                owner, attr = ours.split(".")
+                lin = getattr(getattr(layer, owner), attr)
+                groups = quantize_int4(lin.weight)
+                lin.weight.copy_(groups.dequantize())
+                start = 0
+                for hf_name, size in parts:
+                    index = torch.arange(start, start + size)
+                    int4[f"model.layers.{i}.{hf_name}.weight"] = groups.select_rows(index)
+                    start += size
+    if kernels == "fast":
+        assert "int4" in model.enable_fast_kernels(int4)
+    return tiny_engine(arch="qwen2", model=model, kernels=kernels, **config)

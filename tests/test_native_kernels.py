@@ -1,0 +1,159 @@
+"""The native CPU kernels (model/native.py, csrc/quant_gemm.c) against float64 references.
+
+Tolerances, written down:
+* q4 GEMM (int16 activations): each activation is rounded to a multiple of its group's step
+  dx = absmax / 32767, so |x - x_q| <= dx / 2; with exact integer products the error of output n is at
+  most sum_g (dx_g / 2) * sum_{j in g} |w_nj| (the activation rounding) + 1e-5 * (|x| @ |W|^T) + 1e-6
+  (float32 scaling and summation).
+* q8 GEMM (float32 activations): float32 summation order only: 1e-5 * (|x| @ |W|^T) + 1e-6.
+* paged decode attention: against SDPA over the gathered KV in float32: 2e-6 absolute (values are
+  O(1)); its exp polynomial has relative error < 2e-7.
+* residual add + RMSNorm: 1e-6 relative to torch's rms_norm.
+* batch invariance: a row's output is bitwise the same whatever the number of rows in the call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from onecall.model import native
+from onecall.model.fast_linear import FastLMHead
+from onecall.model.quants import Int4Groups
+
+LIB = native.load()
+pytestmark = pytest.mark.skipif(
+    LIB is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
+)
+
+
+def _int4(rows: int, cols: int, seed: int) -> Int4Groups:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    scale = torch.rand(rows, cols // 32, generator=g) * 0.02
+    offset = -torch.rand(rows, cols // 32, generator=g) * 0.15
+    return Int4Groups(q, scale, offset)
+
+
+def _q4(x: torch.Tensor, w: Int4Groups, bias: torch.Tensor | None = None) -> torch.Tensor:
+    assert LIB is not None
+    return native.q4_gemm(LIB, x, native.pack_q4(w.q), w.scale, w.offset, bias, torch.get_num_threads())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 33])
+def test_q4_gemm_within_the_activation_rounding_bound(rows: int) -> None:
+    w = _int4(96, 160, seed=rows)
+    bias = torch.randn(96)
+    x = torch.randn(rows, 160) * 2
+    x[:, 5] = 40.0  # an outlier feature: its group's step is coarse, the bound follows it
+    got = _q4(x, w, bias)
+    wd = w.dequantize().double()
+    ref = x.double() @ wd.T + bias.double()
+    step = x.view(rows, -1, 32).abs().amax(-1).double() / 32767  # (rows, G)
+    abs_w_per_group = wd.abs().view(96, -1, 32).sum(-1)  # (N, G)
+    bound = (step / 2) @ abs_w_per_group.T + 1e-5 * (x.double().abs() @ wd.abs().T) + 1e-6
+    assert bool(((got.double() - ref).abs() <= bound).all())
+    # and it is not trivially loose: the typical error is well inside it
+    assert float((got.double() - ref).abs().mean()) < 0.5 * float(bound.mean())
+
+
+def test_q4_gemm_rows_are_batch_invariant() -> None:
+    w = _int4(64, 96, seed=3)
+    x = torch.randn(16, 96)
+    full = _q4(x, w)
+    for m in (1, 2, 5, 9, 15):
+        assert torch.equal(_q4(x[:m].contiguous(), w), full[:m])
+        assert torch.equal(_q4(x[m:].contiguous(), w), full[m:])
+
+
+def test_q8_gemm_matches_float_math_and_is_batch_invariant() -> None:
+    assert LIB is not None
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-127, 128, (200, 128), generator=g, dtype=torch.int8)
+    scale = torch.rand(200, 4, generator=g) * 0.01
+    w = (q.view(200, 4, 32).double() * scale.double().unsqueeze(-1)).view(200, 128)
+    x = torch.randn(9, 128, generator=g)
+    got = native.q8_gemm(LIB, x, q, scale, None, torch.get_num_threads())
+    ref = x.double() @ w.T
+    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
+    assert bool(((got.double() - ref).abs() <= bound).all())
+    assert torch.equal(native.q8_gemm(LIB, x[:1].contiguous(), q, scale, None, 2), got[:1])
+
+
+def test_lm_head_keeps_a_q8_0_weight_as_int8_and_a_float_weight_as_float() -> None:
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (256, 64), generator=g, dtype=torch.int8)
+    q[:, ::32] = 127  # Q8_0's recipe: each group's absmax maps to +-127
+    d = (torch.rand(256, 2, generator=g) * 0.01).half().float()  # GGUF stores d as float16
+    stored = (q.view(256, 2, 32).float() * d.unsqueeze(-1)).view(256, 64)
+    head = FastLMHead(stored)
+    assert head.kernel == "native q8"
+    x = torch.randn(3, 64, generator=g)
+    ref = x.double() @ stored.double().T
+    assert float((head(x).double() - ref).abs().max()) <= 1e-5 * float((x.abs() @ stored.abs().T).max())
+    assert FastLMHead(torch.randn(256, 64, generator=g)).kernel == "onednn float32"
+
+
+def _sdpa_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: list[int], seq_len: int, bs: int
+) -> torch.Tensor:
+    slots = (torch.tensor(table)[:, None] * bs + torch.arange(bs)).reshape(-1)[:seq_len]
+    k, v = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)  # (kv_heads, L, D)
+    num_heads, head_dim = q.shape
+    qg = q.view(k.shape[0], num_heads // k.shape[0], head_dim)  # head h reads KV head h // group
+    return F.scaled_dot_product_attention(qg, k, v, scale=head_dim**-0.5).reshape(num_heads, head_dim)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 32), (4, 4, 16)])
+def test_paged_decode_attention_reads_scrambled_blocks(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    assert LIB is not None
+    bs, num_blocks = 16, 80
+    g = torch.Generator().manual_seed(num_heads)
+    k_cache = torch.randn(num_blocks * bs, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks * bs, num_kv_heads, head_dim, generator=g)
+    lens = [1, 17, 255, 256, 257, 600]  # around the kernel's 256-position chunks
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, start = [], 0
+    for n in lens:
+        nb = -(-n // bs)
+        tables.append(perm[start : start + nb] if start + nb <= num_blocks else perm[:nb])
+        start = (start + nb) % num_blocks
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g)
+    out = native.paged_decode_attention(
+        LIB, q, k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32), bs, head_dim**-0.5, 2
+    )
+    for i, n in enumerate(lens):
+        ref = _sdpa_reference(q[i], k_cache, v_cache, tables[i], n, bs)
+        assert float((out[i] - ref).abs().max()) <= 2e-6, (n, float((out[i] - ref).abs().max()))
+    # batch invariance: each sequence alone gives the same bits as in the batch
+    for i, n in enumerate(lens):
+        alone = native.paged_decode_attention(
+            LIB, q[i : i + 1], k_cache, v_cache, bt[i : i + 1].contiguous(),
+            torch.tensor([n], dtype=torch.int32), bs, head_dim**-0.5, 1,
+        )  # fmt: skip
+        assert torch.equal(alone[0], out[i])
+
+
+def test_add_rms_norm_matches_torch() -> None:
+    assert LIB is not None
+    h = torch.randn(5, 576)
+    r = torch.randn(5, 576)
+    w = torch.randn(576)
+    want_h = h + r
+    want = F.rms_norm(want_h, (576,), w, 1e-5)
+    got = native.add_rms_norm(LIB, h, r, w, 1e-5)  # h updated in place
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ONECALL_NATIVE_KERNELS", "0")
+    with pytest.raises(native._Unavailable, match="ONECALL_NATIVE_KERNELS=0"):
+        native._build_and_load()
