@@ -42,6 +42,8 @@ class Workload:
     decode_prompt: list[int]
     decode_tokens: int
     decode_repeats: int
+    long_prompt: list[int]  # decode at a long context: this prompt, then long_tokens greedy tokens
+    long_tokens: int
     concurrent_prompts: list[list[int]]
     concurrent_tokens: int
     threads: int
@@ -109,6 +111,9 @@ def measure(w: Workload, load: Callable[[Workload], System]) -> dict[str, Any]:
         decode_rate(system.decode(w.decode_prompt, w.decode_tokens)) for _ in range(w.decode_repeats)
     ]
 
+    # 3b. decode at a long context (prefill excluded: the rate is over the gaps between tokens)
+    long_rate = decode_rate(system.decode(w.long_prompt, w.long_tokens))
+
     # 4. aggregate over the concurrent prompts
     t0 = time.perf_counter()
     num_generated = system.serve(w.concurrent_prompts, w.concurrent_tokens)
@@ -118,6 +123,7 @@ def measure(w: Workload, load: Callable[[Workload], System]) -> dict[str, Any]:
     result = {
         "prefill_tokens_per_s": summarize(prefill_rates),
         "decode_tokens_per_s": summarize(decode_rates),
+        "long_decode": {"tokens_per_s": long_rate, "context": len(w.long_prompt), "tokens": w.long_tokens},
         "aggregate": {"tokens_per_s": num_generated / wall, "num_generated": num_generated, "wall_s": wall,
                       "num_requests": num_requests, "mode": system.aggregate_mode},
     }  # fmt: skip
@@ -237,7 +243,9 @@ class LlamaCpp:
         import llama_cpp
 
         w.mark("imported")
-        longest = max(len(p) for p in [*w.prefill_prompts, w.decode_prompt, *w.concurrent_prompts])
+        longest = max(
+            len(p) for p in [*w.prefill_prompts, w.decode_prompt, w.long_prompt, *w.concurrent_prompts]
+        )
         n_ctx = longest + max(w.decode_tokens, w.concurrent_tokens) + 8
         self.w = w
         self.llm = llama_cpp.Llama(
@@ -289,7 +297,7 @@ class Onecall:
         from onecall import LLM, SamplingParams
 
         w.mark("imported")
-        longest = max(len(p) for p in w.prefill_prompts)
+        longest = max(len(p) for p in [*w.prefill_prompts, w.long_prompt])
         self.w, self.SamplingParams = w, SamplingParams
         self.llm = LLM(
             model=w.model_path, dtype=w.dtype, device=w.device, num_threads=w.threads, kernels=w.kernels,
@@ -325,10 +333,16 @@ class Onecall:
 
     def extras(self, result: dict[str, Any]) -> dict[str, Any]:
         result["decode_tokens_per_s"]["trace_runs"] = self.trace_decode_rates
-        return {"bandwidth": decode_bandwidth(self.llm, self.w, result["decode_tokens_per_s"]["best"])}
+        w = self.w
+        return {
+            "bandwidth": decode_bandwidth(self.llm, w, result["decode_tokens_per_s"]["best"], len(w.decode_prompt), w.decode_tokens),
+            "long_bandwidth": decode_bandwidth(self.llm, w, result["long_decode"]["tokens_per_s"], len(w.long_prompt), w.long_tokens),
+        }  # fmt: skip
 
 
-def decode_bandwidth(llm: Any, w: Workload, tokens_per_s: float) -> dict[str, Any]:
+def decode_bandwidth(
+    llm: Any, w: Workload, tokens_per_s: float, prompt_len: int, num_tokens: int
+) -> dict[str, Any]:
     """gpt-fast style: bytes one decode step reads x steps/s, against the machine's copy bandwidth.
 
     Weights: what the model's kernels stream per step at batch 1 (DecoderLM.weight_bytes_read: int4
@@ -338,7 +352,7 @@ def decode_bandwidth(llm: Any, w: Workload, tokens_per_s: float) -> dict[str, An
     model, kv = llm.engine.parts.model, llm.engine.parts.kv_cache
     weight_bytes = model.weight_bytes_read(1)
     kv_bytes_per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.k.element_size()
-    mean_context = len(w.decode_prompt) + w.decode_tokens / 2  # decode step k reads prompt + k positions
+    mean_context = prompt_len + num_tokens / 2  # decode step k reads prompt + k positions
     step_bytes = weight_bytes + kv_bytes_per_token * mean_context
     achieved = step_bytes * tokens_per_s
     copy = copy_bandwidth(w.device)

@@ -115,6 +115,11 @@ class LLM:
             raise ContextLengthExceededError(len(ids), self.engine.max_model_len)
         return last_position_attention(self.engine.parts.model, torch.tensor(ids, dtype=torch.int64))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (running requests keep their own KV): later prompts are
+        recomputed from scratch."""
+        self.engine.reset_prefix_cache()
+
     # ---- the loop ----------------------------------------------------------------------------
     def _run_all(self, prompts: Sequence[Prompt | RenderedPrompt], params: Params) -> list[RequestOutput]:
         per_prompt = _per_prompt_params(params, len(prompts))

@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,11 +42,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class RequestOutput:
-    """What a request produced so far. `text`/`token_ids` are cumulative; `delta_*` is this step's."""
+    """What a request produced so far. `text`/`token_ids` are cumulative; `delta_*` is this step's.
+
+    `token_ids`, `logprobs` and `top_logprobs` are snapshots taken lazily: the output keeps a
+    reference to the sequence's append-only lists and how long they were at this step, so making an
+    output costs O(1) per token, and reading it later still gives this step's view.
+    """
 
     request_id: str
     text: str
-    token_ids: list[int]
     delta_text: str
     delta_token_ids: list[int]
     finished: bool
@@ -54,8 +58,25 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     trace: RequestTrace
-    logprobs: list[float | None] | None = None  # per output token, when asked for
-    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    _all_token_ids: list[int] = field(repr=False)  # prompt + output, append-only
+    _num_tokens: int = field(repr=False)  # its length at this step
+    _logprobs: list[float | None] | None = field(default=None, repr=False)  # when asked for
+    _top_logprobs: list[list[tuple[int, float]] | None] | None = field(default=None, repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._all_token_ids[self.num_prompt_tokens : self._num_tokens]
+
+    @property
+    def logprobs(self) -> list[float | None] | None:
+        """Per output token, when asked for (SamplingParams.logprobs)."""
+        n = self._num_tokens - self.num_prompt_tokens
+        return None if self._logprobs is None else self._logprobs[:n]
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]] | None] | None:
+        n = self._num_tokens - self.num_prompt_tokens
+        return None if self._top_logprobs is None else self._top_logprobs[:n]
 
 
 @dataclass
@@ -199,6 +220,10 @@ class Engine:
         seq.trace.finish_time = time.perf_counter()
         return self._output(seq, "", [])
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache (its blocks go back to the pool once no request holds them)."""
+        self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -258,7 +283,7 @@ class Engine:
         return SamplingRequest(
             params=seq.params,
             prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            output_token_ids=seq.output_view,
             generator=seq.generator,
             constraint=constraint or seq.constraint,
             banned_token_ids=list(banned),
@@ -312,7 +337,6 @@ class Engine:
         return RequestOutput(
             request_id=seq.request_id,
             text=ts.text if ts else "",
-            token_ids=seq.output_token_ids,
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             finished=seq.is_finished,
@@ -320,6 +344,8 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             trace=seq.trace,
-            logprobs=list(seq.output_logprobs) if want_lp else None,
-            top_logprobs=list(seq.output_top_logprobs) if want_lp else None,
+            _all_token_ids=seq.token_ids,
+            _num_tokens=seq.num_tokens,
+            _logprobs=seq.output_logprobs if want_lp else None,
+            _top_logprobs=seq.output_top_logprobs if want_lp else None,
         )

@@ -17,7 +17,11 @@ this one rule:
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 
@@ -77,6 +81,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def output_view(self) -> OutputTokens:
+        """The output ids as a read-only view of token_ids (no copy; for the sampler's penalties)."""
+        return OutputTokens(self.token_ids, self.num_prompt_tokens)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -92,6 +101,34 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+class OutputTokens(SequenceABC[int]):
+    """token_ids[start:] without copying it: the output tokens of a sequence, read at use time."""
+
+    __slots__ = ("_ids", "_start")
+
+    def __init__(self, ids: list[int], start: int) -> None:
+        self._ids, self._start = ids, start
+
+    def __len__(self) -> int:
+        return len(self._ids) - self._start
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return self._ids[self._start :][i]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._ids[self._start + i]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._ids, self._start, None)
 
 
 @dataclass
