@@ -157,3 +157,32 @@ def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ONECALL_NATIVE_KERNELS", "0")
     with pytest.raises(native._Unavailable, match="ONECALL_NATIVE_KERNELS=0"):
         native._build_and_load()
+
+
+def test_silu_mul_matches_torch() -> None:
+    assert LIB is not None
+    y = torch.randn(3, 2 * 200) * 4
+    gate, up = y.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul(LIB, y), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_rope_store_matches_the_reference_layers() -> None:
+    from onecall.model.layers import RotaryEmbedding, apply_rope
+
+    assert LIB is not None
+    num_heads, num_kv_heads, head_dim, n = 6, 2, 32, 5
+    rotary = RotaryEmbedding(head_dim, 64, 1e4, torch.float32, "cpu")
+    positions = torch.tensor([0, 3, 7, 20, 63])
+    cos, sin = rotary(positions)
+    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim)
+    heads = qkv.view(n, -1, head_dim)
+    want_qk = apply_rope(heads[:, : num_heads + num_kv_heads], cos, sin)
+    want_v = heads[:, num_heads + num_kv_heads :].clone()
+    k_cache, v_cache = torch.zeros(40, num_kv_heads, head_dim), torch.zeros(40, num_kv_heads, head_dim)
+    slots = torch.tensor([9, 0, 31, 4, 17])
+    native.rope_store(
+        LIB, qkv, num_heads, num_kv_heads, cos.squeeze(1), sin.squeeze(1), slots, k_cache, v_cache
+    )
+    torch.testing.assert_close(heads[:, : num_heads + num_kv_heads], want_qk, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_cache[slots], want_qk[:, num_heads:], rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_cache[slots], want_v)

@@ -216,8 +216,8 @@ def _add_triton_tensors(
 
 def paged_attention(
     q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
     kv: PagedKVCache,
     layer_idx: int,
     meta: AttentionMetadata,
@@ -225,13 +225,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write k_new/v_new into the cache, then attend each sequence causally over its whole KV.
 
-    q: (num_tokens, num_heads, head_dim); k_new, v_new: (num_tokens, num_kv_heads, head_dim).
+    q: (num_tokens, num_heads, head_dim); k_new, v_new: (num_tokens, num_kv_heads, head_dim), or both
+    None when the caller has already stored them at meta.slot_mapping (native.rope_store).
     Returns (num_tokens, num_heads, head_dim). GQA: head h reads KV head h // (num_heads // num_kv_heads).
     """
     assert q.shape[0] == meta.num_tokens == meta.slot_mapping.shape[0], "batch does not match the metadata"
     k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # (num_slots, num_kv_heads, head_dim)
-    k_cache.index_copy_(0, meta.slot_mapping, k_new)
-    v_cache.index_copy_(0, meta.slot_mapping, v_new)
+    if k_new is not None and v_new is not None:
+        k_cache.index_copy_(0, meta.slot_mapping, k_new)
+        v_cache.index_copy_(0, meta.slot_mapping, v_new)
     if meta.backend == "triton":
         from onecall.model.triton_attention import triton_paged_attention
 

@@ -188,9 +188,13 @@ class DecoderLM(nn.Module):
         """Wait for the packer, then record what the projections now run on."""
         self.fast_lm_head, modules = packer.finish(self._output_weight())
         lib = native.load()
-        if lib is not None:  # residual add + RMSNorm in one native pass
+        if lib is not None:  # small ops fused into native passes (model/native.py)
             for module in self.modules():
-                if isinstance(module, RMSNorm):
+                if (
+                    isinstance(module, (RMSNorm, MLP))
+                    or isinstance(module, Attention)
+                    and module.q_norm is None
+                ):
                     module.native = lib
         kinds = sorted({k for m in modules if (k := m.int4_kernel) is not None})
         num_int4 = sum(m.has_int4 for m in modules)

@@ -94,7 +94,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(h, 2 * i, bias=False, dtype=dtype, device=device)  # rows: [gate; up]
         self.down_proj = Linear(i, h, bias=False, dtype=dtype, device=device)
 
+        self.native: ctypes.CDLL | None = None  # set by the fast kernels: silu(gate) * up in one pass
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.down_proj(native.silu_mul(self.native, self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -119,6 +123,8 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+        # Set by the fast kernels (float32 CPU, no q/k norm): RoPE and the K/V cache write in one pass.
+        self.native: ctypes.CDLL | None = None
 
     def forward(
         self,
@@ -130,6 +136,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
+        if self.native is not None and kv.k.dtype == torch.float32:
+            qkv_flat = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+            native.rope_store(
+                self.native, qkv_flat, self.num_heads, self.num_kv_heads, cos.squeeze(1), sin.squeeze(1),
+                meta.slot_mapping, kv.k[layer_idx], kv.v[layer_idx],
+            )  # fmt: skip
+            q = qkv_flat.view(n, -1, self.head_dim)[:, : self.num_heads]
+            o = paged_attention(q, None, None, kv, layer_idx, meta, self.scale)
+            return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
         # (num_tokens, num_heads + 2 * num_kv_heads, head_dim)
         qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)

@@ -150,6 +150,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_paged_decode_attention.restype = c_int
     lib.onecall_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p]
     lib.onecall_add_rms_norm.restype = None
+    lib.onecall_silu_mul.argtypes = [p, i64, i64, p]
+    lib.onecall_silu_mul.restype = None
+    lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p]
+    lib.onecall_rope_store.restype = None
 
 
 # ---- the kernels, on tensors ------------------------------------------------------------------
@@ -253,6 +257,41 @@ def add_rms_norm(
         y.data_ptr(),
     )
     return y
+
+
+def silu_mul(lib: ctypes.CDLL, y: torch.Tensor) -> torch.Tensor:
+    """y (M, 2I) float32 contiguous -> silu(y[:, :I]) * y[:, I:], (M, I)."""
+    m, two_i = y.shape
+    assert y.is_contiguous() and two_i % 2 == 0
+    out = torch.empty(m, two_i // 2, dtype=torch.float32)
+    lib.onecall_silu_mul(y.data_ptr(), m, two_i // 2, out.data_ptr())
+    return out
+
+
+def rope_store(
+    lib: ctypes.CDLL,
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """RoPE on qkv's q and k heads in place, then its k and v heads stored at their cache slots.
+
+    qkv (M, (H + 2 KVH) * D) float32 contiguous; cos, sin (M, D / 2) float32 contiguous; slot_mapping
+    (M,) int64; k_cache, v_cache (num_slots, KVH, D) float32 contiguous.
+    """
+    m = qkv.shape[0]
+    head_dim = k_cache.shape[2]
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
+    lib.onecall_rope_store(
+        qkv.data_ptr(), m, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    )  # fmt: skip
 
 
 def quantize_q8_groups(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define ROW_TILE 4  /* activation rows that share one load of a weight group */
 #define ACT_MAX 32767.0f /* activations are quantized to int16 steps of absmax / ACT_MAX per group */
@@ -167,22 +168,23 @@ int onecall_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q, const
  * out (S, H, D) = softmax(q k^T * scale) v for each sequence s over its seq_lens[s] cached positions,
  * reading K and V where they lie: position p of sequence s is slot
  * block_tables[s, p / block_size] * block_size + p % block_size of the (num_slots, KVH, D) caches.
- * GQA: query heads kvh*G .. kvh*G + G - 1 (G = H / KVH) share KV head kvh, and read it once.
+ * GQA: query heads kvh*G .. kvh*G + G - 1 (G = H / KVH) share KV head kvh.
  *
- * Work is split into tasks (s, kvh, chunk of ATTN_CHUNK positions); each task keeps a running
- * max, sum and weighted V sum per query head, and the chunks of a (s, kvh) are merged in position
- * order afterwards. Chunk boundaries are fixed positions, so a sequence's result depends only on its
- * own query, KV and length: never on the batch or the thread count.
+ * Work is split into tasks (s, chunk of ATTN_CHUNK positions), each reading its slots' K and then V
+ * rows whole (all KV heads: contiguous memory) once, keeping per query head a running max, sum and
+ * weighted V sum; the chunks of a sequence are merged in position order afterwards. Chunk
+ * boundaries are fixed positions, so a sequence's result depends only on its own query, KV and
+ * length: never on the batch or the thread count.
  */
-#define ATTN_CHUNK 256
-#define ATTN_MAX_GROUP 16 /* query heads per KV head handled here (larger groups: the caller falls back) */
+#define ATTN_CHUNK 128
+#define ATTN_MAX_HEADS 128 /* query heads handled here (more: the caller falls back) */
 
-/* exp(x) for x <= 0 (softmax arguments), 8 at a time: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
- * p a degree-6 Taylor polynomial (relative error < 2e-7 on that range); exp(x < -87) flushes to 0. */
-static inline __m256 exp_neg256(__m256 x) {
+/* exp(x), 8 at a time: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial
+ * (relative error < 2e-7 on that range); exp(x < -87) flushes to 0, x > 88 is clamped to 88. */
+static inline __m256 exp256(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f);
     const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x); /* ln2, high part */
@@ -218,8 +220,8 @@ int onecall_paged_decode_attention(const float *q, const float *k_cache, const f
                                    const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                    int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                                    float scale, float *out, int num_threads) {
+    if (H > ATTN_MAX_HEADS || H % KVH || D % 8) return -2;
     const int64_t G = H / KVH;
-    if (G > ATTN_MAX_GROUP || H % KVH || D % 8) return -2;
     int64_t max_chunks = 1;
     for (int64_t s = 0; s < S; s++) {
         const int64_t c = (seq_lens[s] + ATTN_CHUNK - 1) / ATTN_CHUNK;
@@ -227,67 +229,67 @@ int onecall_paged_decode_attention(const float *q, const float *k_cache, const f
     }
     /* per task and query head: [max, sum, acc (D)] */
     const int64_t stride = 2 + D;
-    const int64_t num_tasks = S * KVH * max_chunks;
-    float *part = malloc(sizeof(float) * (size_t)(num_tasks * G * stride));
+    const int64_t num_tasks = S * max_chunks;
+    float *part = malloc(sizeof(float) * (size_t)(num_tasks * H * stride));
     if (!part) return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t t = 0; t < num_tasks; t++) {
-        const int64_t s = t / (KVH * max_chunks), h = (t / max_chunks) % KVH, c = t % max_chunks;
+        const int64_t s = t / max_chunks, c = t % max_chunks;
         const int64_t start = c * ATTN_CHUNK, len = seq_lens[s];
-        float *pt = part + t * G * stride;
+        float *pt = part + t * H * stride;
         if (start >= len) {
-            for (int64_t g = 0; g < G; g++) pt[g * stride] = -INFINITY;
+            for (int64_t h = 0; h < H; h++) pt[h * stride] = -INFINITY;
             continue;
         }
-        const int64_t end = start + ATTN_CHUNK < len ? start + ATTN_CHUNK : len;
+        const int64_t n = (start + ATTN_CHUNK < len ? start + ATTN_CHUNK : len) - start;
         const int32_t *table = block_tables + s * max_blocks;
-        const float *qh = q + (s * H + h * G) * D;
-        float sc[ATTN_MAX_GROUP][ATTN_CHUNK];
-        float mx[ATTN_MAX_GROUP];
-        for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-        /* 1. scores, reading each key once for the whole group */
-        for (int64_t p = start; p < end; p++) {
-            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-            const float *kp = k_cache + (slot * KVH + h) * D;
-            for (int64_t g0 = 0; g0 < G; g0 += 4) {
-                float d4[4];
-                const int n = (int)(G - g0 < 4 ? G - g0 : 4);
-                dots4(qh + g0 * D, kp, D, n, d4);
-                for (int i = 0; i < n; i++) {
-                    const float v = d4[i] * scale;
-                    sc[g0 + i][p - start] = v;
-                    mx[g0 + i] = v > mx[g0 + i] ? v : mx[g0 + i];
-                }
-            }
+        const float *qs = q + s * H * D;
+        float sc[ATTN_MAX_HEADS][ATTN_CHUNK];
+        int64_t slots[ATTN_CHUNK];
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t p = start + i;
+            slots[i] = (int64_t)table[p / block_size] * block_size + p % block_size;
         }
-        /* 2. exp and sums */
-        const int64_t len_c = end - start;
-        for (int64_t g = 0; g < G; g++) {
-            const __m256 m8 = _mm256_set1_ps(mx[g]);
+        /* 1. scores: each slot's K row (all KV heads) read once */
+        for (int64_t i = 0; i < n; i++) {
+            const float *krow = k_cache + slots[i] * KVH * D;
+            for (int64_t kh = 0; kh < KVH; kh++)
+                for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                    float d4[4];
+                    const int m = (int)(G - g0 < 4 ? G - g0 : 4);
+                    dots4(qs + (kh * G + g0) * D, krow + kh * D, D, m, d4);
+                    for (int j = 0; j < m; j++) sc[kh * G + g0 + j][i] = d4[j] * scale;
+                }
+        }
+        /* 2. per query head: max, exp, sum */
+        for (int64_t h = 0; h < H; h++) {
+            float mx = -INFINITY;
+            for (int64_t i = 0; i < n; i++) mx = sc[h][i] > mx ? sc[h][i] : mx;
+            const __m256 m8 = _mm256_set1_ps(mx);
             __m256 sum8 = _mm256_setzero_ps();
             int64_t i = 0;
-            for (; i + 8 <= len_c; i += 8) {
-                const __m256 e = exp_neg256(_mm256_sub_ps(_mm256_loadu_ps(&sc[g][i]), m8));
-                _mm256_storeu_ps(&sc[g][i], e);
+            for (; i + 8 <= n; i += 8) {
+                const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(&sc[h][i]), m8));
+                _mm256_storeu_ps(&sc[h][i], e);
                 sum8 = _mm256_add_ps(sum8, e);
             }
             float sum = hsum8(sum8);
-            for (; i < len_c; i++) {
-                const float e = expf(sc[g][i] - mx[g]);
-                sc[g][i] = e;
+            for (; i < n; i++) {
+                const float e = expf(sc[h][i] - mx);
+                sc[h][i] = e;
                 sum += e;
             }
-            pt[g * stride] = mx[g];
-            pt[g * stride + 1] = sum;
-            for (int64_t d = 0; d < D; d++) pt[g * stride + 2 + d] = 0.0f;
+            pt[h * stride] = mx;
+            pt[h * stride + 1] = sum;
+            for (int64_t d = 0; d < D; d++) pt[h * stride + 2 + d] = 0.0f;
         }
-        /* 3. weighted values, reading each value once for the whole group */
-        for (int64_t p = start; p < end; p++) {
-            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-            const float *vp = v_cache + (slot * KVH + h) * D;
-            for (int64_t g = 0; g < G; g++) {
-                float *acc = pt + g * stride + 2;
-                const __m256 w = _mm256_set1_ps(sc[g][p - start]);
+        /* 3. weighted values: each slot's V row read once */
+        for (int64_t i = 0; i < n; i++) {
+            const float *vrow = v_cache + slots[i] * KVH * D;
+            for (int64_t h = 0; h < H; h++) {
+                const float *vp = vrow + (h / G) * D;
+                float *acc = pt + h * stride + 2;
+                const __m256 w = _mm256_set1_ps(sc[h][i]);
                 for (int64_t d = 0; d < D; d += 8)
                     _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + d), _mm256_loadu_ps(acc + d)));
             }
@@ -295,27 +297,26 @@ int onecall_paged_decode_attention(const float *q, const float *k_cache, const f
     }
     /* 4. merge the chunks of each (sequence, query head), in position order */
     for (int64_t s = 0; s < S; s++)
-        for (int64_t h = 0; h < KVH; h++)
-            for (int64_t g = 0; g < G; g++) {
-                const float *first = part + ((s * KVH + h) * max_chunks) * G * stride;
-                float m = -INFINITY;
-                for (int64_t c = 0; c < max_chunks; c++) {
-                    const float cm = first[c * G * stride + g * stride];
-                    m = cm > m ? cm : m;
-                }
-                float *o = out + (s * H + h * G + g) * D;
-                float total = 0.0f;
-                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-                for (int64_t c = 0; c < max_chunks; c++) {
-                    const float *pc = first + c * G * stride + g * stride;
-                    if (pc[0] == -INFINITY) continue;
-                    const float w = expf(pc[0] - m);
-                    total += w * pc[1];
-                    for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
-                }
-                const float inv = 1.0f / total;
-                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        for (int64_t h = 0; h < H; h++) {
+            const float *first = part + s * max_chunks * H * stride + h * stride;
+            float m = -INFINITY;
+            for (int64_t c = 0; c < max_chunks; c++) {
+                const float cm = first[c * H * stride];
+                m = cm > m ? cm : m;
             }
+            float *o = out + (s * H + h) * D;
+            float total = 0.0f;
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+            for (int64_t c = 0; c < max_chunks; c++) {
+                const float *pc = first + c * H * stride;
+                if (pc[0] == -INFINITY) continue;
+                const float w = expf(pc[0] - m);
+                total += w * pc[1];
+                for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
+            }
+            const float inv = 1.0f / total;
+            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
     free(part);
     return 0;
 }
@@ -341,5 +342,44 @@ void onecall_add_rms_norm(float *h, const float *r, const float *w, int64_t M, i
         const float inv = 1.0f / sqrtf(ss / (float)K + eps);
         float *yr = y + m * K;
         for (i = 0; i < K; i++) yr[i] = hr[i] * inv * w[i];
+    }
+}
+
+/* out (M, I) = silu(y[:, :I]) * y[:, I:] for y (M, 2I): the gated MLP's activation, one pass. */
+void onecall_silu_mul(const float *y, int64_t M, int64_t I, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t m = 0; m < M; m++) {
+        const float *gate = y + m * 2 * I, *up = gate + I;
+        float *o = out + m * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+        }
+        for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* RoPE (rotate_half layout) on the q and k heads of qkv (M, (H + 2 KVH) * D), in place, then the
+ * rotated k heads and the v heads of each row m are stored at slot slot_mapping[m] of the
+ * (num_slots, KVH, D) caches. cos, sin: (M, D / 2), the row's position's tables. */
+void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D, const float *cos,
+                        const float *sin, const int64_t *slot_mapping, float *k_cache, float *v_cache) {
+    const int64_t half = D / 2, width = (H + 2 * KVH) * D;
+    for (int64_t m = 0; m < M; m++) {
+        float *row = qkv + m * width;
+        const float *c = cos + m * half, *sn = sin + m * half;
+        for (int64_t h = 0; h < H + KVH; h++) {
+            float *x = row + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * c[i] - x2 * sn[i];
+                x[i + half] = x2 * c[i] + x1 * sn[i];
+            }
+        }
+        const int64_t slot = slot_mapping[m];
+        memcpy(k_cache + slot * KVH * D, row + H * D, sizeof(float) * (size_t)(KVH * D));
+        memcpy(v_cache + slot * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
     }
 }
