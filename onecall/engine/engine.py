@@ -29,6 +29,7 @@ from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from onecall.engine.sequence import FinishReason, Sequence, TextState
 from onecall.engine.trace import RequestTrace, StepRecord
 from onecall.errors import ContextLengthExceededError, InvalidParameterError
+from onecall.model.attention import default_backend
 from onecall.sampling.mask_prefetch import MaskPrefetcher
 from onecall.sampling.sampler import SampleResult, SamplingRequest, TokenConstraint, sample
 from onecall.sampling_params import SamplingParams
@@ -102,7 +103,9 @@ class Engine:
         self.max_model_len = p.max_model_len
         self.kv = KVCacheManager(p.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        self.runner = ModelRunner(p.model, p.kv_cache, self.kv, self.device)
+        self.runner = ModelRunner(
+            p.model, p.kv_cache, self.kv, self.device, default_backend(self.device, self.config.kernels)
+        )
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()

@@ -24,12 +24,18 @@ from onecall.model.kv_cache import PagedKVCache
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderLM, kv_cache: PagedKVCache, kv: KVCacheManager, device: torch.device
+        self,
+        model: DecoderLM,
+        kv_cache: PagedKVCache,
+        kv: KVCacheManager,
+        device: torch.device,
+        attention_backend: str = "paged",
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv
         self.device = device
+        self.attention_backend = attention_backend  # model/attention.py: "paged", "triton" or "reference"
 
     @torch.inference_mode()
     def execute(self, batch: Seq[ScheduledSeq]) -> torch.Tensor:
@@ -63,7 +69,13 @@ class ModelRunner:
             last_row[i] = len(input_ids) - 1
         sample_rows = [last_row[i] for i, item in enumerate(batch) if item.samples]
         meta = build_attention_metadata(
-            block_tables, seq_lens, query_lens, self.kv.block_size, self.device, run_lengths=run_lengths
+            block_tables,
+            seq_lens,
+            query_lens,
+            self.kv.block_size,
+            self.device,
+            backend=self.attention_backend,
+            run_lengths=run_lengths,
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)

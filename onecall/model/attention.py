@@ -29,6 +29,7 @@ depend on what else shares the step.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,14 @@ from onecall.model import native
 from onecall.model.kv_cache import PagedKVCache
 
 ATTENTION_BACKENDS = ("reference", "paged", "triton")
+
+
+def default_backend(device: torch.device | str, kernels: str) -> str:
+    """The attention backend for a device and the kernels switch: "triton" on CUDA with the fast
+    kernels (when triton is installed, as it is with torch's CUDA builds), "paged" otherwise."""
+    if torch.device(device).type == "cuda" and kernels == "fast" and importlib.util.find_spec("triton"):
+        return "triton"
+    return "paged"
 
 
 @dataclass

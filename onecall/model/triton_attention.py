@@ -1,0 +1,127 @@
+"""Paged varlen attention in Triton: one kernel launch per layer for a whole mixed batch (CUDA).
+
+The batch is flat (see model/attention.py): sequence s owns query rows query_starts[s] ..
+query_starts[s + 1] - 1, whose positions are the last query_len of its seq_len positions. One
+program handles (sequence, query head, block of BLOCK_M query rows) and streams that sequence's
+keys and values in tiles of BLOCK_N positions straight from the paged cache: position p lives in
+slot block_tables[s, p // block_size] * block_size + p % block_size, so nothing is gathered or
+copied per layer. Softmax is the online (flash) form in float32; causality is by position (a query
+at position t sees keys 0..t), which covers a prefill chunk after a cached prefix and a decode row
+(query_len 1) alike.
+
+Numerics: float32 caches use IEEE float32 dot products (no TF32); bfloat16/float16 caches
+accumulate in float32. tests/test_triton_attention.py holds it against the reference backend under
+TRITON_INTERPRET=1 on CPU (the interpreter runs the same kernel with numpy), and
+benchmarks/gpu_check.py against transformers on a GPU.
+
+Triton is imported only when this backend is used; nothing else in onecall needs it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from onecall.model.attention import AttentionMetadata
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # (num_tokens, num_heads, head_dim)
+    k_ptr,  # (num_slots, num_kv_heads, head_dim)
+    v_ptr,
+    o_ptr,  # (num_tokens, num_heads, head_dim)
+    block_tables_ptr,  # (num_seqs, max_blocks) int32
+    seq_lens_ptr,  # (num_seqs,) int32
+    query_starts_ptr,  # (num_seqs + 1,) int32
+    scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_o_tok,
+    stride_o_head,
+    max_blocks,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for float32 inputs: exact float32 products, no TF32
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_block = tl.program_id(2)
+    q_start = tl.load(query_starts_ptr + seq)
+    query_len = tl.load(query_starts_ptr + seq + 1) - q_start
+    if q_block * BLOCK_M >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len  # positions already cached before this step's rows
+    kv_head = head // GROUP
+
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) row within the sequence's queries
+    row_ok = rows < query_len
+    dims = tl.arange(0, HEAD_DIM)
+    q_off = (q_start + rows)[:, None] * stride_q_tok + head * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM)
+    q_pos = context_len + rows  # (BLOCK_M,) absolute positions
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    # keys up to the last query position of this block (causal), never past seq_len
+    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_M)
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        pos_ok = pos < kv_end
+        block = tl.load(block_tables_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :]
+        k = tl.load(k_ptr + kv_off, mask=pos_ok[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
+        v = tl.load(v_ptr + kv_off, mask=pos_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N) float32
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = (q_start + rows)[:, None] * stride_o_tok + head * stride_o_head + dims[None, :]
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q (num_tokens, num_heads, head_dim) over the paged cache -> (num_tokens, num_heads, head_dim)."""
+    assert meta.block_tables is not None and meta.seq_lens_t is not None and meta.query_starts_t is not None
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, "head_dim must be a power of two >= 16"
+    assert k_cache.stride(2) == 1 and q.stride(2) == 1
+    out = torch.empty_like(q)
+    block_m = 16 if meta.max_query_len <= 16 else 64
+    block_n = 64 if head_dim <= 128 else 32
+    grid = (len(meta.seqs), num_heads, triton.cdiv(meta.max_query_len, block_m))
+    kernel: Any = _paged_attention_kernel
+    kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens_t, meta.query_starts_t, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        meta.block_tables.shape[1],
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out
