@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
 
 def _gpu_check() -> object:
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"

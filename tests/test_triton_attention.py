@@ -1,6 +1,7 @@
 """The Triton paged attention kernel (model/triton_attention.py) against the reference backend.
 
-Runs on CPU under TRITON_INTERPRET=1 (Triton's interpreter executes the kernel with numpy), so the
+Runs on CPU under TRITON_INTERPRET=1 (set for the session in conftest.py; Triton's interpreter
+executes the kernel with numpy), so the
 CUDA path's numerics are checked here without a GPU; benchmarks/gpu_check.py runs it on a GPU.
 Tolerance: float32 throughout, online softmax against SDPA's: max abs diff <= 2e-5 on outputs of
 magnitude ~1. The batch mixes a fresh prefill, a chunk after a cached prefix, and decode rows, over
@@ -14,11 +15,10 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (decoration reads it)
 pytest.importorskip("triton", reason="triton is a test extra (pip install -e '.[test]')")
 
-from onecall.model.attention import build_attention_metadata, paged_attention  # noqa: E402
-from onecall.model.kv_cache import PagedKVCache  # noqa: E402
+from onecall.model.attention import build_attention_metadata, paged_attention
+from onecall.model.kv_cache import PagedKVCache
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
