@@ -1,8 +1,8 @@
 """The Triton paged attention kernel (model/triton_attention.py) against the reference backend.
 
 Runs on CPU under TRITON_INTERPRET=1 (set for the session in conftest.py; Triton's interpreter
-executes the kernel with numpy), so the
-CUDA path's numerics are checked here without a GPU; benchmarks/gpu_check.py runs it on a GPU.
+executes the kernel with numpy), so the CUDA path's numerics are checked here without a GPU;
+benchmarks/gpu_check.py runs it on a GPU.
 Tolerance: float32 throughout, online softmax against SDPA's: max abs diff <= 2e-5 on outputs of
 magnitude ~1. The batch mixes a fresh prefill, a chunk after a cached prefix, and decode rows, over
 scrambled physical blocks, with grouped-query heads.
