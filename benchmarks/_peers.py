@@ -345,12 +345,12 @@ def decode_bandwidth(
 ) -> dict[str, Any]:
     """gpt-fast style: bytes one decode step reads x steps/s, against the machine's copy bandwidth.
 
-    Weights: what the model's kernels stream per step at batch 1 (DecoderLM.weight_bytes_read: int4
+    Weights: what the model's kernels stream per step at batch 1 (packing.weight_bytes_read: 4-bit
     projections on the fast path, float32 ones on the reference path; a tied embedding is read in
     full as the lm_head, an untied one is only gathered from). KV: K and V of every cached position
     in every layer, averaged over the decode steps."""
     model, kv = llm.engine.parts.model, llm.engine.parts.kv_cache
-    weight_bytes = model.weight_bytes_read(1)
+    weight_bytes = llm.weight_bytes_read(1)
     kv_bytes_per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.k.element_size()
     mean_context = prompt_len + num_tokens / 2  # decode step k reads prompt + k positions
     step_bytes = weight_bytes + kv_bytes_per_token * mean_context

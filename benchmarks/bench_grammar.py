@@ -59,7 +59,9 @@ def run_batch(llm: LLM, num_constrained: int, num_free: int, max_tokens: int) ->
     so = StructuredOutputsParams(json=SCHEMA)
     constrained = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
     free = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [[{"role": "user", "content": f"{PROMPT} (request {i})"}] for i in range(num_constrained + num_free)]
+    prompts = [
+        [{"role": "user", "content": f"{PROMPT} (request {i})"}] for i in range(num_constrained + num_free)
+    ]
     params = [constrained] * num_constrained + [free] * num_free
     outs = llm.chat(prompts, params)
     return outs[:num_constrained], outs[num_constrained:]
@@ -81,7 +83,9 @@ def main() -> None:
     llm = LLM(enable_prefix_caching=False)
     run_batch(llm, 1, 1, 8)  # warm-up: builds llguidance's tokenizer and compiles the schema once
 
-    r: dict[str, list[float]] = {k: [] for k in ("b1_free", "b1_json", "b8_free", "b8_mixed_free", "b8_mixed_json")}
+    r: dict[str, list[float]] = {
+        k: [] for k in ("b1_free", "b1_json", "b8_free", "b8_mixed_free", "b8_mixed_json")
+    }
     masks_b1: list[float] = []
     masks_b8: list[float] = []
     t0 = time.perf_counter()
@@ -99,8 +103,10 @@ def main() -> None:
         masks_b8 += [m for o in con for m in mask_times(o)]
     med = {k: statistics.median(v) for k, v in r.items()}
 
-    print(f"\ngrammar mask cost, {llm.engine.parts.model_name}, {rounds} round(s), max_tokens {max_tokens}"
-          f" ({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"\ngrammar mask cost, {llm.engine.parts.model_name}, {rounds} round(s), max_tokens {max_tokens}"
+        f" ({time.perf_counter() - t0:.0f} s)"
+    )
     print(f"{'':<44}{'ms/step':>10}{'tok/s':>10}")
     rows = [
         ("batch 1, unconstrained", "b1_free"),
@@ -114,11 +120,15 @@ def main() -> None:
         print(f"{label:<44}{med[key] * 1e3:>10.1f}{per_seq:>10.1f}")
     overhead_b1 = med["b1_json"] / med["b1_free"] - 1
     mixed_ratio = med["b8_mixed_free"] / med["b8_free"]
-    print(f"\nmask time per token (fill + apply), batch 1: p50 {pct(masks_b1, 0.5) * 1e6:.0f} us,"
-          f" p99 {pct(masks_b1, 0.99) * 1e6:.0f} us; in the mixed batch: p50 {pct(masks_b8, 0.5) * 1e6:.0f} us,"
-          f" p99 {pct(masks_b8, 0.99) * 1e6:.0f} us")
-    print(f"batch-1 time-per-token overhead of the schema: {overhead_b1:+.1%} (goal < 10%:"
-          f" {'met' if overhead_b1 < 0.10 else 'NOT met'})")
+    print(
+        f"\nmask time per token (fill + apply), batch 1: p50 {pct(masks_b1, 0.5) * 1e6:.0f} us,"
+        f" p99 {pct(masks_b1, 0.99) * 1e6:.0f} us; in the mixed batch: p50 {pct(masks_b8, 0.5) * 1e6:.0f} us,"
+        f" p99 {pct(masks_b8, 0.99) * 1e6:.0f} us"
+    )
+    print(
+        f"batch-1 time-per-token overhead of the schema: {overhead_b1:+.1%} (goal < 10%:"
+        f" {'met' if overhead_b1 < 0.10 else 'NOT met'})"
+    )
     print(f"unconstrained requests, mixed batch vs unconstrained batch: {mixed_ratio:.3f}x time per step")
     print(json.dumps({
         "bench": "bench_grammar", "rounds": rounds, "max_tokens": max_tokens,

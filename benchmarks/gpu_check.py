@@ -43,6 +43,8 @@ from onecall.model.config import ModelConfig  # noqa: E402
 from onecall.model.decoder import DecoderLM  # noqa: E402
 from onecall.model.kv_cache import PagedKVCache  # noqa: E402
 from onecall.model.loader import ModelFiles  # noqa: E402
+from onecall.model.packing import weight_bytes_read  # noqa: E402
+from onecall.model.weights import load_weights  # noqa: E402
 from onecall.sampling_params import SamplingParams  # noqa: E402
 from onecall.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -126,7 +128,7 @@ def check_tiny_qwen3(
     hf = hf.to(device)
     mc = ModelConfig.from_hf_config(hf_config.to_dict())
     ours = DecoderLM(mc, dtype=torch.float32, device=device)
-    ours.load_weights(hf.state_dict().items())
+    load_weights(ours, hf.state_dict().items())
     engine = make_engine(ours, synthetic_tokenizer(vocab), device, torch.float32, 4096)
     if attention_backend is not None:
         engine.runner.attention_backend = attention_backend
@@ -189,7 +191,7 @@ def speed_8b(device: torch.device, num_layers: int, hidden: int) -> dict[str, An
     model = random_model(mc, device)
     engine = make_engine(model, synthetic_tokenizer(mc.vocab_size), device, torch.bfloat16, 80_000,
                          max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True)  # fmt: skip
-    weight_bytes = model.weight_bytes_read(1)
+    weight_bytes = weight_bytes_read(model, 1)
     bandwidth = copy_bandwidth(device)
     floor_ms = 1e3 * weight_bytes / bandwidth
     rng = torch.Generator().manual_seed(1)

@@ -115,6 +115,13 @@ class LLM:
             raise ContextLengthExceededError(len(ids), self.engine.max_model_len)
         return last_position_attention(self.engine.parts.model, torch.tensor(ids, dtype=torch.int64))
 
+    def weight_bytes_read(self, rows: int = 1) -> int:
+        """Bytes of weights one forward over `rows` tokens (and their logits) streams from memory, in
+        the form the loaded kernels read them: what a decode step's bandwidth divides by."""
+        from onecall.model.packing import weight_bytes_read
+
+        return weight_bytes_read(self.engine.parts.model, rows)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (running requests keep their own KV): later prompts are
         recomputed from scratch."""

@@ -146,10 +146,10 @@ def test_text_package_never_imports_torch() -> None:
 
 def test_bad_prompt_in_a_batch_leaves_nothing_behind(llm: LLM) -> None:
     engine = llm.engine
-    free_before = engine.kv.num_free_blocks + engine.kv.num_evictable_blocks
+    free_before = engine.block_manager.num_free_blocks + engine.block_manager.num_evictable_blocks
     with pytest.raises(InvalidParameterError, match="prompt"):
         llm.generate(["fine", "also fine", []], SamplingParams(max_tokens=4))
     assert not engine.has_unfinished_requests()  # the two good prompts were withdrawn too
-    assert engine.kv.num_free_blocks + engine.kv.num_evictable_blocks == free_before
+    assert engine.block_manager.num_free_blocks + engine.block_manager.num_evictable_blocks == free_before
     out = llm.generate("next call", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out) == 1 and len(out[0].token_ids) == 3

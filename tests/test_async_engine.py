@@ -77,7 +77,7 @@ def test_concurrent_streams_match_the_synchronous_llm() -> None:
             assert [t for o in outs for t in o.delta_token_ids] == want.token_ids  # deltas add up
             assert "".join(o.delta_text for o in outs) == want.text
             assert outs[-1].finish_reason == want.finish_reason
-        assert ae.engine.kv.num_used_blocks == 0 and not ae.engine.has_unfinished_requests()
+        assert ae.engine.block_manager.num_used_blocks == 0 and not ae.engine.has_unfinished_requests()
 
     run(body)
 
@@ -97,7 +97,7 @@ def test_typed_errors_at_add_time_leave_nothing_queued() -> None:
         # all or nothing: the good requests before the bad one are withdrawn too
         with pytest.raises(InvalidParameterError):
             await ae.add_requests([("n0", "hi", LONG), ("n1", "there", LONG), ("n2", [vocab + 1], LONG)])
-        assert not ae.engine.has_unfinished_requests() and ae.engine.kv.num_used_blocks == 0
+        assert not ae.engine.has_unfinished_requests() and ae.engine.block_manager.num_used_blocks == 0
         # the same ids are free again, and a good request still works
         streams = await ae.add_requests([("n0", "hi", GREEDY), ("n1", "there", GREEDY)])
         for s in streams:
@@ -125,7 +125,7 @@ def test_abort_mid_stream_frees_blocks_and_is_idempotent() -> None:
     metrics = Metrics()
 
     async def body(ae: AsyncEngine) -> None:
-        kv = ae.engine.kv
+        kv = ae.engine.block_manager
         stream = await ae.add_request("a", "The capital of France is", LONG)
         for _ in range(3):
             assert not (await stream.__anext__()).finished
@@ -144,7 +144,7 @@ def test_abort_mid_stream_frees_blocks_and_is_idempotent() -> None:
 
 def test_async_with_aborts_on_break_and_on_cancellation() -> None:
     async def body(ae: AsyncEngine) -> None:
-        kv = ae.engine.kv
+        kv = ae.engine.block_manager
         async with await ae.add_request("brk", "Once upon a time", LONG) as stream:
             async for out in stream:
                 if len(out.token_ids) == 2:
@@ -248,7 +248,7 @@ def test_shutdown_ends_open_streams_and_refuses_new_requests() -> None:
         await stream.__anext__()
         await ae.shutdown()
         assert (await collect(stream))[-1].finish_reason == "abort"
-        assert ae.engine.kv.num_used_blocks == 0 and not ae.is_running
+        assert ae.engine.block_manager.num_used_blocks == 0 and not ae.is_running
         await ae.shutdown()  # idempotent
         with pytest.raises(EngineDeadError):
             await ae.add_request("b", "Hello", GREEDY)

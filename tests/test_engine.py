@@ -171,13 +171,13 @@ def test_abort_frees_blocks_at_once() -> None:
         "a", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     )
     engine.step()
-    assert engine.kv.num_free_blocks < 64
+    assert engine.block_manager.num_free_blocks < 64
     out = engine.abort("a")
     assert out is not None and out.finished and out.finish_reason == "abort"
     # no block is held for the request any more; only its prompt's KV stays, evictable, in the prefix cache
-    assert engine.kv.num_free_blocks + engine.kv.num_evictable_blocks == 64
-    engine.kv.reset_prefix_cache()
-    assert engine.kv.num_free_blocks == 64
+    assert engine.block_manager.num_free_blocks + engine.block_manager.num_evictable_blocks == 64
+    engine.block_manager.reset_prefix_cache()
+    assert engine.block_manager.num_free_blocks == 64
     assert not engine.has_unfinished_requests()
     assert engine.abort("a") is None
 
@@ -222,7 +222,7 @@ def test_bad_input_is_typed() -> None:
 
 def _assert_pool_drains(engine) -> None:  # type: ignore[no-untyped-def]
     assert not engine.has_unfinished_requests()
-    kv = engine.kv
+    kv = engine.block_manager
     assert kv.num_free_blocks + kv.num_evictable_blocks == kv.num_blocks
     kv.reset_prefix_cache()
     assert kv.num_free_blocks == kv.num_blocks

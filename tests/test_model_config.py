@@ -1,4 +1,4 @@
-"""ModelConfig.from_hf_config and DecoderLM.load_weights: what they accept and what they refuse.
+"""ModelConfig.from_hf_config and weights.load_weights: what they accept and what they refuse.
 
 Refusals must be UnsupportedModelError naming the offending value, never a
 model that runs silently wrong.
@@ -20,6 +20,7 @@ from onecall.errors import UnsupportedModelError
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
+from onecall.model.weights import load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,7 +216,7 @@ def test_load_weights_fuses_and_casts() -> None:
     c = ModelConfig.from_hf_config(TINY)
     w = tiny_weights(c)
     model = DecoderLM(c, dtype=torch.bfloat16)
-    model.load_weights(w.items())
+    load_weights(model, w.items())
     params = dict(model.named_parameters())
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     qkv_weight = params["model.layers.1.self_attn.qkv_proj.weight"]
@@ -246,7 +247,7 @@ def test_load_weights_refusals_name_the_tensor(mutate: Any, needle: str) -> None
     w = tiny_weights(c)
     mutate(w)
     with pytest.raises(UnsupportedModelError) as info:
-        DecoderLM(c).load_weights(w.items())
+        load_weights(DecoderLM(c), w.items())
     assert needle in str(info.value), str(info.value)
 
 
@@ -254,14 +255,14 @@ def test_tied_embeddings_accept_or_omit_lm_head() -> None:
     c = ModelConfig.from_hf_config(with_(TINY, tie_word_embeddings=True))
     w = tiny_weights(c)
     model = DecoderLM(c)
-    model.load_weights(w.items())  # lm_head.weight present: ignored, the embedding is used
+    load_weights(model, w.items())  # lm_head.weight present: ignored, the embedding is used
     hidden = torch.randn(3, c.hidden_size)
     assert torch.allclose(model.compute_logits(hidden), hidden @ w["model.embed_tokens.weight"].T, atol=1e-5)
     w.pop("lm_head.weight")
-    DecoderLM(c).load_weights(w.items())
+    load_weights(DecoderLM(c), w.items())
 
 
-def test_kv_cache_bytes_and_copy_slots() -> None:
+def test_block_manager_bytes_and_copy_slots() -> None:
     assert PagedKVCache.bytes_per_block(30, 16, 3, 64, torch.bfloat16) == 2 * 30 * 16 * 3 * 64 * 2
     kv = PagedKVCache(2, 4, 4, 2, 8, torch.float32, "cpu")
     assert kv.k.shape == (2, 16, 2, 8) and kv.v.shape == (2, 16, 2, 8)

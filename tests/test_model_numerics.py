@@ -29,6 +29,7 @@ from transformers import (
 from onecall.model.attention import build_attention_metadata
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
+from onecall.model.weights import load_weights
 from tests.helpers.make_models import hf_and_ours
 
 ATOL = 1e-4  # max abs diff between our logits and transformers'
@@ -111,7 +112,7 @@ class Harness:
     def __init__(self, model: DecoderLM, seed: int = 1, dtype: torch.dtype = torch.float32) -> None:
         c = model.config
         self.model = model
-        self.kv = PagedKVCache(
+        self.kv_cache = PagedKVCache(
             c.num_hidden_layers,
             NUM_BLOCKS,
             BLOCK_SIZE,
@@ -144,7 +145,7 @@ class Harness:
             backend=backend,
         )
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv, meta)
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_cache, meta)
             logits = self.model.compute_logits(hidden)
         for seq, num_new in batch:
             seq.num_cached += num_new
@@ -193,7 +194,7 @@ def test_prefix_cache_hit_with_copy_on_write(models: Models) -> None:
     b.block_table = a.block_table[:full]
     harness.reserve(b, len(b.tokens))
     offsets = range(full * BLOCK_SIZE, shared)
-    harness.kv.copy_slots(
+    harness.kv_cache.copy_slots(
         [a.block_table[full] * BLOCK_SIZE + p % BLOCK_SIZE for p in offsets],
         [b.block_table[full] * BLOCK_SIZE + p % BLOCK_SIZE for p in offsets],
     )
@@ -261,11 +262,11 @@ def test_bfloat16_tracks_float32(models: Models) -> None:
     hf_err = (hf_logits(copy.deepcopy(models.hf).to(torch.bfloat16), tokens + [3]) - ref).abs().max().item()
     tol = max(2 * hf_err, 0.05)
     ours16 = DecoderLM(models.ours.config, dtype=torch.bfloat16)
-    ours16.load_weights(models.hf.state_dict().items())
+    load_weights(ours16, models.hf.state_dict().items())
     harness = Harness(ours16, dtype=torch.bfloat16)
     seq = Seq(list(tokens))
     (prefill,) = harness.step([(seq, 12)])
-    assert prefill.dtype == torch.float32 and harness.kv.k.dtype == torch.bfloat16
+    assert prefill.dtype == torch.float32 and harness.kv_cache.k.dtype == torch.bfloat16
     seq.tokens.append(3)
     (decode,) = harness.step([(seq, 1)])
     err = (torch.cat([prefill, decode]) - ref).abs().max().item()

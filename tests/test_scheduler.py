@@ -1,8 +1,8 @@
-"""Scheduler policy alone: pure bookkeeping with a real KVCacheManager and bare sequences."""
+"""Scheduler policy alone: pure bookkeeping with a real BlockManager and bare sequences."""
 
 from __future__ import annotations
 
-from onecall.engine.kv_cache import KVCacheManager
+from onecall.engine.block_manager import BlockManager
 from onecall.engine.scheduler import Scheduler
 from onecall.engine.sequence import FinishReason, Sequence, SequenceStatus
 from onecall.engine.trace import RequestTrace
@@ -30,7 +30,7 @@ def advance(sched_out) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_budget_chunks_prefill_and_decode_goes_first() -> None:
-    s = Scheduler(KVCacheManager(100, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=10)
     a, b = make_seq(1, 3), make_seq(2, 25)
     s.add(a)
     s.add(b)
@@ -43,7 +43,7 @@ def test_budget_chunks_prefill_and_decode_goes_first() -> None:
 
 
 def test_max_num_seqs_limits_admission() -> None:
-    s = Scheduler(KVCacheManager(100, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=2, max_num_batched_tokens=100)
     seqs = [make_seq(i, 4) for i in range(4)]
     for q in seqs:
         s.add(q)
@@ -57,7 +57,7 @@ def test_max_num_seqs_limits_admission() -> None:
 
 
 def test_preempts_youngest_and_readmits_it_first() -> None:
-    kv = KVCacheManager(6, 4, enable_prefix_caching=False)  # 24 slots
+    kv = BlockManager(6, 4, enable_prefix_caching=False)  # 24 slots
     s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
     old, young = make_seq(1, 11), make_seq(2, 11)  # 3 blocks each: the pool is full after admission
     s.add(old)
@@ -77,7 +77,7 @@ def test_preempts_youngest_and_readmits_it_first() -> None:
 
 
 def test_abort_of_waiting_and_running_frees_everything() -> None:
-    kv = KVCacheManager(10, 4)
+    kv = BlockManager(10, 4)
     s = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100)
     a, b = make_seq(1, 9), make_seq(2, 9)
     s.add(a)

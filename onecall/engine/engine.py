@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from onecall.config import EngineConfig
-from onecall.engine.kv_cache import KVCacheManager
+from onecall.engine.block_manager import BlockManager
 from onecall.engine.loading import LoadedEngineParts, load_engine_parts
 from onecall.engine.model_runner import ModelRunner
 from onecall.engine.postprocess import postprocess_token
@@ -101,10 +101,18 @@ class Engine:
         self.model_config = p.model_config
         self.device = p.device
         self.max_model_len = p.max_model_len
-        self.kv = KVCacheManager(p.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.block_manager = BlockManager(
+            p.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
         self.runner = ModelRunner(
-            p.model, p.kv_cache, self.kv, self.device, default_backend(self.device, self.config.kernels)
+            p.model,
+            p.kv_cache,
+            self.block_manager,
+            self.device,
+            default_backend(self.device, self.config.kernels),
         )
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
@@ -225,7 +233,7 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         """Drop the prefix cache (its blocks go back to the pool once no request holds them)."""
-        self.kv.reset_prefix_cache()
+        self.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -315,7 +323,7 @@ class Engine:
                 continue
             if seq.num_output_tokens == 0 and seq.trace.prefill_done_time is None:
                 seq.trace.prefill_done_time = now
-                self.kv.commit(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
+                self.block_manager.commit(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
             assert result is not None, "a sampling row always has a sample result"
             delta_text, finish = postprocess_token(
                 seq, result, row[id(seq)], record, self.tokenizer.eos_token_ids

@@ -23,6 +23,7 @@ from onecall.model.gguf import open_gguf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.loader import ModelFiles, iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.quants import Int4Groups
+from onecall.model.weights import load_weights
 from onecall.text.tokenizer import Tokenizer
 
 
@@ -104,7 +105,7 @@ def _load_model(
     of those weights is ever kept."""
     model = DecoderLM(model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast")
     int4: dict[str, Int4Groups] | None = {} if model.pack_on_load else None
-    model.load_weights(iter_weights(files, dtype, int4), int4)
+    load_weights(model, iter_weights(files, dtype, int4), int4)
     return model.eval()
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from onecall.engine.kv_cache import KVCacheManager
+from onecall.engine.block_manager import BlockManager
 from onecall.engine.scheduler import ScheduledSeq
 from onecall.model.attention import build_attention_metadata
 from onecall.model.decoder import DecoderLM
@@ -27,13 +27,13 @@ class ModelRunner:
         self,
         model: DecoderLM,
         kv_cache: PagedKVCache,
-        kv: KVCacheManager,
+        block_manager: BlockManager,
         device: torch.device,
         attention_backend: str = "paged",
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.kv = kv
+        self.block_manager = block_manager
         self.device = device
         self.attention_backend = attention_backend  # model/attention.py: "paged", "triton" or "reference"
 
@@ -41,7 +41,7 @@ class ModelRunner:
     def execute(self, batch: Seq[ScheduledSeq]) -> torch.Tensor:
         """Run one step; returns (num_sampling_seqs, vocab_size) float32 logits, in batch order."""
         # 1. copy-on-write of partially matched prefix blocks
-        copies = self.kv.take_copy_ops()
+        copies = self.block_manager.take_copy_ops()
         if copies:
             self.kv_cache.copy_slots([s for s, _ in copies], [d for _, d in copies])
 
@@ -62,8 +62,8 @@ class ModelRunner:
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            block_tables.append(self.kv.block_table_view(seq.seq_id))  # no copy: read-only here
-            run_lengths.append(self.kv.first_run_length(seq.seq_id))
+            block_tables.append(self.block_manager.block_table_view(seq.seq_id))  # no copy: read-only here
+            run_lengths.append(self.block_manager.first_run_length(seq.seq_id))
             seq_lens.append(start + n)
             query_lens.append(n)
             last_row[i] = len(input_ids) - 1
@@ -72,7 +72,7 @@ class ModelRunner:
             block_tables,
             seq_lens,
             query_lens,
-            self.kv.block_size,
+            self.block_manager.block_size,
             self.device,
             backend=self.attention_backend,
             run_lengths=run_lengths,

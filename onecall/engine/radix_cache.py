@@ -8,7 +8,7 @@ hash per full block, so nothing is lost at a block boundary).
 
 The tree knows nothing about sequences. It tells the block pool (`TreeBlockRefs`) how
 many of its tokens live in each block; the pool turns "at least one tree token" into one
-reference on the block. Invariants kept here (checked by KVCacheManager.check_invariants):
+reference on the block. Invariants kept here (checked by BlockManager.check_invariants):
 
     | what                         | invariant                                                |
     |------------------------------|----------------------------------------------------------|
@@ -34,7 +34,7 @@ from typing import Protocol
 
 
 class TreeBlockRefs(Protocol):
-    """What the tree needs from the block pool (KVCacheManager's BlockPool)."""
+    """What the tree needs from the block pool (BlockManager's BlockPool)."""
 
     refcount: list[int]
     tree_tokens: list[int]

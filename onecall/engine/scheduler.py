@@ -13,7 +13,7 @@ Policy (continuous batching with chunked prefill, like vLLM v1):
   3. No admission happens in a step that preempted (the pool is under pressure).
 Abort frees a sequence's blocks at once, whatever its state.
 
-Pure bookkeeping: no tensors here, so it is tested with a real KVCacheManager and
+Pure bookkeeping: no tensors here, so it is tested with a real BlockManager and
 fake sequences.
 """
 
@@ -23,7 +23,7 @@ import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from onecall.engine.kv_cache import KVCacheManager
+from onecall.engine.block_manager import BlockManager
 from onecall.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -53,8 +53,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        self.kv = kv
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -83,8 +83,8 @@ class Scheduler:
         if not seq.is_admitted:
             return
         if keep_in_cache and seq.num_computed_tokens > 0:
-            self.kv.commit(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
-        self.kv.free(seq.seq_id)
+            self.block_manager.commit(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
+        self.block_manager.free(seq.seq_id)
         seq.is_admitted = False
 
     # ---- one step ----------------------------------------------------------------------------
@@ -97,7 +97,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
+            while not self.block_manager.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -118,12 +118,12 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
-        match = self.kv.begin(seq.seq_id, seq.token_ids)
+        match = self.block_manager.begin(seq.seq_id, seq.token_ids)
         if match is None:
             return False
         n = min(seq.num_tokens - match.num_cached_tokens, budget)
-        if not self.kv.ensure_capacity(seq.seq_id, match.num_cached_tokens + n):
-            self.kv.free(seq.seq_id)
+        if not self.block_manager.ensure_capacity(seq.seq_id, match.num_cached_tokens + n):
+            self.block_manager.free(seq.seq_id)
             return False
         self.waiting.popleft()
         seq.is_admitted = True

@@ -227,7 +227,7 @@ def paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
-    kv: PagedKVCache,
+    kv_cache: PagedKVCache,
     layer_idx: int,
     meta: AttentionMetadata,
     scale: float,
@@ -239,7 +239,7 @@ def paged_attention(
     Returns (num_tokens, num_heads, head_dim). GQA: head h reads KV head h // (num_heads // num_kv_heads).
     """
     assert q.shape[0] == meta.num_tokens == meta.slot_mapping.shape[0], "batch does not match the metadata"
-    k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]  # (num_slots, num_kv_heads, head_dim)
+    k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]  # (num_slots, num_kv_heads, head_dim)
     if k_new is not None and v_new is not None:
         k_cache.index_copy_(0, meta.slot_mapping, k_new)
         v_cache.index_copy_(0, meta.slot_mapping, v_new)

@@ -97,7 +97,7 @@ class FastLinear(nn.Module):
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Groups | None = None
     ) -> None:
         """`weight` (out, in) float32 is packed and not kept. `bias` is kept by reference, not copied:
-        a bias still being loaded in place (DecoderLM.load_weights) is seen once it lands."""
+        a bias still being loaded in place (weights.load_weights) is seen once it lands."""
         super().__init__()
         assert weight.device.type == "cpu" and weight.dtype == torch.float32, (
             "FastLinear is a float32 CPU path"

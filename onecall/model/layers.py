@@ -3,7 +3,7 @@
 Fused projections keep the number of kernel launches (and Python calls) per
 layer low, which is what CPU decode pays for besides weight bandwidth:
 q/k/v live in one `qkv_proj`, gate/up in one `gate_up_proj`. The loader
-(DecoderLM.load_weights) stacks Hugging Face's separate tensors into them.
+(model/weights.py, load_weights) stacks Hugging Face's separate tensors into them.
 Every tensor is (num_tokens, ...): the batch is flat, sequences are told apart
 by the AttentionMetadata only.
 """
@@ -131,19 +131,19 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv: PagedKVCache,
+        kv_cache: PagedKVCache,
         layer_idx: int,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        if self.native is not None and kv.k.dtype == torch.float32:
+        if self.native is not None and kv_cache.k.dtype == torch.float32:
             qkv_flat = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
             native.rope_store(
                 self.native, qkv_flat, self.num_heads, self.num_kv_heads, cos.squeeze(1), sin.squeeze(1),
-                meta.slot_mapping, kv.k[layer_idx], kv.v[layer_idx],
+                meta.slot_mapping, kv_cache.k[layer_idx], kv_cache.v[layer_idx],
             )  # fmt: skip
             q = qkv_flat.view(n, -1, self.head_dim)[:, : self.num_heads]
-            o = paged_attention(q, None, None, kv, layer_idx, meta, self.scale)
+            o = paged_attention(q, None, None, kv_cache, layer_idx, meta, self.scale)
             return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
         # (num_tokens, num_heads + 2 * num_kv_heads, head_dim)
         qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -153,5 +153,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one go
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        o = paged_attention(q, k, v, kv, layer_idx, meta, self.scale)  # (num_tokens, num_heads, head_dim)
+        o = paged_attention(
+            q, k, v, kv_cache, layer_idx, meta, self.scale
+        )  # (num_tokens, num_heads, head_dim)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))

@@ -111,7 +111,7 @@ class Metrics:
         """Gauges from the engine's state, counters by the EngineStats delta. Engine thread only."""
         self.requests_running.set(engine.num_running)
         self.requests_waiting.set(engine.num_waiting)
-        self.kv_cache_usage.set(engine.kv.usage)
+        self.kv_cache_usage.set(engine.block_manager.usage)
         stats = engine.stats
         for name, attr in _COUNTED_STATS.items():
             delta = getattr(stats, name) - getattr(self._last_stats, name)

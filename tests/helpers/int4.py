@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from onecall.engine.engine import Engine
+from onecall.model.packing import enable_fast_kernels
 from onecall.model.quants import Int4Groups
 from tests.helpers.tiny_engine import tiny_engine, tiny_model
 
@@ -51,5 +52,5 @@ def int4_engine(kernels: str, **config: Any) -> Engine:
                     int4[f"model.layers.{i}.{hf_name}.weight"] = groups.select_rows(index)
                     start += size
     if kernels == "fast":
-        assert "int4" in model.enable_fast_kernels(int4)
+        assert "int4" in enable_fast_kernels(model, int4)
     return tiny_engine(arch="qwen2", model=model, kernels=kernels, **config)

@@ -244,6 +244,7 @@ def hf_and_ours(hf_config: Any, model_cls: Any, *, weight_scale: float, seed: in
     and our DecoderLM loaded from its state dict."""
     from onecall.model.config import ModelConfig
     from onecall.model.decoder import DecoderLM
+    from onecall.model.weights import load_weights
 
     torch.manual_seed(seed)
     hf = model_cls(hf_config).eval()
@@ -256,5 +257,5 @@ def hf_and_ours(hf_config: Any, model_cls: Any, *, weight_scale: float, seed: in
             else:
                 p.copy_(weight_scale * torch.randn_like(p))
     ours = DecoderLM(ModelConfig.from_hf_config(hf_config.to_dict()), dtype=torch.float32, device="cpu")
-    ours.load_weights(hf.state_dict().items())
+    load_weights(ours, hf.state_dict().items())
     return hf, ours

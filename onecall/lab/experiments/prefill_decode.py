@@ -149,7 +149,7 @@ class _PromptSource:
 def _bytes_per_step(llm: LLM) -> tuple[int, int]:
     """(weight bytes one batch-1 decode step streams, KV bytes per cached position over all layers)."""
     cfg = llm.engine.model_config
-    weight_bytes = llm.engine.parts.model.weight_bytes_read(1)
+    weight_bytes = llm.weight_bytes_read(1)
     kv_per_token = (
         2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * llm.engine.parts.dtype.itemsize
     )

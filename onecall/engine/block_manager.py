@@ -138,7 +138,7 @@ class BlockPool:
                 self._free = list(reversed(live))
 
 
-class KVCacheManager:
+class BlockManager:
     """Block tables per sequence plus the radix prefix cache over the same blocks."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from onecall.engine.kv_cache import Divergence, KVCacheManager, PrefixMatch
+from onecall.engine.block_manager import BlockManager, Divergence, PrefixMatch
 from onecall.engine.radix_cache import TreeNode
 
 BLOCK_SIZES = [1, 2, 4, 16]
@@ -26,7 +26,7 @@ BLOCK_SIZES = [1, 2, 4, 16]
 class KVSim:
     """Simulated KV memory shared by all sequences of one manager."""
 
-    def __init__(self, mgr: KVCacheManager) -> None:
+    def __init__(self, mgr: BlockManager) -> None:
         self.mgr = mgr
         self.store: dict[int, tuple[int, ...]] = {}
 
@@ -62,7 +62,7 @@ class KVSim:
                 stack.append((child, path))
 
 
-def run_seq(mgr: KVCacheManager, sim: KVSim, seq_id: int, tokens: list[int]) -> PrefixMatch:
+def run_seq(mgr: BlockManager, sim: KVSim, seq_id: int, tokens: list[int]) -> PrefixMatch:
     """begin + copies + prefill of the rest + commit: what the engine does for one prompt."""
     match = mgr.begin(seq_id, tokens)
     assert match is not None
@@ -73,17 +73,17 @@ def run_seq(mgr: KVCacheManager, sim: KVSim, seq_id: int, tokens: list[int]) -> 
     return match
 
 
-def cache_path(mgr: KVCacheManager, sim: KVSim, seq_id: int, tokens: list[int]) -> None:
+def cache_path(mgr: BlockManager, sim: KVSim, seq_id: int, tokens: list[int]) -> None:
     """Run a prompt to completion and free it, leaving its path in the cache only."""
     run_seq(mgr, sim, seq_id, tokens)
     mgr.free(seq_id)
 
 
-def tree_slots(mgr: KVCacheManager) -> set[int]:
+def tree_slots(mgr: BlockManager) -> set[int]:
     return {s for node, _ in mgr.tree.iter_nodes() for s in node.slots}
 
 
-def snapshot(mgr: KVCacheManager) -> tuple[object, ...]:
+def snapshot(mgr: BlockManager) -> tuple[object, ...]:
     """Everything observable about the manager's state (for 'no side effects' checks)."""
     tree = sorted((start, tuple(n.key), tuple(n.slots), n.last_access) for n, start in mgr.tree.iter_nodes())
     tables = {sid: mgr.block_table(sid) for sid in mgr._tables}
@@ -95,7 +95,7 @@ def snapshot(mgr: KVCacheManager) -> tuple[object, ...]:
 # ---- multi-turn chat ----------------------------------------------------------------------------
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 def test_multi_turn_chat_reuses_every_token(bs: int) -> None:
-    mgr = KVCacheManager(64, bs)
+    mgr = BlockManager(64, bs)
     sim = KVSim(mgr)
     p1 = [100 + i for i in range(21)]
     assert run_seq(mgr, sim, 1, p1) == PrefixMatch(0, None)
@@ -148,7 +148,7 @@ def test_multi_turn_chat_reuses_every_token(bs: int) -> None:
 def test_block_mixed_in_the_middle_is_copied() -> None:
     """Tree slots of logical block 0 end up as [A, A, B, A]: B copied A's first two positions
     and committed position 2 before A did. The block is mixed, so it is copied, not shared."""
-    bs, mgr = 4, KVCacheManager(16, 4)
+    bs, mgr = 4, BlockManager(16, 4)
     sim = KVSim(mgr)
     a = list(range(1, 10))
     assert mgr.begin(1, a) is not None and mgr.ensure_capacity(1, 2)
@@ -172,7 +172,7 @@ def test_block_mixed_in_the_middle_is_copied() -> None:
 # ---- divergence and the len - 1 cap -------------------------------------------------------------
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 def test_divergence_and_cap(bs: int) -> None:
-    mgr = KVCacheManager(64, bs)
+    mgr = BlockManager(64, bs)
     sim = KVSim(mgr)
     p = list(range(1, 11))
     cache_path(mgr, sim, 1, p)
@@ -195,7 +195,7 @@ def test_divergence_and_cap(bs: int) -> None:
 # ---- sharing between live sequences -------------------------------------------------------------
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 def test_live_sequences_share_blocks_but_never_write_into_them(bs: int) -> None:
-    mgr = KVCacheManager(64, bs)
+    mgr = BlockManager(64, bs)
     sim = KVSim(mgr)
     prefix = [10 + i for i in range(3 * bs + 2)]
     a, b = prefix + [1, 2, 3], prefix + [4, 5]
@@ -222,7 +222,7 @@ def test_live_sequences_share_blocks_but_never_write_into_them(bs: int) -> None:
 # ---- eviction -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 def test_lru_eviction_order(bs: int) -> None:
-    mgr = KVCacheManager(8, bs)
+    mgr = BlockManager(8, bs)
     sim = KVSim(mgr)
     a, b, c = ([base + i for i in range(2 * bs)] for base in (100, 200, 300))
     for seq_id, path in enumerate([a, b, c]):
@@ -246,7 +246,7 @@ def test_lru_eviction_order(bs: int) -> None:
 
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 def test_eviction_spares_running_sequences(bs: int) -> None:
-    mgr = KVCacheManager(6, bs)
+    mgr = BlockManager(6, bs)
     sim = KVSim(mgr)
     r, x = [100 + i for i in range(2 * bs)], [200 + i for i in range(2 * bs)]
     run_seq(mgr, sim, 1, r)  # running; its cached path is the oldest but frees nothing
@@ -263,7 +263,7 @@ def test_eviction_spares_running_sequences(bs: int) -> None:
 
 @pytest.mark.parametrize("bs", BLOCK_SIZES[1:])
 def test_begin_protects_its_copy_sources_and_fails_cleanly(bs: int) -> None:
-    mgr = KVCacheManager(4, bs)
+    mgr = BlockManager(4, bs)
     sim = KVSim(mgr)
     p, q = [100 + i for i in range(bs + 1)], [200 + i for i in range(bs)]
     cache_path(mgr, sim, 1, p)  # 2 blocks, the older path
@@ -293,7 +293,7 @@ def test_begin_protects_its_copy_sources_and_fails_cleanly(bs: int) -> None:
 def test_begin_never_evicts_its_matched_path() -> None:
     """Evicting the matched path's only child turns the path's last node into a leaf; it must
     still not be evicted (it holds the copy source), even though it is older than the rest."""
-    mgr = KVCacheManager(6, 4)
+    mgr = BlockManager(6, 4)
     sim = KVSim(mgr)
     a = list(range(1, 9))
     assert mgr.begin(1, a) is not None and mgr.ensure_capacity(1, 8)
@@ -316,7 +316,7 @@ def test_begin_never_evicts_its_matched_path() -> None:
 # ---- reset, no caching, speed -------------------------------------------------------------------
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 def test_everything_free_after_free_and_reset(bs: int) -> None:
-    mgr = KVCacheManager(32, bs)
+    mgr = BlockManager(32, bs)
     sim = KVSim(mgr)
     base = list(range(bs + 3))
     prompts = [base + tail for tail in ([1], [2, 3], [1, 4], [5] * bs)]
@@ -336,7 +336,7 @@ def test_everything_free_after_free_and_reset(bs: int) -> None:
 
 
 def test_prefix_caching_off() -> None:
-    mgr = KVCacheManager(8, 4, enable_prefix_caching=False)
+    mgr = BlockManager(8, 4, enable_prefix_caching=False)
     sim = KVSim(mgr)
     cache_path(mgr, sim, 1, list(range(9)))
     assert mgr.begin(2, list(range(9))) == PrefixMatch(0, None)
@@ -345,7 +345,7 @@ def test_prefix_caching_off() -> None:
 
 
 def test_matching_a_10k_prompt_is_fast() -> None:
-    mgr = KVCacheManager(1024, 16)
+    mgr = BlockManager(1024, 16)
     long = [i % 5000 for i in range(10_000)]
     branches = [long[: 450 * i + 3] + [60_000 + i] * 20 for i in range(20)]
     for seq_id, tokens in enumerate([long, *branches]):  # no KV simulated: bookkeeping only
@@ -371,7 +371,7 @@ class Harness:
     Tokens come from a 3-token alphabet so prefixes collide often."""
 
     def __init__(self, num_blocks: int, bs: int) -> None:
-        self.mgr = KVCacheManager(num_blocks, bs)
+        self.mgr = BlockManager(num_blocks, bs)
         self.sim = KVSim(self.mgr)
         self.seqs: dict[int, tuple[list[int], int]] = {}  # seq_id -> (tokens, num_computed)
         self.pending: set[int] = set()  # sequences whose copies are queued, not yet applied
@@ -523,7 +523,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 KVCacheMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-test_kv_cache_state_machine = KVCacheMachine.TestCase
+test_block_manager_state_machine = KVCacheMachine.TestCase
 
 
 @pytest.mark.parametrize("seed", range(8))
