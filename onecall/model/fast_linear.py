@@ -109,6 +109,7 @@ class FastLinear(nn.Module):
         self.group_size = 0
         # native q4 kernel: (out, in / 2) uint8 nibbles, (out, in / 32) float32 scale and offset
         self.q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._lib: ctypes.CDLL | None = None
         # torch's int4 kernel: packed weight and (in / group, out, 2) bfloat16 scales and zeros
         self.int4_weight: torch.Tensor | None = None
         self.int4_scale_zeros: torch.Tensor | None = None
@@ -119,9 +120,11 @@ class FastLinear(nn.Module):
         assert tuple(g.q.shape) == (self.out_features, self.in_features), (
             "int4 groups do not match the weight"
         )
-        if g.group_size == 32 and self.in_features % 32 == 0 and _native() is not None:
+        lib = _native()
+        if g.group_size == 32 and self.in_features % 32 == 0 and lib is not None:
             self.group_size = 32
             self.q4 = (native.pack_q4(g.q), g.scale.float().contiguous(), g.offset.float().contiguous())
+            self._lib = lib
         elif int4_shape_ok(self.out_features, self.in_features, g.group_size):
             self.group_size = g.group_size
             self.int4_weight = torch._convert_weight_to_int4pack_for_cpu(
@@ -158,11 +161,11 @@ class FastLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
 
     def _int4(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None:
-            lib = _native()
-            assert lib is not None
+        if self.q4 is not None and self._lib is not None:
             qs, scale, offset = self.q4
-            return native.q4_gemm(lib, x2.contiguous(), qs, scale, offset, self.bias, torch.get_num_threads())
+            return native.q4_gemm(
+                self._lib, x2.contiguous(), qs, scale, offset, self.bias, torch.get_num_threads()
+            )
         assert self.int4_weight is not None and self.int4_scale_zeros is not None
         y = torch._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16), self.int4_weight, self.group_size, self.int4_scale_zeros

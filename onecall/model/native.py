@@ -56,6 +56,8 @@ def cpu_flags() -> set[str]:
 def load() -> ctypes.CDLL | None:
     """The kernel library, building it on first use; None where it cannot run here (see the docstring)."""
     global _lib, _reason, _loaded
+    if _loaded:  # decided already (the hot path: no lock)
+        return _lib
     with _lock:
         if not _loaded:
             _loaded = True
@@ -131,22 +133,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_q4_gemm.restype = c_int
     lib.onecall_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int]
     lib.onecall_q8_gemm.restype = c_int
-    lib.onecall_paged_decode_attention.argtypes = [
-        p,
-        p,
-        p,
-        p,
-        i64,
-        p,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        p,
-        c_int,
-    ]
+    lib.onecall_paged_decode_attention.argtypes = (
+        [p, i64, p, p, p, i64, p] + [i64] * 5 + [ctypes.c_float, p, c_int]
+    )
     lib.onecall_paged_decode_attention.restype = c_int
     lib.onecall_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p]
     lib.onecall_add_rms_norm.restype = None
@@ -220,16 +209,18 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query per sequence over its paged KV, read in place (see csrc).
 
-    q (S, H, D) float32; k_cache, v_cache (num_slots, KVH, D) float32 contiguous; block_tables
-    (S, max_blocks) int32; seq_lens (S,) int32. Returns (S, H, D) float32.
+    q (S, H, D) float32 with contiguous heads (rows may be strided: a slice of the fused qkv output);
+    k_cache, v_cache (num_slots, KVH, D) float32 contiguous; block_tables (S, max_blocks) int32;
+    seq_lens (S,) int32. Returns (S, H, D) float32.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
-    qc = q.contiguous()
-    out = torch.empty_like(qc)
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     rc = lib.onecall_paged_decode_attention(
-        qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
         block_size, scale, out.data_ptr(), num_threads,
     )  # fmt: skip

@@ -165,7 +165,8 @@ int onecall_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q, const
 
 /* ---- attention over the paged KV cache, one query per sequence (decode) ------------------------
  *
- * out (S, H, D) = softmax(q k^T * scale) v for each sequence s over its seq_lens[s] cached positions,
+ * out (S, H, D) = softmax(q k^T * scale) v for each sequence s over its seq_lens[s] cached positions
+ * (row s of q starts at q + s * q_stride; its H heads of D values are contiguous),
  * reading K and V where they lie: position p of sequence s is slot
  * block_tables[s, p / block_size] * block_size + p % block_size of the (num_slots, KVH, D) caches.
  * GQA: query heads kvh*G .. kvh*G + G - 1 (G = H / KVH) share KV head kvh.
@@ -216,7 +217,7 @@ static inline void dots4(const float *q, const float *k, int64_t D, int n, float
     if (n > 3) out[3] = hsum8(a3);
 }
 
-int onecall_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+int onecall_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                    const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                    int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                                    float scale, float *out, int num_threads) {
@@ -243,7 +244,7 @@ int onecall_paged_decode_attention(const float *q, const float *k_cache, const f
         }
         const int64_t n = (start + ATTN_CHUNK < len ? start + ATTN_CHUNK : len) - start;
         const int32_t *table = block_tables + s * max_blocks;
-        const float *qs = q + s * H * D;
+        const float *qs = q + s * q_stride; /* (H, D) contiguous */
         float sc[ATTN_MAX_HEADS][ATTN_CHUNK];
         int64_t slots[ATTN_CHUNK];
         for (int64_t i = 0; i < n; i++) {
