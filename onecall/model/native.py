@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -133,9 +134,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_q4_gemm.restype = c_int
     lib.onecall_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int]
     lib.onecall_q8_gemm.restype = c_int
-    lib.onecall_paged_decode_attention.argtypes = (
-        [p, i64, p, p, p, i64, p] + [i64] * 5 + [ctypes.c_float, p, c_int]
-    )
+    # q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D, block_size,
+    # scale, out, num_threads
+    attention_args: list[Any] = [p, i64, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, c_int]
+    lib.onecall_paged_decode_attention.argtypes = attention_args
     lib.onecall_paged_decode_attention.restype = c_int
     lib.onecall_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p]
     lib.onecall_add_rms_norm.restype = None
