@@ -50,6 +50,7 @@ class Workload:
     device: str  # onecall and transformers; llama.cpp runs on the CPU
     dtype: str  # onecall's dtype; transformers always runs float32
     kernels: str  # onecall's kernels: "fast" or "reference"
+    kv_cache_dtype: str  # onecall's K/V cache dtype ("auto": the model's)
     sequential_budget_s: float  # a system serving one sequence at a time stops starting requests after this
     seed: int = 0
     t_spawn: float = 0.0  # parent's time.time() just before it started this child (set per child)
@@ -302,7 +303,7 @@ class Onecall:
         self.llm = LLM(
             model=w.model_path, dtype=w.dtype, device=w.device, num_threads=w.threads, kernels=w.kernels,
             max_num_batched_tokens=max(2048, longest), max_num_seqs=max(64, len(w.concurrent_prompts)),
-            enable_prefix_caching=False,
+            enable_prefix_caching=False, kv_cache_dtype=w.kv_cache_dtype,
         )  # fmt: skip
         self.trace_decode_rates: list[float] = []
 

@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="onecall's dtype")
     ap.add_argument("--kernels", default="fast", choices=["fast", "reference"], help="onecall's kernels")
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="onecall's K/V cache dtype (llama.cpp's is float16)",
+    )  # fmt: skip
     ap.add_argument("--device", default="cpu", help="onecall's and transformers' device")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for every system")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -150,6 +154,7 @@ def build_workload(args: argparse.Namespace, path: Path) -> tuple[Workload, str]
         device=args.device,
         dtype=args.dtype,
         kernels=args.kernels,
+        kv_cache_dtype=args.kv_cache_dtype,
         sequential_budget_s=budget_s,
     )
     return workload, tokenizer_name

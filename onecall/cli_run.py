@@ -44,6 +44,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="K/V cache dtype (auto: the model's); float16 halves what long-context decode reads",
+    )
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument(
         "--kernels",
@@ -87,6 +93,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_gib": a.kv_cache_gib,
         "num_threads": a.num_threads,
         "kernels": a.kernels,
+        "kv_cache_dtype": a.kv_cache_dtype,
     }
 
 

@@ -48,6 +48,9 @@ class EngineConfig:
     # checkpoint's own int4 groups for small batches; see model/fast_linear.py). "reference": plain
     # torch ops only, the oracle the tests compare the fast path against.
     kernels: str = "fast"
+    # dtype of the K/V cache: "auto" is the model's dtype. "float16" halves the bytes a decode step
+    # reads from a long context (llama.cpp's default; the native CPU kernels read it directly).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -77,6 +80,10 @@ class EngineConfig:
             raise InvalidParameterError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib!r}")
         if self.kernels not in ("fast", "reference"):
             raise InvalidParameterError("kernels", f"must be 'fast' or 'reference', got {self.kernels!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+            raise InvalidParameterError(
+                "kv_cache_dtype", f"must be auto, float32, bfloat16 or float16; got {self.kv_cache_dtype!r}"
+            )
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise InvalidParameterError("num_threads", f"must be an integer >= 1, got {self.num_threads!r}")
 
@@ -91,6 +98,10 @@ class EngineConfig:
         if self.dtype is not None:
             return _DTYPES[self.dtype]
         return default_dtype(self.torch_device)
+
+    @property
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

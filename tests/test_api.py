@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from onecall import LLM, SamplingParams
 from onecall.cli import main
@@ -64,6 +65,16 @@ def test_generate_accepts_str_ids_and_batches(llm: LLM) -> None:
     assert llm.generate(ids, p)[0].token_ids == a.token_ids
 
 
+def test_float16_kv_cache(llm: LLM) -> None:
+    """kv_cache_dtype="float16" stores K/V in half precision (the native kernels read it directly):
+    the cache is float16, and greedy answers agree with the float32 cache's on these prompts."""
+    half = LLM(kv_cache_dtype="float16", kv_cache_gib=0.1)
+    assert half.engine.parts.kv_cache.k.dtype is torch.float16
+    p = SamplingParams(temperature=0, max_tokens=12)
+    for messages in (PARIS, [{"role": "user", "content": "Name three colors."}]):
+        assert half.chat(messages, p)[0].text == llm.chat(messages, p)[0].text
+
+
 def test_cli_run_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "What is the capital of France?", "--json", "--max-tokens", "24"]) == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -115,6 +126,7 @@ def test_sampling_params_name_the_parameter(kwargs: dict, param: str) -> None:
         ({"device": "cuda:0"}, "device"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"kv_cache_gib": -1.0}, "kv_cache_gib"),
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
     ],
 )
 def test_engine_config_names_the_parameter(kwargs: dict, param: str) -> None:

@@ -99,22 +99,25 @@ def _sdpa_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: list[int], seq_len: int, bs: int
 ) -> torch.Tensor:
     slots = (torch.tensor(table)[:, None] * bs + torch.arange(bs)).reshape(-1)[:seq_len]
-    k, v = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)  # (kv_heads, L, D)
+    k, v = k_cache[slots].float().transpose(0, 1), v_cache[slots].float().transpose(0, 1)  # (kv_heads, L, D)
     num_heads, head_dim = q.shape
     qg = q.view(k.shape[0], num_heads // k.shape[0], head_dim)  # head h reads KV head h // group
     return F.scaled_dot_product_attention(qg, k, v, scale=head_dim**-0.5).reshape(num_heads, head_dim)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 32), (4, 4, 16)])
 def test_paged_decode_attention_reads_scrambled_blocks(
-    num_heads: int, num_kv_heads: int, head_dim: int
+    num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
 ) -> None:
+    """A float16 cache is compared with SDPA over the same values converted to float32: the kernel's
+    own error is the same; the cache's rounding is the caller's choice (kv_cache_dtype)."""
     assert LIB is not None
     bs, num_blocks = 16, 80
     g = torch.Generator().manual_seed(num_heads)
-    k_cache = torch.randn(num_blocks * bs, num_kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks * bs, num_kv_heads, head_dim, generator=g)
-    lens = [1, 17, 255, 256, 257, 600]  # around the kernel's 256-position chunks
+    k_cache = torch.randn(num_blocks * bs, num_kv_heads, head_dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks * bs, num_kv_heads, head_dim, generator=g).to(kv_dtype)
+    lens = [1, 17, 127, 128, 129, 600]  # around the kernel's 128-position chunks
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, start = [], 0
     for n in lens:
@@ -166,7 +169,8 @@ def test_silu_mul_matches_torch() -> None:
     torch.testing.assert_close(native.silu_mul(LIB, y), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
-def test_rope_store_matches_the_reference_layers() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_rope_store_matches_the_reference_layers(kv_dtype: torch.dtype) -> None:
     from onecall.model.layers import RotaryEmbedding, apply_rope
 
     assert LIB is not None

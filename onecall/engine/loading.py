@@ -62,14 +62,15 @@ def load_engine_parts(config: EngineConfig) -> LoadedEngineParts:
         tokenizer = tokenizer_job.result()
 
     # 5. KV pool
-    num_blocks, max_model_len = _size_kv(config, model_config, dtype, device)
+    kv_dtype = config.torch_kv_cache_dtype
+    num_blocks, max_model_len = _size_kv(config, model_config, kv_dtype, device)
     kv_cache = PagedKVCache(
         model_config.num_hidden_layers,
         num_blocks,
         config.block_size,
         model_config.num_key_value_heads,
         model_config.head_dim,
-        dtype,
+        kv_dtype,
         device,
     )
     return LoadedEngineParts(

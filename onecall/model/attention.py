@@ -241,14 +241,14 @@ def paged_attention(
     assert q.shape[0] == meta.num_tokens == meta.slot_mapping.shape[0], "batch does not match the metadata"
     k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]  # (num_slots, num_kv_heads, head_dim)
     if k_new is not None and v_new is not None:
-        k_cache.index_copy_(0, meta.slot_mapping, k_new)
-        v_cache.index_copy_(0, meta.slot_mapping, v_new)
+        k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
     if meta.backend == "triton":
         from onecall.model.triton_attention import triton_paged_attention
 
         return triton_paged_attention(q, k_cache, v_cache, meta, scale)
 
-    d = meta.decode if k_cache.dtype == torch.float32 else None
+    d = meta.decode if native.decode_attention_fits(q, k_cache) else None
     done: set[int] = set()
     out: torch.Tensor | None = None
     if d is not None:
@@ -296,8 +296,10 @@ def _attend(
 ) -> torch.Tensor:
     """One sequence: q (query_len, num_heads, head_dim) over its KV -> (query_len, num_heads, head_dim)."""
     query_len, num_heads, head_dim = q.shape
-    k = _sequence_kv(k_cache, s, block_size).transpose(0, 1)[None]  # (1, num_kv_heads, seq_len, head_dim)
-    v = _sequence_kv(v_cache, s, block_size).transpose(0, 1)[None]
+    # (1, num_kv_heads, seq_len, head_dim); a cache stored in another dtype (kv_cache_dtype) is read
+    # through a converted copy here: this is the prompt path, where compute outweighs the copy
+    k = _sequence_kv(k_cache, s, block_size).to(q.dtype).transpose(0, 1)[None]
+    v = _sequence_kv(v_cache, s, block_size).to(q.dtype).transpose(0, 1)[None]
     num_kv_heads = k.shape[1]
     if query_len == 1:
         # GQA by folding: the `group` query heads that share a KV head become `group` queries of that

@@ -136,7 +136,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        if self.native is not None and kv_cache.k.dtype == torch.float32:
+        if self.native is not None and kv_cache.k.dtype in native.KV_DTYPES:
             qkv_flat = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
             native.rope_store(
                 self.native, qkv_flat, self.num_heads, self.num_kv_heads, cos.squeeze(1), sin.squeeze(1),

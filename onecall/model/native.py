@@ -7,13 +7,13 @@ activations with exact integer dot products (llama.cpp's idea, at a finer activa
 the Q8_0 logits matrix as int8, and read the paged KV cache in place for decode attention.
 
 How they are built and loaded:
-- `cc -O3 -mavx2 -mfma -fopenmp -shared` (about a second), into a cache folder keyed by a hash
+- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared` (about a second), into a cache folder keyed by a hash
   of the source, the flags and the compiler's version: the next start loads the cached library.
   The folder is $ONECALL_CACHE_DIR/kernels, else $XDG_CACHE_HOME/onecall/kernels, else
   ~/.cache/onecall/kernels (read in onecall/envs.py).
 - loaded with ctypes after torch, so the library's libgomp is the one torch already loaded (the
   same soname): one OpenMP thread pool, not two competing for the cores.
-- not available (no AVX2/FMA, no compiler, a failed build): `load()` returns None, says why in
+- not available (no AVX2/FMA/F16C, no compiler, a failed build): `load()` returns None, says why in
   `unavailable_reason()`, and the fast path falls back to torch's own kernels. Nothing raises.
 """
 
@@ -34,8 +34,10 @@ import torch
 from onecall import envs
 
 _SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_REQUIRED_CPU_FLAGS = ("avx2", "fma")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+# K/V cache dtypes the native decode attention and cache writes read and write directly.
+KV_DTYPES = (torch.float32, torch.float16)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -135,15 +137,32 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int]
     lib.onecall_q8_gemm.restype = c_int
     # q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D, block_size,
-    # scale, out, num_threads
-    attention_args: list[Any] = [p, i64, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, c_int]
+    # scale, out, num_threads, kv_f16
+    attention_args: list[Any] = [
+        p,
+        i64,
+        p,
+        p,
+        p,
+        i64,
+        p,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        p,
+        c_int,
+        c_int,
+    ]
     lib.onecall_paged_decode_attention.argtypes = attention_args
     lib.onecall_paged_decode_attention.restype = c_int
     lib.onecall_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p]
     lib.onecall_add_rms_norm.restype = None
     lib.onecall_silu_mul.argtypes = [p, i64, i64, p]
     lib.onecall_silu_mul.restype = None
-    lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p]
+    lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, c_int]
     lib.onecall_rope_store.restype = None
 
 
@@ -212,7 +231,7 @@ def paged_decode_attention(
     """One query per sequence over its paged KV, read in place (see csrc).
 
     q (S, H, D) float32 with contiguous heads (rows may be strided: a slice of the fused qkv output);
-    k_cache, v_cache (num_slots, KVH, D) float32 contiguous; block_tables (S, max_blocks) int32;
+    k_cache, v_cache (num_slots, KVH, D) float32 or float16, contiguous; block_tables (S, max_blocks) int32;
     seq_lens (S,) int32. Returns (S, H, D) float32.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -224,12 +243,25 @@ def paged_decode_attention(
     rc = lib.onecall_paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-        block_size, scale, out.data_ptr(), num_threads,
+        block_size, scale, out.data_ptr(), num_threads, int(k_cache.dtype == torch.float16),
     )  # fmt: skip
     if rc == -1:
         raise MemoryError("onecall_paged_decode_attention: out of memory for partial results")
     assert rc == 0, f"onecall_paged_decode_attention refused the shapes (rc {rc})"
     return out
+
+
+def decode_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Shapes and dtypes paged_decode_attention takes: float32 queries, a float32 or float16 cache,
+    head_dim a multiple of 8, at most 128 query heads, whole query heads per KV head."""
+    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[1]
+    return (
+        q.dtype == torch.float32
+        and k_cache.dtype in KV_DTYPES
+        and head_dim % 8 == 0
+        and num_heads <= 128
+        and num_heads % num_kv_heads == 0
+    )
 
 
 def add_rms_norm(
@@ -281,9 +313,10 @@ def rope_store(
     head_dim = k_cache.shape[2]
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
+    assert k_cache.dtype in KV_DTYPES and (k_cache.dtype == torch.float32 or num_kv_heads * head_dim % 8 == 0)
     lib.onecall_rope_store(
         qkv.data_ptr(), m, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-        slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float16),
     )  # fmt: skip
 
 

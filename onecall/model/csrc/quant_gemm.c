@@ -201,11 +201,18 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+/* 8 K/V values from a float32 or (f16) IEEE half cache row, as float32. */
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *row, int64_t i, const int f16) {
+    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+
 /* out[g] = dot(q + g * D, k, D) for g < n <= 4: four independent FMA chains share each load of k. */
-static inline void dots4(const float *q, const float *k, int64_t D, int n, float *out) {
+static inline __attribute__((always_inline)) void dots4(const float *q, const void *k, int64_t D, int n, float *out,
+                                                        const int f16) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < D; i += 8) {
-        const __m256 kv = _mm256_loadu_ps(k + i);
+        const __m256 kv = load_kv8(k, i, f16);
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv, a0);
         if (n > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + i), kv, a1);
         if (n > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + i), kv, a2);
@@ -217,10 +224,11 @@ static inline void dots4(const float *q, const float *k, int64_t D, int n, float
     if (n > 3) out[3] = hsum8(a3);
 }
 
-int onecall_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                                   const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
-                                   int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                                   float scale, float *out, int num_threads) {
+static inline __attribute__((always_inline)) int paged_decode_attention(
+    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+    int64_t max_blocks, const int32_t *seq_lens, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+    float scale, float *out, int num_threads, const int f16) {
+    const int64_t elem = f16 ? 2 : 4; /* bytes per cached value */
     if (H > ATTN_MAX_HEADS || H % KVH || D % 8) return -2;
     const int64_t G = H / KVH;
     int64_t max_chunks = 1;
@@ -253,12 +261,12 @@ int onecall_paged_decode_attention(const float *q, int64_t q_stride, const float
         }
         /* 1. scores: each slot's K row (all KV heads) read once */
         for (int64_t i = 0; i < n; i++) {
-            const float *krow = k_cache + slots[i] * KVH * D;
+            const char *krow = (const char *)k_cache + slots[i] * KVH * D * elem;
             for (int64_t kh = 0; kh < KVH; kh++)
                 for (int64_t g0 = 0; g0 < G; g0 += 4) {
                     float d4[4];
                     const int m = (int)(G - g0 < 4 ? G - g0 : 4);
-                    dots4(qs + (kh * G + g0) * D, krow + kh * D, D, m, d4);
+                    dots4(qs + (kh * G + g0) * D, krow + kh * D * elem, D, m, d4, f16);
                     for (int j = 0; j < m; j++) sc[kh * G + g0 + j][i] = d4[j] * scale;
                 }
         }
@@ -280,19 +288,20 @@ int onecall_paged_decode_attention(const float *q, int64_t q_stride, const float
                 sc[h][i] = e;
                 sum += e;
             }
+
             pt[h * stride] = mx;
             pt[h * stride + 1] = sum;
             for (int64_t d = 0; d < D; d++) pt[h * stride + 2 + d] = 0.0f;
         }
         /* 3. weighted values: each slot's V row read once */
-        for (int64_t i = 0; i < n; i++) {
-            const float *vrow = v_cache + slots[i] * KVH * D;
+        for (int64_t j = 0; j < n; j++) {
+            const char *vrow = (const char *)v_cache + slots[j] * KVH * D * elem;
             for (int64_t h = 0; h < H; h++) {
-                const float *vp = vrow + (h / G) * D;
+                const char *vp = vrow + (h / G) * D * elem;
                 float *acc = pt + h * stride + 2;
-                const __m256 w = _mm256_set1_ps(sc[h][i]);
+                const __m256 w = _mm256_set1_ps(sc[h][j]);
                 for (int64_t d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + d), _mm256_loadu_ps(acc + d)));
+                    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(w, load_kv8(vp, d, f16), _mm256_loadu_ps(acc + d)));
             }
         }
     }
@@ -320,6 +329,18 @@ int onecall_paged_decode_attention(const float *q, int64_t q_stride, const float
         }
     free(part);
     return 0;
+}
+
+/* kv_f16: the caches hold IEEE half values (EngineConfig.kv_cache_dtype "float16"), else float32. */
+int onecall_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                   const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                                   int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                                   float scale, float *out, int num_threads, int kv_f16) {
+    if (kv_f16)
+        return paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH,
+                                      D, block_size, scale, out, num_threads, 1);
+    return paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D,
+                                  block_size, scale, out, num_threads, 0);
 }
 
 /* h (M, K) += r (M, K) when r is given; then y = h / sqrt(mean(h^2) + eps) * w, row by row
@@ -364,9 +385,10 @@ void onecall_silu_mul(const float *y, int64_t M, int64_t I, float *out) {
 
 /* RoPE (rotate_half layout) on the q and k heads of qkv (M, (H + 2 KVH) * D), in place, then the
  * rotated k heads and the v heads of each row m are stored at slot slot_mapping[m] of the
- * (num_slots, KVH, D) caches. cos, sin: (M, D / 2), the row's position's tables. */
+ * (num_slots, KVH, D) caches (float32, or IEEE half when kv_f16; KVH * D % 8 == 0 then).
+ * cos, sin: (M, D / 2), the row's position's tables. */
 void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D, const float *cos,
-                        const float *sin, const int64_t *slot_mapping, float *k_cache, float *v_cache) {
+                        const float *sin, const int64_t *slot_mapping, void *k_cache, void *v_cache, int kv_f16) {
     const int64_t half = D / 2, width = (H + 2 * KVH) * D;
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * width;
@@ -380,7 +402,16 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
             }
         }
         const int64_t slot = slot_mapping[m];
-        memcpy(k_cache + slot * KVH * D, row + H * D, sizeof(float) * (size_t)(KVH * D));
-        memcpy(v_cache + slot * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
+        if (kv_f16) { /* round to nearest even, like torch's .half() */
+            uint16_t *k = (uint16_t *)k_cache + slot * KVH * D, *v = (uint16_t *)v_cache + slot * KVH * D;
+            for (int64_t i = 0; i < KVH * D; i += 8) {
+                _mm_storeu_si128((__m128i *)(k + i), _mm256_cvtps_ph(_mm256_loadu_ps(row + H * D + i), _MM_FROUND_TO_NEAREST_INT));
+                _mm_storeu_si128((__m128i *)(v + i),
+                                 _mm256_cvtps_ph(_mm256_loadu_ps(row + (H + KVH) * D + i), _MM_FROUND_TO_NEAREST_INT));
+            }
+        } else {
+            memcpy((float *)k_cache + slot * KVH * D, row + H * D, sizeof(float) * (size_t)(KVH * D));
+            memcpy((float *)v_cache + slot * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
+        }
     }
 }
