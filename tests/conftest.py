@@ -8,6 +8,7 @@ tests/test_gpu_check.py); with one, kernels run compiled on the device.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -17,11 +18,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _silence_stderr() -> None:
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+
 def pytest_unconfigure(config: object) -> None:
     """Triton's interpreter can leave IR objects alive until interpreter shutdown, where nanobind
     reports them ("nanobind: leaked N instances") on stderr, after pytest's summary line. The summary
-    is the run's last word; that third-party shutdown report is dropped (only when triton was loaded)."""
+    is the run's last word: once pytest is done (atexit runs after it restored its captured file
+    descriptors, before the shutdown report), stderr is closed, only when triton was loaded."""
     if "triton" in sys.modules:
-        sys.stderr.flush()
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
+        atexit.register(_silence_stderr)
