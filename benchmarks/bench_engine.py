@@ -277,21 +277,19 @@ def print_report(results: dict[str, dict[str, Any]], w: Workload, quick: bool) -
             f"  llama.cpp's aggregate row runs the requests one after another (its high-level API serves one"
             f" sequence at a time): {done} of {n_conc} within the {w.sequential_budget_s:g} s budget"
         )
-    bw = results.get("onecall", {}).get("bandwidth")
-    if bw:
-        print(
-            f"\nonecall decode bandwidth ({w.dtype}, {w.kernels} kernels): {bw['weight_bytes'] / 1e6:.1f} MB weights"
-            f"{' (tied embedding read as lm_head)' if bw['tied_embeddings'] else ''}"
-            f" + {bw['kv_bytes_per_step'] / 1e6:.1f} MB KV per step -> {bw['achieved_gb_per_s']:.2f} GB/s,"
-            f" {100 * bw['fraction_of_copy']:.0f}% of measured copy bandwidth ({bw['copy_gb_per_s']:.2f} GB/s)"
-        )
-    lbw = results.get("onecall", {}).get("long_bandwidth")
-    if lbw:
-        print(
-            f"onecall decode at a {len(w.long_prompt)}-token context: {lbw['weight_bytes'] / 1e6:.1f} MB weights"
-            f" + {lbw['kv_bytes_per_step'] / 1e6:.1f} MB KV per step -> {lbw['achieved_gb_per_s']:.2f} GB/s,"
-            f" {100 * lbw['fraction_of_copy']:.0f}% of measured copy bandwidth"
-        )
+    one = results.get("onecall", {})
+    for key, label in (
+        ("bandwidth", f"\nonecall decode bandwidth ({w.dtype}, {w.kernels} kernels, batch 1)"),
+        ("long_bandwidth", f"onecall decode at a {len(w.long_prompt)}-token context"),
+    ):
+        bw = one.get(key)
+        if bw:
+            print(
+                f"{label}: {bw['weight_bytes'] / 1e6:.1f} MB weights"
+                f"{' (tied embedding read as lm_head)' if bw['tied_embeddings'] else ''}"
+                f" + {bw['kv_bytes_per_step'] / 1e6:.1f} MB KV per step -> {bw['achieved_gb_per_s']:.2f} GB/s,"
+                f" {100 * bw['fraction_of_copy']:.0f}% of measured copy bandwidth ({bw['copy_gb_per_s']:.2f} GB/s)"
+            )
     return check_goals(results, quick)
 
 
