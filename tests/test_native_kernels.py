@@ -190,3 +190,16 @@ def test_rope_store_matches_the_reference_layers(kv_dtype: torch.dtype) -> None:
     torch.testing.assert_close(heads[:, : num_heads + num_kv_heads], want_qk, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k_cache[slots], want_qk[:, num_heads:], rtol=1e-6, atol=1e-6)
     assert torch.equal(v_cache[slots], want_v)
+
+
+def test_q4_gemm_float16_scales_give_the_float32_scales_bits() -> None:
+    """Q4_0/Q4_1 store scales in float16; kept so (fewer bytes), they give exactly the result of the
+    same values held in float32."""
+    assert LIB is not None
+    w = _int4(64, 128, seed=9)
+    scale, offset = w.scale.half(), w.offset.half()
+    x = torch.randn(5, 128)
+    qs = native.pack_q4(w.q)
+    half = native.q4_gemm(LIB, x, qs, scale, offset, None, 2)
+    full = native.q4_gemm(LIB, x, qs, scale.float(), offset.float(), None, 2)
+    assert torch.equal(half, full)

@@ -107,7 +107,8 @@ class FastLinear(nn.Module):
         # Opaque oneDNN tensor, packed for decode-sized batches (it serves any batch size).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ONEDNN_PACK_ROWS)
         self.group_size = 0
-        # native q4 kernel: (out, in / 2) uint8 nibbles, (out, in / 32) float32 scale and offset
+        # native q4 kernel: (out, in / 2) uint8 nibbles, (out, in / 32) scale and offset (float16 where
+        # exact, else float32)
         self.q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._lib: ctypes.CDLL | None = None
         # torch's int4 kernel: packed weight and (in / group, out, 2) bfloat16 scales and zeros
@@ -123,7 +124,7 @@ class FastLinear(nn.Module):
         lib = _native()
         if g.group_size == 32 and self.in_features % 32 == 0 and lib is not None:
             self.group_size = 32
-            self.q4 = (native.pack_q4(g.q), g.scale.float().contiguous(), g.offset.float().contiguous())
+            self.q4 = (native.pack_q4(g.q), *_compact_scales(g.scale.float(), g.offset.float()))
             self._lib = lib
         elif int4_shape_ok(self.out_features, self.in_features, g.group_size):
             self.group_size = g.group_size
@@ -184,6 +185,15 @@ class FastLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = f"{self.int4_kernel} int4 g{self.group_size} decode + onednn" if self.has_int4 else "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, kernels={kind}"
+
+
+def _compact_scales(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and offsets as float16 when that is exact (Q4_0/Q4_1 store them in float16), else
+    float32 (Q4_K's are products of two stored numbers)."""
+    half_scale, half_offset = scale.half(), offset.half()
+    if torch.equal(half_scale.float(), scale) and torch.equal(half_offset.float(), offset):
+        return half_scale.contiguous(), half_offset.contiguous()
+    return scale.contiguous(), offset.contiguous()
 
 
 def _nbytes(t: torch.Tensor) -> int:

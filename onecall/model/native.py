@@ -7,7 +7,7 @@ activations with exact integer dot products (llama.cpp's idea, at a finer activa
 the Q8_0 logits matrix as int8, and read the paged KV cache in place for decode attention.
 
 How they are built and loaded:
-- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared` (about a second), into a cache folder keyed by a hash
+- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared -ffp-contract=off` (about a second), into a cache folder keyed by a hash
   of the source, the flags and the compiler's version: the next start loads the cached library.
   The folder is $ONECALL_CACHE_DIR/kernels, else $XDG_CACHE_HOME/onecall/kernels, else
   ~/.cache/onecall/kernels (read in onecall/envs.py).
@@ -34,7 +34,9 @@ import torch
 from onecall import envs
 
 _SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+# -ffp-contract=off: float arithmetic runs as written (FMAs only where the code asks for one), so two
+# paths that should give the same bits (float16 vs float32 scales, a row alone vs in a batch) do.
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # K/V cache dtypes the native decode attention and cache writes read and write directly.
 KV_DTYPES = (torch.float32, torch.float16)
@@ -132,7 +134,7 @@ def _cached_library(compiler: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.onecall_q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int]
+    lib.onecall_q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int, c_int]
     lib.onecall_q4_gemm.restype = c_int
     lib.onecall_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int]
     lib.onecall_q8_gemm.restype = c_int
@@ -183,13 +185,14 @@ def q4_gemm(
     bias: torch.Tensor | None,
     num_threads: int,
 ) -> torch.Tensor:
-    """x (M, K) float32 contiguous -> (M, N) float32, W = q * scale + offset in groups of 32."""
+    """x (M, K) float32 contiguous -> (M, N) float32, W = q * scale + offset in groups of 32; scale and
+    offset (N, K / 32) float32, or float16 (Q4_0/Q4_1 store them so: fewer bytes to read)."""
     m, k = x.shape
     n = qs.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.onecall_q4_gemm(
         x.data_ptr(), m, k, qs.data_ptr(), scale.data_ptr(), offset.data_ptr(), n,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(scale.dtype == torch.float16),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("onecall_q4_gemm: out of memory for the activation buffer")

@@ -77,9 +77,16 @@ static int quantize_rows(const float *x, int64_t M, int64_t K, QuantRows *r) {
     return 0;
 }
 
-/* y (M, N) = x (M, K) @ W^T (+ bias), W in the q4 layout. 0 on success, -1 out of memory. */
-int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *scale,
-                    const float *offset, int64_t N, const float *bias, float *y, int num_threads) {
+/* A weight group's scale or offset: float32, or (f16) IEEE half, which is how Q4_0/Q4_1 store them:
+ * then 0.625 bytes a weight are read instead of 0.75. */
+static inline __attribute__((always_inline)) float load_scale(const void *p, int64_t i, const int f16) {
+    if (f16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                                                         const void *scale, const void *offset, int64_t N,
+                                                         const float *bias, float *y, int num_threads, const int f16) {
     const int64_t G = K / 32;
     QuantRows r;
     if (quantize_rows(x, M, K, &r)) return -1;
@@ -87,12 +94,12 @@ int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *qrow = qs + n * (K / 2);
-        const float *srow = scale + n * G, *orow = offset + n * G;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
             const int rows = (int)(M - m0 < ROW_TILE ? M - m0 : ROW_TILE);
             __m256 acc[ROW_TILE];
             for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
             for (int64_t g = 0; g < G; g++) {
+                const float sg = load_scale(scale, n * G + g, f16);
                 const __m128i b = _mm_loadu_si128((const __m128i *)(qrow + g * 16));
                 /* q of columns 0..15 and 16..31 of the group, as int16 */
                 const __m256i w_lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low4));
@@ -104,14 +111,14 @@ int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
                     const __m256i dot = _mm256_add_epi32(
                         _mm256_madd_epi16(w_lo, _mm256_loadu_si256((const __m256i *)xq)),
                         _mm256_madd_epi16(w_hi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
-                    const __m256 ds = _mm256_set1_ps(srow[g] * r.d[m * G + g]);
+                    const __m256 ds = _mm256_set1_ps(sg * r.d[m * G + g]);
                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[i]);
                 }
             }
             for (int i = 0; i < rows; i++) {
                 const float *xs = r.sum + (m0 + i) * G;
                 float off = 0.0f; /* the offsets' share: sum over g of offset[n, g] * sum(x in group g) */
-                for (int64_t g = 0; g < G; g++) off += orow[g] * xs[g];
+                for (int64_t g = 0; g < G; g++) off += load_scale(offset, n * G + g, f16) * xs[g];
                 float v = hsum8(acc[i]) + off;
                 if (bias) v += bias[n];
                 y[(m0 + i) * N + n] = v;
@@ -120,6 +127,14 @@ int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
     }
     free_rows(&r);
     return 0;
+}
+
+/* y (M, N) = x (M, K) @ W^T (+ bias), W in the q4 layout; scale and offset (N, K/32) float32, or
+ * IEEE half when f16_scales. 0 on success, -1 out of memory. */
+int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, const void *offset,
+                    int64_t N, const float *bias, float *y, int num_threads, int f16_scales) {
+    if (f16_scales) return q4_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 1);
+    return q4_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 0);
 }
 
 /* y (M, N) = x (M, K) @ W^T (+ bias), W in the q8 layout. Activations stay float32 here (this is
