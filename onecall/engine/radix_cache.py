@@ -89,6 +89,9 @@ class RadixCache:
         self.block_size = block_size
         self.root = TreeNode([], [], None, 0)
         self._clock = 0
+        # Every non-root node without children, kept as the tree changes, so eviction starts from
+        # the leaves instead of walking the whole tree (invariant checked by check_and_count).
+        self._leaves: set[TreeNode] = set()
 
     # ---- lookups ------------------------------------------------------------------------------
     def match(self, tokens: list[int]) -> PathMatch:
@@ -150,6 +153,8 @@ class RadixCache:
             return
         leaf = TreeNode(tokens[pos:], slots_of(pos, n), node, self._clock)
         node.children[tokens[pos]] = leaf
+        self._leaves.discard(node)
+        self._leaves.add(leaf)
         for block, count in self._block_counts(leaf.slots).items():
             self.pool.add_tree_tokens(block, count)
 
@@ -175,8 +180,8 @@ class RadixCache:
         protected = set(protected)
         heap: list[tuple[int, int, int, TreeNode]] = []
         tie = 0
-        for node, _ in self.iter_nodes():
-            if not node.children and node not in protected:
+        for node in self._leaves:
+            if node not in protected:
                 heap.append((self._rank(node), node.last_access, tie, node))
                 tie += 1
         heapq.heapify(heap)
@@ -208,10 +213,12 @@ class RadixCache:
             for block, count in self._block_counts(node.slots).items():
                 self.pool.remove_tree_tokens(block, count)
         self.root.children.clear()
+        self._leaves.clear()
 
     def check_and_count(self, num_blocks: int) -> list[int]:
         """Assert the docstring table (all rows but content) and return tree tokens per block."""
         bs, tree_tokens, seen = self.block_size, [0] * num_blocks, set()
+        assert self._leaves == {node for node, _ in self.iter_nodes() if not node.children}, "leaf set drifted"
         for node, start in self.iter_nodes():
             assert node.key and len(node.key) == len(node.slots)
             assert node.parent is not None and node.parent.children[node.key[0]] is node
@@ -236,6 +243,9 @@ class RadixCache:
     def _remove_leaf(self, leaf: TreeNode) -> None:
         assert not leaf.children and leaf.parent is not None
         del leaf.parent.children[leaf.key[0]]
+        self._leaves.discard(leaf)
+        if leaf.parent is not self.root and not leaf.parent.children:
+            self._leaves.add(leaf.parent)
         for block, count in self._block_counts(leaf.slots).items():
             self.pool.remove_tree_tokens(block, count)
         leaf.parent = None
