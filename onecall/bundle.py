@@ -144,6 +144,7 @@ def save_bundle(
         "device": str(parts.device),
         "kernels": eng.config.kernels,  # the switch: "fast" or "reference"
         "kernels_detail": parts.kernels,  # what the switch enabled on this device
+        "kv_cache_dtype": str(parts.kv_cache.k.dtype).removeprefix("torch."),  # what the K/V cache held
         "num_threads": torch.get_num_threads(),  # on CPU, matmul sums may split differently with more
         "prompt_token_ids": list(output.trace.prompt_token_ids),
         "sampling_params": params_to_dict(params),
@@ -173,6 +174,7 @@ class Bundle:
     device: str
     kernels: str  # EngineConfig.kernels
     kernels_detail: str  # what ran (LoadedEngineParts.kernels)
+    kv_cache_dtype: str  # the K/V cache's dtype when it ran
     num_threads: int  # torch's CPU threads when it ran
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -201,6 +203,8 @@ class Bundle:
             device=_get(d, "device", str),
             kernels=_get(d, "kernels", str),
             kernels_detail=_get(d, "kernels_detail", str),
+            # bundles written before the field existed ran the model's own dtype (kv_cache_dtype "auto")
+            kv_cache_dtype=_get(d, "kv_cache_dtype", str) if "kv_cache_dtype" in d else _get(d, "dtype", str),
             num_threads=_get(d, "num_threads", int),
             prompt_token_ids=_token_ids(d, "prompt_token_ids", "", allow_empty=False),
             params=params_from_dict(_get(d, "sampling_params", dict)),
@@ -304,6 +308,7 @@ def replay_bundle(bundle: Bundle | dict[str, Any], llm: LLM) -> ReplayReport:
         "dtype": (b.dtype, str(parts.dtype).removeprefix("torch.")),
         "device": (b.device, str(parts.device)),
         "kernels": (b.kernels_detail, parts.kernels),
+        "K/V cache dtype": (b.kv_cache_dtype, str(parts.kv_cache.k.dtype).removeprefix("torch.")),
     }
     if parts.device.type == "cpu":
         setting["CPU threads"] = (str(b.num_threads), str(torch.get_num_threads()))

@@ -107,10 +107,22 @@ def test_other_model_and_unseeded_sampling_are_warnings(tmp_path: Path) -> None:
     assert data["replay_exact"] is False and data["sampling_params"]["seed"] is None
     data["model"]["sha256"] = "0" * 64
     data["dtype"] = "bfloat16"
+    data["kv_cache_dtype"] = "float16"
     report = replay_bundle(data, tiny_llm())
     assert not report.model_matches
     text = "\n".join(report.warnings)
     assert "different model" in text and "dtype differs" in text and "without a seed" in text
+    assert "K/V cache dtype differs (bundle float16, replay float32)" in text
+
+
+def test_a_bundle_without_kv_cache_dtype_ran_the_model_dtype(tmp_path: Path) -> None:
+    """Bundles written before the field existed still load: their cache held the model's dtype."""
+    path, _ = saved(tmp_path, SamplingParams(temperature=0.0, max_tokens=2))
+    data = json.loads(path.read_text())
+    assert data["kv_cache_dtype"] == data["dtype"] == "float32"
+    del data["kv_cache_dtype"]
+    path.write_text(json.dumps(data))
+    assert load_bundle(path).kv_cache_dtype == "float32"
 
 
 def test_sampling_params_round_trip_every_field() -> None:
@@ -156,6 +168,7 @@ def test_sampling_params_round_trip_every_field() -> None:
         (lambda d: d["sampling_params"].__setitem__("warmth", 1), "sampling_params"),
         (lambda d: d["sampling_params"].__setitem__("logit_bias", {"x": 1.0}), "sampling_params.logit_bias"),
         (lambda d: d.__setitem__("replay_exact", "yes"), "replay_exact"),
+        (lambda d: d.__setitem__("kv_cache_dtype", 16), "kv_cache_dtype"),
     ],
 )
 def test_malformed_bundles_name_the_field(tmp_path: Path, edit: Any, param: str) -> None:

@@ -218,7 +218,9 @@ class RadixCache:
     def check_and_count(self, num_blocks: int) -> list[int]:
         """Assert the docstring table (all rows but content) and return tree tokens per block."""
         bs, tree_tokens, seen = self.block_size, [0] * num_blocks, set()
-        assert self._leaves == {node for node, _ in self.iter_nodes() if not node.children}, "leaf set drifted"
+        assert self._leaves == {node for node, _ in self.iter_nodes() if not node.children}, (
+            "leaf set drifted"
+        )
         for node, start in self.iter_nodes():
             assert node.key and len(node.key) == len(node.slots)
             assert node.parent is not None and node.parent.children[node.key[0]] is node
