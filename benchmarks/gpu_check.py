@@ -15,7 +15,8 @@ network is used. About two minutes on an H200. Steps:
    intermediate 12,288, vocabulary 151,936) with random bfloat16 weights:
    - copy bandwidth of the device (a 1 GiB copy, read + write bytes per second), and the batch-1
      decode floor: weight bytes read per step / that bandwidth;
-   - batch-1 decode ms/step (64 tokens after a 16-token prompt, gaps between streamed tokens);
+   - batch-1 decode ms/step (64 tokens after a 16-token prompt, gaps between streamed tokens), with
+     the decode steps replayed as CUDA graphs (the default on CUDA) and without (eager);
    - decode throughput at batch 64 (64 requests x 32 tokens);
    - prefill tokens/s of a 1,024-token prompt;
    - time to first token of a prompt whose first 1,000 tokens are in the prefix cache, plus 20 new.
@@ -204,9 +205,16 @@ def speed_8b(device: torch.device, num_layers: int, hidden: int) -> dict[str, An
 
     run(engine, [ids(16)], greedy(8))  # warm-up: kernels compiled, allocator primed
 
-    # batch-1 decode: gaps between streamed tokens (prefill excluded)
-    stamps = run(engine, [ids(16)], greedy(64))["stamps"]["r0"]
-    decode_ms = 1e3 * (stamps[-1] - stamps[1]) / (len(stamps) - 2)
+    # batch-1 decode: gaps between streamed tokens (prefill excluded); then the same without graphs
+    def decode_ms_per_step(eng: Engine) -> float:
+        stamps = run(eng, [ids(16)], greedy(64))["stamps"]["r0"]
+        return 1e3 * (stamps[-1] - stamps[1]) / (len(stamps) - 2)
+
+    decode_ms = decode_ms_per_step(engine)
+    eager = make_engine(model, engine.tokenizer, device, torch.bfloat16, 20_000, cuda_graphs=False)
+    run(eager, [ids(16)], greedy(8))
+    eager_ms = decode_ms_per_step(eager)
+    del eager
 
     # batch 64 x 32 tokens
     sync(device)
@@ -234,6 +242,10 @@ def speed_8b(device: torch.device, num_layers: int, hidden: int) -> dict[str, An
         "batch64_tokens_per_s": batch_tok_s, "prefill_tokens_per_s": prefill_tok_s,
         "ttft_cached_1000_plus_20_ms": ttft_ms, "cached_tokens": out.num_cached_tokens,
         "attention_backend": engine.runner.attention_backend,
+        "decode_ms_per_step_eager": eager_ms,
+        "cuda_graphs": engine.runner.decode_graphs is not None
+        and any(g.graph is not None for g in engine.runner.decode_graphs._graphs.values()),
+        "graph_capture_errors": {} if engine.runner.decode_graphs is None else engine.runner.decode_graphs.capture_errors,
     }  # fmt: skip
 
 
@@ -253,7 +265,8 @@ def main() -> None:
     result["qwen3_8b_shape"] = speed_8b(device, args.layers, args.hidden)
     s = result["qwen3_8b_shape"]
     print(
-        f"8B shape ({s['layers']} layers): decode {s['decode_ms_per_step']:.2f} ms/step (floor "
+        f"8B shape ({s['layers']} layers): decode {s['decode_ms_per_step']:.2f} ms/step, eager "
+        f"{s['decode_ms_per_step_eager']:.2f} (floor "
         f"{s['decode_floor_ms']:.2f} ms, {100 * s['fraction_of_floor']:.0f}%), batch 64 "
         f"{s['batch64_tokens_per_s']:.0f} tok/s, prefill {s['prefill_tokens_per_s']:.0f} tok/s, TTFT with a "
         f"cached 1,000-token prefix {s['ttft_cached_1000_plus_20_ms']:.1f} ms",

@@ -51,6 +51,9 @@ class EngineConfig:
     # dtype of the K/V cache: "auto" is the model's dtype. "float16" halves the bytes a decode step
     # reads from a long context (llama.cpp's default; the native CPU kernels read it directly).
     kv_cache_dtype: str = "auto"
+    # On CUDA with the fast kernels: decode steps padded to bucket sizes and replayed as CUDA graphs
+    # (engine/decode_graphs.py). False runs every step eagerly.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:

@@ -22,6 +22,7 @@ import torch
 
 from onecall.config import EngineConfig
 from onecall.engine.block_manager import BlockManager
+from onecall.engine.decode_graphs import BUCKETS, DecodeGraphs
 from onecall.engine.loading import LoadedEngineParts, load_engine_parts
 from onecall.engine.model_runner import ModelRunner
 from onecall.engine.postprocess import postprocess_token
@@ -101,19 +102,10 @@ class Engine:
         self.model_config = p.model_config
         self.device = p.device
         self.max_model_len = p.max_model_len
-        self.block_manager = BlockManager(
-            p.num_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens
-        )
-        self.runner = ModelRunner(
-            p.model,
-            p.kv_cache,
-            self.block_manager,
-            self.device,
-            default_backend(self.device, self.config.kernels),
-        )
+        backend = default_backend(self.device, self.config.kernels)
+        self._build_runner(backend, p.num_blocks)
+        if self.config.cuda_graphs and self.device.type == "cuda" and backend == "triton":
+            self.enable_static_decode(capture=True)
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -121,6 +113,36 @@ class Engine:
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()  # a server may reach `grammar` from another thread
         self._masks = MaskPrefetcher(self.model_config.vocab_size)
+
+    def _build_runner(self, backend: str, num_blocks: int) -> None:
+        p = self.parts
+        self.block_manager = BlockManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(p.model, p.kv_cache, self.block_manager, self.device, backend)
+
+    def enable_static_decode(self, capture: bool, backend: str | None = None) -> None:
+        """Run pure-decode steps on static, bucketed buffers (engine/decode_graphs.py), captured as
+        CUDA graphs when `capture` (CUDA only). The pool's last block becomes the padding rows'
+        scratch block, so the block manager is rebuilt one block smaller: call it before any request.
+        `backend` overrides the attention backend (tests run "triton" on CPU under the interpreter)."""
+        assert not self._seqs, "enable_static_decode() before any request"
+        p = self.parts
+        backend = backend or self.runner.attention_backend
+        assert backend == "triton", "static decode steps need the Triton backend (metadata as tensors only)"
+        self._build_runner(backend, p.num_blocks - 1)
+        self.runner.decode_graphs = DecodeGraphs(
+            model=p.model,
+            kv_cache=p.kv_cache,
+            max_bucket=min(self.config.max_num_seqs, BUCKETS[-1]),
+            max_blocks_per_seq=-(-self.max_model_len // self.config.block_size),
+            scratch_block=p.num_blocks - 1,
+            backend=backend,
+            capture=capture,
+        )
 
     @property
     def grammar(self) -> GrammarBackend:

@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from onecall.engine.block_manager import BlockManager
+from onecall.engine.decode_graphs import DecodeGraphs
 from onecall.engine.scheduler import ScheduledSeq
 from onecall.model.attention import build_attention_metadata
 from onecall.model.decoder import DecoderLM
@@ -36,6 +37,7 @@ class ModelRunner:
         self.block_manager = block_manager
         self.device = device
         self.attention_backend = attention_backend  # model/attention.py: "paged", "triton" or "reference"
+        self.decode_graphs: DecodeGraphs | None = None  # static-shape decode steps (CUDA graphs)
 
     @torch.inference_mode()
     def execute(self, batch: Seq[ScheduledSeq]) -> torch.Tensor:
@@ -68,6 +70,14 @@ class ModelRunner:
             query_lens.append(n)
             last_row[i] = len(input_ids) - 1
         sample_rows = [last_row[i] for i, item in enumerate(batch) if item.samples]
+        if self.decode_graphs is not None and num_decode == len(batch) and len(sample_rows) == len(batch):
+            # every sequence decodes one token: the static buffers (and on CUDA a replayed graph)
+            with decode_rows(num_decode):
+                logits = self.decode_graphs.run(
+                    input_ids, positions, block_tables, seq_lens, self.block_manager.block_size
+                )
+            if logits is not None:
+                return logits  # rows are in batch order: decode rows first changed nothing here
         meta = build_attention_metadata(
             block_tables,
             seq_lens,

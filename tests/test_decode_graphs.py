@@ -1,0 +1,55 @@
+"""Static-shape decode steps (engine/decode_graphs.py) on CPU: buckets, padding, static metadata.
+
+On CUDA these steps are captured as CUDA graphs; everything but the capture runs here, with the
+Triton attention backend under TRITON_INTERPRET=1 (tests/conftest.py): the engine on padded,
+bucketed buffers must give the same greedy tokens as the engine's ordinary path, alone and for
+batches that need padding (3 -> bucket 4, 5 -> bucket 8), across steps where the batch shrinks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from onecall.engine.decode_graphs import BUCKETS, bucket_for
+from onecall.sampling_params import SamplingParams
+from tests.helpers.tiny_engine import run_all, tiny_engine
+
+pytest.importorskip("triton")
+needs_triton = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton on CPU needs TRITON_INTERPRET=1 (conftest sets it)",
+)
+
+
+def test_buckets() -> None:
+    assert [bucket_for(n, 64) for n in (1, 2, 3, 4, 5, 9, 17, 33, 64)] == [1, 2, 4, 4, 8, 16, 24, 48, 64]
+    assert bucket_for(65, 64) is None  # above the largest bucket: the step runs eagerly
+    assert bucket_for(3, 2) is None
+    assert list(BUCKETS) == sorted(BUCKETS)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_requests", [1, 3, 5])
+def test_static_decode_gives_the_eager_tokens(num_requests: int) -> None:
+    prompts = {f"r{i}": f"Count the apples number {i} " + "and pears " * i for i in range(num_requests)}
+    # different lengths: requests finish at different steps, so the batch shrinks and re-buckets
+    params = {
+        f"r{i}": SamplingParams(temperature=0.0, max_tokens=6 + 2 * i, ignore_eos=True)
+        for i in range(num_requests)
+    }
+    eager = run_all(tiny_engine(arch="qwen2"), prompts, params)
+    engine = tiny_engine(arch="qwen2")
+    engine.enable_static_decode(capture=False, backend="triton")
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.scratch_block == engine.parts.num_blocks - 1
+    assert (
+        engine.block_manager.num_blocks == engine.parts.num_blocks - 1
+    )  # the scratch block is not handed out
+    static = run_all(engine, prompts, params)
+    for rid in prompts:
+        assert static[rid].token_ids == eager[rid].token_ids, rid
+    # the static path ran: the first decode step's bucket (and each smaller one as requests finished)
+    assert bucket_for(num_requests, 64) in graphs._graphs and set(graphs._graphs) <= set(BUCKETS)
+    assert all(g.graph is None for g in graphs._graphs.values())
