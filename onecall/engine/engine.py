@@ -102,10 +102,6 @@ class Engine:
         self.model_config = p.model_config
         self.device = p.device
         self.max_model_len = p.max_model_len
-        backend = default_backend(self.device, self.config.kernels)
-        self._build_runner(backend, p.num_blocks)
-        if self.config.cuda_graphs and self.device.type == "cuda" and backend == "triton":
-            self.enable_static_decode(capture=True)
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -113,6 +109,10 @@ class Engine:
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()  # a server may reach `grammar` from another thread
         self._masks = MaskPrefetcher(self.model_config.vocab_size)
+        backend = default_backend(self.device, self.config.kernels)
+        self._build_runner(backend, p.num_blocks)
+        if self.config.cuda_graphs and backend == "triton":  # the fast kernels on CUDA
+            self.enable_static_decode(capture=self.device.type == "cuda")
 
     def _build_runner(self, backend: str, num_blocks: int) -> None:
         p = self.parts
