@@ -20,10 +20,11 @@ import torch
 
 from onecall.engine.engine import Engine
 from onecall.errors import InvalidParameterError
-from onecall.sampling import penalties
+from onecall.sampling import masks
 from onecall.sampling.bitmask import unpack_bitmask
 from onecall.sampling.grammar import GrammarBackend, GrammarLimits
-from onecall.sampling.sampler import SamplingRequest, sample
+from onecall.sampling.sampler import sample
+from onecall.sampling.types import SamplingRequest
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.helpers.tiny_engine import embedded_tokenizer, run_all, tiny_engine
 
@@ -172,13 +173,13 @@ def test_unconstrained_rows_are_bit_identical(
         ]
 
     calls: list[tuple[int, int]] = []
-    real = penalties.allocate_bitmask
+    real = masks.allocate_bitmask
 
     def counting(num_rows: int, vocab_size: int) -> torch.Tensor:
         calls.append((num_rows, vocab_size))
         return real(num_rows, vocab_size)
 
-    monkeypatch.setattr(penalties, "allocate_bitmask", counting)
+    monkeypatch.setattr(masks, "allocate_bitmask", counting)
     base = sample(logits.clone(), rows(False), inplace=True)
     assert calls == []  # a batch without constraints allocates no bitmask
     mixed_logits = logits.clone()

@@ -17,7 +17,8 @@ import torch
 
 from onecall.sampling.bitmask import pack_bitmask
 from onecall.sampling.mask_prefetch import MaskPrefetcher
-from onecall.sampling.sampler import SamplingRequest, sample
+from onecall.sampling.sampler import sample
+from onecall.sampling.types import SamplingRequest
 from onecall.sampling_params import SamplingParams
 from tests.helpers.tiny_engine import tiny_engine
 

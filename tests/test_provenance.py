@@ -28,7 +28,8 @@ from onecall.sampling import sampler
 from onecall.sampling.bitmask import pack_bitmask
 from onecall.sampling.grammar import GrammarBackend
 from onecall.sampling.provenance import STAGES, TOP_N, TokenProvenance
-from onecall.sampling.sampler import SamplingRequest, sample
+from onecall.sampling.sampler import sample
+from onecall.sampling.types import SamplingRequest
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 from onecall.server.app import create_app
 from onecall.server.async_engine import AsyncEngine

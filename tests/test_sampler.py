@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from onecall.sampling.bitmask import pack_bitmask
-from onecall.sampling.sampler import SamplingRequest, TokenConstraint, sample
+from onecall.sampling.sampler import sample
+from onecall.sampling.types import SamplingRequest, TokenConstraint
 from onecall.sampling_params import SamplingParams
 
 

@@ -32,7 +32,8 @@ from onecall.engine.trace import RequestTrace, StepRecord
 from onecall.errors import ContextLengthExceededError, InvalidParameterError
 from onecall.model.attention import default_backend
 from onecall.sampling.mask_prefetch import MaskPrefetcher
-from onecall.sampling.sampler import SampleResult, SamplingRequest, TokenConstraint, sample
+from onecall.sampling.sampler import sample
+from onecall.sampling.types import SampleResult, SamplingRequest, TokenConstraint
 from onecall.sampling_params import SamplingParams
 from onecall.text.chat_template import RenderedPrompt
 from onecall.text.detokenizer import IncrementalDetokenizer

@@ -17,7 +17,7 @@ from collections.abc import Set
 
 from onecall.engine.sequence import FinishReason, Sequence
 from onecall.engine.trace import StepRecord
-from onecall.sampling.sampler import SampleResult
+from onecall.sampling.types import SampleResult
 
 
 def postprocess_token(

@@ -26,7 +26,7 @@ from typing import overload
 import torch
 
 from onecall.engine.trace import RequestTrace
-from onecall.sampling.sampler import TokenConstraint
+from onecall.sampling.types import TokenConstraint
 from onecall.sampling_params import SamplingParams
 from onecall.text.detokenizer import IncrementalDetokenizer
 from onecall.text.stop import StopStringMatcher

@@ -52,7 +52,7 @@ class GrammarTrace:
 
 
 class GrammarConstraint:
-    """A TokenConstraint (sampling/sampler.py) over one llguidance matcher (states: module docstring)."""
+    """A TokenConstraint (sampling/types.py) over one llguidance matcher (states: module docstring)."""
 
     PREAMBLE, REASONING, ACTIVE = "preamble", "reasoning", "active"
 

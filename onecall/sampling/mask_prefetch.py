@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from onecall.sampling.bitmask import allocate_bitmask
-from onecall.sampling.sampler import TokenConstraint
+from onecall.sampling.types import TokenConstraint
 
 
 class PrefetchedConstraint:

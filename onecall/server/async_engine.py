@@ -45,7 +45,7 @@ from types import TracebackType
 
 from onecall.engine.engine import Engine, RequestOutput
 from onecall.errors import EngineDeadError, InvalidParameterError, QueueFullError
-from onecall.sampling.sampler import TokenConstraint
+from onecall.sampling.types import TokenConstraint
 from onecall.sampling_params import SamplingParams
 from onecall.server.metrics import Metrics
 from onecall.text.chat_template import RenderedPrompt
