@@ -244,7 +244,7 @@ def speed_8b(device: torch.device, num_layers: int, hidden: int) -> dict[str, An
         "attention_backend": engine.runner.attention_backend,
         "decode_ms_per_step_eager": eager_ms,
         "cuda_graphs": engine.runner.decode_graphs is not None
-        and any(g.graph is not None for g in engine.runner.decode_graphs._graphs.values()),
+        and any(engine.runner.decode_graphs.buckets.values()),
         "graph_capture_errors": {} if engine.runner.decode_graphs is None else engine.runner.decode_graphs.capture_errors,
     }  # fmt: skip
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from onecall.model.attention import AttentionMetadata, SeqSpan
+from onecall.model.attention import AttentionMetadata, SeqSpan, padded_block_tables
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 
@@ -75,6 +75,11 @@ class DecodeGraphs:
         self._graphs: dict[int, _Graph] = {}
         self._pool: Any = None  # the CUDA graphs' shared memory pool (a handle from the first graph)
 
+    @property
+    def buckets(self) -> dict[int, bool]:
+        """The buckets used so far -> whether each replays a captured CUDA graph (else eager)."""
+        return {bucket: g.graph is not None for bucket, g in self._graphs.items()}
+
     # ---- one step ------------------------------------------------------------------------------
     def run(
         self,
@@ -112,16 +117,21 @@ class DecodeGraphs:
         ids = torch.zeros(bucket, dtype=torch.int64)
         pos = torch.zeros(bucket, dtype=torch.int64)
         slots = torch.full((bucket,), self.scratch_block * block_size, dtype=torch.int64)
-        tables = torch.full((bucket, self.max_blocks_per_seq), self.scratch_block, dtype=torch.int32)
         lens = torch.ones(bucket, dtype=torch.int32)
         ids[:n] = torch.tensor(input_ids)
         pos[:n] = torch.tensor(positions)
+        lens[:n] = torch.tensor(seq_lens)
         for row, (table, seq_len) in enumerate(zip(block_tables, seq_lens, strict=True)):
-            num_blocks = -(-seq_len // block_size)
-            tables[row, :num_blocks] = torch.as_tensor(list(table[:num_blocks]), dtype=torch.int32)
-            last = seq_len - 1
+            last = seq_len - 1  # this step's token: its K/V goes to the last position's slot
             slots[row] = int(table[last // block_size]) * block_size + last % block_size
-            lens[row] = seq_len
+        # padding rows: one position, in the scratch block (blocks past a row's length are never read)
+        tables = padded_block_tables(
+            [*block_tables, *[[self.scratch_block]] * (bucket - n)],
+            [*seq_lens, *[1] * (bucket - n)],
+            block_size,
+            width=self.max_blocks_per_seq,
+            pad=self.scratch_block,
+        )
         self.input_ids[:bucket].copy_(ids, non_blocking=True)
         self.positions[:bucket].copy_(pos, non_blocking=True)
         self.slot_mapping[:bucket].copy_(slots, non_blocking=True)

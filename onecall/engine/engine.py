@@ -111,9 +111,10 @@ class Engine:
         self._grammar_lock = threading.Lock()  # a server may reach `grammar` from another thread
         self._masks = MaskPrefetcher(self.model_config.vocab_size)
         backend = default_backend(self.device, self.config.kernels)
-        self._build_runner(backend, p.num_blocks)
         if self.config.cuda_graphs and backend == "triton":  # the fast kernels on CUDA
-            self.enable_static_decode(capture=self.device.type == "cuda")
+            self.enable_static_decode(capture=self.device.type == "cuda", backend=backend)
+        else:
+            self._build_runner(backend, p.num_blocks)
 
     def _build_runner(self, backend: str, num_blocks: int) -> None:
         p = self.parts
@@ -132,7 +133,7 @@ class Engine:
         `backend` overrides the attention backend (tests run "triton" on CPU under the interpreter)."""
         assert not self._seqs, "enable_static_decode() before any request"
         p = self.parts
-        backend = backend or self.runner.attention_backend
+        backend = backend or self.runner.attention_backend  # the constructor passes its own
         assert backend == "triton", "static decode steps need the Triton backend (metadata as tensors only)"
         self._build_runner(backend, p.num_blocks - 1)
         self.runner.decode_graphs = DecodeGraphs(

@@ -180,17 +180,31 @@ def _slots(table: Sequence[int], start: int, end: int, block_size: int) -> torch
     return slots[offset : offset + end - start]
 
 
+def padded_block_tables(
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    block_size: int,
+    width: int | None = None,
+    pad: int = 0,
+) -> torch.Tensor:
+    """(num_seqs, width) int32 on CPU: row i holds the blocks covering seq_lens[i] positions of
+    table i, then `pad`. `width` defaults to the widest row; what the kernels read as block tables."""
+    needed = [-(-s // block_size) for s in seq_lens]
+    tables = torch.full((len(needed), width or max(needed, default=0)), pad, dtype=torch.int32)
+    for row, (table, n) in enumerate(zip(block_tables, needed, strict=True)):
+        tables[row, :n] = torch.tensor(list(table[:n]), dtype=torch.int32)
+    return tables
+
+
 def _decode_rows(
     seqs: list[SeqSpan], block_tables: Sequence[Sequence[int]], block_size: int
 ) -> DecodeRows | None:
     index = [i for i, s in enumerate(seqs) if s.query_len == 1]
     if not index:
         return None
-    max_blocks = max(-(-seqs[i].seq_len // block_size) for i in index)
-    tables = torch.zeros(len(index), max_blocks, dtype=torch.int32)
-    for row, i in enumerate(index):
-        n = -(-seqs[i].seq_len // block_size)
-        tables[row, :n] = torch.tensor(block_tables[i][:n], dtype=torch.int32)
+    tables = padded_block_tables(
+        [block_tables[i] for i in index], [seqs[i].seq_len for i in index], block_size
+    )
     rows = [seqs[i].q_start for i in index]
     return DecodeRows(
         seq_index=index,
@@ -208,12 +222,7 @@ def _add_triton_tensors(
     query_lens: Sequence[int],
     device: torch.device,
 ) -> None:
-    bs = meta.block_size
-    max_blocks = max(-(-s // bs) for s in seq_lens)
-    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    for i, (table, seq_len) in enumerate(zip(block_tables, seq_lens, strict=True)):
-        n = -(-seq_len // bs)
-        tables[i, :n] = torch.tensor(table[:n], dtype=torch.int32)
+    tables = padded_block_tables(block_tables, seq_lens, meta.block_size)
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
