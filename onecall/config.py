@@ -83,6 +83,9 @@ class EngineConfig:
             raise InvalidParameterError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib!r}")
         if self.kernels not in ("fast", "reference"):
             raise InvalidParameterError("kernels", f"must be 'fast' or 'reference', got {self.kernels!r}")
+        for name in ("enable_prefix_caching", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
             raise InvalidParameterError(
                 "kv_cache_dtype", f"must be auto, float32, bfloat16 or float16; got {self.kv_cache_dtype!r}"

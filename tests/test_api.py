@@ -127,6 +127,7 @@ def test_sampling_params_name_the_parameter(kwargs: dict, param: str) -> None:
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"kv_cache_gib": -1.0}, "kv_cache_gib"),
         ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+        ({"cuda_graphs": "yes"}, "cuda_graphs"),
     ],
 )
 def test_engine_config_names_the_parameter(kwargs: dict, param: str) -> None:
