@@ -132,11 +132,14 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
     fast = load_engine_parts(EngineConfig(kernels="fast", kv_cache_gib=0.05))
     ref = load_engine_parts(EngineConfig(kernels="reference", kv_cache_gib=0.05))
     num_layers = fast.model_config.num_hidden_layers
-    kind, logits_kernel = ("native", "native q8") if native.load() else ("torch", "onednn float32")
+    kind, logits_kernel, step = (
+        ("native", "native q8", ", native decode step") if native.load() else ("torch", "onednn float32", "")
+    )
     assert fast.kernels == (
         f"onednn float32 + {kind} int4 decode ({4 * num_layers} of {4 * num_layers} projections), "
-        f"{logits_kernel} logits"  # the embedded GGUF's tied embedding is Q8_0: kept as int8
+        f"{logits_kernel} logits{step}"  # the embedded GGUF's tied embedding is Q8_0: kept as int8
     )
+    assert (fast.model.native_step is not None) == bool(step)
     assert not any(name.endswith(("proj.weight",)) for name, _ in fast.model.named_parameters())
     ids = fast.tokenizer.encode("The streaming loader packs each projection as it arrives. " * 3)
     assert len(ids) > INT4_MAX_ROWS

@@ -13,6 +13,7 @@ attention metadata is built once per step by the caller.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from onecall.model.config import ModelConfig
 from onecall.model.fast_linear import FastLMHead, fast_kernels_supported
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from onecall.model.native_step import NativeDecodeStep
 
 # Our projections and the checkpoint tensors each is made of, in row order.
 PROJECTION_PARTS = {
@@ -100,6 +104,7 @@ class DecoderLM(nn.Module):
             )
         # Set by model/packing.py when the fast kernels are installed:
         self.fast_lm_head: FastLMHead | None = None
+        self.native_step: NativeDecodeStep | None = None  # all-decode steps as one native call
         self.kernels = "reference"  # what the projections run on, for logs and traces
         self.pack_on_load = pack_on_load and fast_kernels_supported(device, dtype)
         # Packed on load, projection weights stay on "meta" (no memory) until their FastLinear replaces them.
@@ -123,6 +128,9 @@ class DecoderLM(nn.Module):
         """input_ids, positions: (num_tokens,) int64 -> hidden states (num_tokens, hidden_size)."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
+        step = self.native_step
+        if step is not None and step.accepts(meta, kv_cache, h.shape[0]):
+            return step(h, cos.squeeze(1), sin.squeeze(1), kv_cache, meta)  # the same kernels, from C
         residual: torch.Tensor | None = None
         for layer_idx, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, cos, sin, kv_cache, layer_idx, meta)

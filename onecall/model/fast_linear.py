@@ -64,7 +64,9 @@ def decode_rows(num_rows: int) -> Iterator[None]:
         _scope.num_rows = None
 
 
-def _num_decode_rows(rows: int) -> int:
+def num_decode_rows(rows: int) -> int:
+    """How many of a call's first `rows` rows run the 4-bit kernel (the decode_rows scope, else the
+    INT4_MAX_ROWS rule)."""
     planned: int | None = getattr(_scope, "num_rows", None)
     if planned is None:
         return rows if rows <= INT4_MAX_ROWS else 0
@@ -149,7 +151,7 @@ class FastLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        num_small = _num_decode_rows(rows) if self.has_int4 else 0
+        num_small = num_decode_rows(rows) if self.has_int4 else 0
         if num_small == rows:
             y = self._int4(x2)
         elif num_small == 0:

@@ -40,6 +40,7 @@ _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # K/V cache dtypes the native decode attention and cache writes read and write directly.
 KV_DTYPES = (torch.float32, torch.float16)
+ATTENTION_MAX_HEADS = 128  # query heads the native decode attention takes (csrc: ATTN_MAX_HEADS)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -166,6 +167,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_silu_mul.restype = None
     lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, c_int]
     lib.onecall_rope_store.restype = None
+    # layers, num_layers, h, M, hidden, H, KVH, D, I, eps, attn_scale, cos, sin, slot_mapping, k_cache,
+    # v_cache, layer_stride, kv_f16, block_tables, max_blocks, seq_lens, block_size, final_norm, out,
+    # num_threads (model/native_step.py)
+    f32 = ctypes.c_float
+    step_args: list[Any] = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, i64, c_int]
+    lib.onecall_decode_layers.argtypes = [*step_args, p, i64, p, i64, p, p, c_int]
+    lib.onecall_decode_layers.restype = c_int
 
 
 # ---- the kernels, on tensors ------------------------------------------------------------------
@@ -194,6 +202,8 @@ def q4_gemm(
         x.data_ptr(), m, k, qs.data_ptr(), scale.data_ptr(), offset.data_ptr(), n,
         None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(scale.dtype == torch.float16),
     )  # fmt: skip
+    if rc == -2:
+        raise ValueError(f"onecall_q4_gemm: K = {k} is more than the kernel's 65,536 columns")
     if rc != 0:
         raise MemoryError("onecall_q4_gemm: out of memory for the activation buffer")
     return y
@@ -262,7 +272,7 @@ def decode_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         q.dtype == torch.float32
         and k_cache.dtype in KV_DTYPES
         and head_dim % 8 == 0
-        and num_heads <= 128
+        and num_heads <= ATTENTION_MAX_HEADS
         and num_heads % num_kv_heads == 0
     )
 

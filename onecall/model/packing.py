@@ -19,6 +19,7 @@ from onecall.model import native
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.fast_linear import FastLinear, PackSlot, StreamingPacker, fast_kernels_supported
 from onecall.model.layers import MLP, Attention, RMSNorm
+from onecall.model.native_step import NativeDecodeStep
 from onecall.model.quants import Int4Groups
 
 
@@ -49,10 +50,12 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
         for module in model.modules():
             if isinstance(module, (RMSNorm, MLP)) or isinstance(module, Attention) and module.q_norm is None:
                 module.native = lib
+        model.native_step = NativeDecodeStep.build(model.model)
     kinds = sorted({k for m in modules if (k := m.int4_kernel) is not None})
     num_int4 = sum(m.has_int4 for m in modules)
     decode = f" + {'/'.join(kinds)} int4 decode ({num_int4} of {len(modules)} projections)" if kinds else ""
-    model.kernels = f"onednn float32{decode}, {model.fast_lm_head.kernel} logits"
+    step = ", native decode step" if model.native_step is not None else ""
+    model.kernels = f"onednn float32{decode}, {model.fast_lm_head.kernel} logits{step}"
 
 
 @torch.no_grad()

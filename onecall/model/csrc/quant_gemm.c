@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ROW_TILE 4  /* activation rows that share one load of a weight group */
+#define ROW_TILE 4  /* activation rows that share one load of a weight group (q8) */
 #define ACT_MAX 32767.0f /* activations are quantized to int16 steps of absmax / ACT_MAX per group */
 
 static inline float hsum8(__m256 v) {
@@ -49,7 +49,16 @@ static void free_rows(QuantRows *r) {
     free(r->sum);
 }
 
-/* Quantize x (M, K) to int16 per group of 32 (scalar code: K values per row, small next to the weights). */
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Quantize x (M, K) to int16 per group of 32: step d = absmax / ACT_MAX, q = round-to-nearest-even(x / d)
+ * (the default rounding mode, as nearbyintf), and the group's float32 sum (fixed order: 8 lanes, then
+ * a fixed horizontal sum). */
 static int quantize_rows(const float *x, int64_t M, int64_t K, QuantRows *r) {
     const int64_t G = K / 32;
     r->q = malloc(sizeof(int16_t) * (size_t)(M * K));
@@ -59,78 +68,155 @@ static int quantize_rows(const float *x, int64_t M, int64_t K, QuantRows *r) {
         free_rows(r);
         return -1;
     }
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
             const float *p = x + m * K + g * 32;
-            float amax = 0.0f, s = 0.0f;
-            for (int j = 0; j < 32; j++) {
-                const float a = fabsf(p[j]);
-                amax = a > amax ? a : amax;
-                s += p[j];
-            }
+            const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+            const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
+            const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                           _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            const float amax = hmax8(a);
             const float d = amax / ACT_MAX, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m256 iv = _mm256_set1_ps(inv);
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv));
+            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
+            /* packs works per 128-bit lane: 0xD8 puts the four quarters back in order */
             int16_t *out = r->q + m * K + g * 32;
-            for (int j = 0; j < 32; j++) out[j] = (int16_t)nearbyintf(p[j] * inv);
+            _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
+            _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8));
             r->d[m * G + g] = d;
-            r->sum[m * G + g] = s;
+            r->sum[m * G + g] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
         }
     return 0;
 }
 
-/* A weight group's scale or offset: float32, or (f16) IEEE half, which is how Q4_0/Q4_1 store them:
- * then 0.625 bytes a weight are read instead of 0.75. */
-static inline __attribute__((always_inline)) float load_scale(const void *p, int64_t i, const int f16) {
-    if (f16) return _cvtsh_ss(((const uint16_t *)p)[i]);
-    return ((const float *)p)[i];
+/* n weight scales or offsets (float32, or IEEE half when f16) -> float32 out[0..n). */
+static inline __attribute__((always_inline)) void load_scales(const void *p, int64_t n, float *out, const int f16) {
+    if (!f16) {
+        memcpy(out, p, sizeof(float) * (size_t)n);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)p;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
+}
+
+/* sum over g < G of a[g] * b[g], in a fixed order (8 lanes, a fixed horizontal sum, then the tail) */
+static inline float dot_f32(const float *a, const float *b, int64_t G) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
+    float v = hsum8(acc);
+    for (; g < G; g++) v += a[g] * b[g];
+    return v;
+}
+
+#ifndef Q4_PREFETCH
+#define Q4_PREFETCH 2
+#endif
+#ifndef Q8_PREFETCH
+#define Q8_PREFETCH 8
+#endif
+#define Q4_MAX_GROUPS 2048 /* K <= 65,536 (the scales of a block of rows live on the stack) */
+
+/* Outputs y[m, n] for n in [n0, n0 + NB), m in [m0, m0 + MT). NB and MT are compile-time constants at
+ * every call site, so the accumulators stay in registers. Every (m, n) goes through the same
+ * operations in the same order whatever NB and MT are: acc = fma(float(exact int dot of group g),
+ * scale[n, g] * step[m, g], acc) over g in order, then a fixed horizontal sum, + the offsets' share,
+ * + bias. So the tile shape (and with it M) never changes a row's bits. */
+static inline __attribute__((always_inline)) void q4_tile(const int NB, const int MT, const QuantRows *r, int64_t m0,
+                                                          int64_t n0, int64_t K, const uint8_t *qs,
+                                                          float sc[][Q4_MAX_GROUPS], float off[][Q4_MAX_GROUPS],
+                                                          const float *bias, float *y, int64_t N) {
+    const int64_t G = K / 32;
+    const __m256i low4 = _mm256_set1_epi16(0x0F);
+    __m256 acc[4][4];
+    for (int b = 0; b < NB; b++)
+        for (int i = 0; i < MT; i++) acc[b][i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i w_lo[4], w_hi[4];
+        if (Q4_PREFETCH && (g & 3) == 0) /* the weight rows Q4_PREFETCH blocks ahead: one cache line each */
+            for (int b = 0; b < NB; b++) _mm_prefetch((const char *)(qs + (n0 + Q4_PREFETCH * 4 + b) * (K / 2) + g * 16), _MM_HINT_T0);
+        for (int b = 0; b < NB; b++) {
+            /* 16 bytes -> 16 int16 lanes holding lo | hi << 4: the low nibbles are columns 0..15 of the
+             * group, the high ones 16..31 */
+            const __m256i wb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + (n0 + b) * (K / 2) + g * 16)));
+            w_lo[b] = _mm256_and_si256(wb, low4);
+            w_hi[b] = _mm256_srli_epi16(wb, 4);
+        }
+        for (int i = 0; i < MT; i++) {
+            const int16_t *xq = r->q + (m0 + i) * K + g * 32;
+            const __m256i x_lo = _mm256_loadu_si256((const __m256i *)xq);
+            const __m256i x_hi = _mm256_loadu_si256((const __m256i *)(xq + 16));
+            const __m256 step = _mm256_broadcast_ss(r->d + (m0 + i) * G + g);
+            for (int b = 0; b < NB; b++) {
+                /* (8,) int32: exact, |sum| <= 32 * 15 * 32767 */
+                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w_lo[b], x_lo), _mm256_madd_epi16(w_hi[b], x_hi));
+                const __m256 ds = _mm256_mul_ps(_mm256_broadcast_ss(&sc[b][g]), step);
+                acc[b][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[b][i]);
+            }
+        }
+    }
+    for (int b = 0; b < NB; b++)
+        for (int i = 0; i < MT; i++) {
+            const int64_t m = m0 + i, n = n0 + b;
+            /* the offsets' share: sum over g of offset[n, g] * sum(x in group g) */
+            float v = hsum8(acc[b][i]) + dot_f32(off[b], r->sum + m * G, G);
+            if (bias) v += bias[n];
+            y[m * N + n] = v;
+        }
+}
+
+/* NB rows of the weight at n0, against every activation row: tiles of 4 rows (2 weight rows at a time,
+ * 8 accumulators), the rest one row at a time (all NB weight rows: NB independent chains). */
+static inline __attribute__((always_inline)) void q4_rows(const int NB, const QuantRows *r, int64_t M, int64_t n0,
+                                                          int64_t K, const uint8_t *qs, const void *scale,
+                                                          const void *offset, const float *bias, float *y, int64_t N,
+                                                          const int f16) {
+    const int64_t G = K / 32;
+    float sc[4][Q4_MAX_GROUPS], off[4][Q4_MAX_GROUPS];
+    if (Q4_PREFETCH) { /* the scales and offsets Q4_PREFETCH blocks ahead (the weights: in q4_tile) */
+        const int64_t bytes = NB * G * (f16 ? 2 : 4), ahead = (n0 + Q4_PREFETCH * 4) * G * (f16 ? 2 : 4);
+        for (int64_t i = 0; i < bytes; i += 64) {
+            _mm_prefetch((const char *)scale + ahead + i, _MM_HINT_T0);
+            _mm_prefetch((const char *)offset + ahead + i, _MM_HINT_T0);
+        }
+    }
+    for (int b = 0; b < NB; b++) {
+        load_scales((const char *)scale + (n0 + b) * G * (f16 ? 2 : 4), G, sc[b], f16);
+        load_scales((const char *)offset + (n0 + b) * G * (f16 ? 2 : 4), G, off[b], f16);
+    }
+    int64_t m = 0;
+    if (NB == 4)
+        for (; m + 4 <= M; m += 4) {
+            q4_tile(2, 4, r, m, n0, K, qs, sc, off, bias, y, N);
+            q4_tile(2, 4, r, m, n0 + 2, K, qs, sc + 2, off + 2, bias, y, N);
+        }
+    for (; m < M; m++) q4_tile(NB, 1, r, m, n0, K, qs, sc, off, bias, y, N);
 }
 
 static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs,
                                                          const void *scale, const void *offset, int64_t N,
                                                          const float *bias, float *y, int num_threads, const int f16) {
-    const int64_t G = K / 32;
+    if (K / 32 > Q4_MAX_GROUPS) return -2;
     QuantRows r;
     if (quantize_rows(x, M, K, &r)) return -1;
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const int64_t blocks = N / 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *qrow = qs + n * (K / 2);
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
-            const int rows = (int)(M - m0 < ROW_TILE ? M - m0 : ROW_TILE);
-            __m256 acc[ROW_TILE];
-            for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t g = 0; g < G; g++) {
-                const float sg = load_scale(scale, n * G + g, f16);
-                const __m128i b = _mm_loadu_si128((const __m128i *)(qrow + g * 16));
-                /* q of columns 0..15 and 16..31 of the group, as int16 */
-                const __m256i w_lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low4));
-                const __m256i w_hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4));
-                for (int i = 0; i < rows; i++) {
-                    const int64_t m = m0 + i;
-                    const int16_t *xq = r.q + m * K + g * 32;
-                    /* (8,) int32: exact, |sum| <= 32 * 15 * 32767 */
-                    const __m256i dot = _mm256_add_epi32(
-                        _mm256_madd_epi16(w_lo, _mm256_loadu_si256((const __m256i *)xq)),
-                        _mm256_madd_epi16(w_hi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
-                    const __m256 ds = _mm256_set1_ps(sg * r.d[m * G + g]);
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[i]);
-                }
-            }
-            for (int i = 0; i < rows; i++) {
-                const float *xs = r.sum + (m0 + i) * G;
-                float off = 0.0f; /* the offsets' share: sum over g of offset[n, g] * sum(x in group g) */
-                for (int64_t g = 0; g < G; g++) off += load_scale(offset, n * G + g, f16) * xs[g];
-                float v = hsum8(acc[i]) + off;
-                if (bias) v += bias[n];
-                y[(m0 + i) * N + n] = v;
-            }
-        }
+    for (int64_t nb = 0; nb < blocks + (N % 4); nb++) {
+        if (nb < blocks)
+            q4_rows(4, &r, M, nb * 4, K, qs, scale, offset, bias, y, N, f16);
+        else /* the last N % 4 weight rows, one at a time */
+            q4_rows(1, &r, M, blocks * 4 + (nb - blocks), K, qs, scale, offset, bias, y, N, f16);
     }
     free_rows(&r);
     return 0;
 }
 
 /* y (M, N) = x (M, K) @ W^T (+ bias), W in the q4 layout; scale and offset (N, K/32) float32, or
- * IEEE half when f16_scales. 0 on success, -1 out of memory. */
+ * IEEE half when f16_scales. 0 on success, -1 out of memory, -2 K too large (> 32 * Q4_MAX_GROUPS). */
 int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, const void *offset,
                     int64_t N, const float *bias, float *y, int num_threads, int f16_scales) {
     if (f16_scales) return q4_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 1);
@@ -153,6 +239,8 @@ int onecall_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q, const
             for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
             for (int64_t g = 0; g < G; g++) {
                 const int8_t *p = qrow + g * 32;
+                if (Q8_PREFETCH && m0 == 0 && (g & 1) == 0) /* the weight row Q8_PREFETCH ahead, a line at a time */
+                    _mm_prefetch((const char *)(p + Q8_PREFETCH * K), _MM_HINT_T0);
                 /* the group's 32 weights as exact float32 integers, 8 at a time */
                 const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
                 const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
@@ -429,4 +517,74 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
             memcpy((float *)v_cache + slot * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
         }
     }
+}
+
+/* ---- a whole decode step, every layer in one call ----------------------------------------------
+ *
+ * The per-op path (model/layers.py) calls the kernels above one by one from Python, about twenty
+ * calls a layer. For a step where every row is a decode row on the 4-bit kernel, this runs the same
+ * kernels in the same order on the same values, from C: a decode row gets the same bits either way
+ * (tests/test_native_kernels.py checks it bitwise), and the step costs one call into C instead of
+ * hundreds of Python-level dispatches.
+ *
+ * Per layer, as DecoderLayer.forward does it: x = norm(h += r); qkv = x W_qkv (+b); RoPE + K/V
+ * store; a = attention(q); h += a W_o and x = norm(h); r = silu(x W_gate) * (x W_up) W_down. After
+ * the last layer, out = norm(h += r). h (M, hidden) holds the embeddings on entry and the residual
+ * stream on return.
+ */
+typedef struct {
+    const uint8_t *qs;   /* (n, k / 2) q4 layout */
+    const void *scale;   /* (n, k / 32) float32, or IEEE half when f16 */
+    const void *offset;
+    const float *bias;   /* (n,) or NULL */
+    int64_t n, k, f16;
+} Q4Weight;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* (hidden,) */
+    Q4Weight qkv, o, gate_up, down;
+} DecodeLayer;
+
+static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int num_threads) {
+    return onecall_q4_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
+}
+
+int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, float *h, int64_t M, int64_t hidden,
+                          int64_t H, int64_t KVH, int64_t D, int64_t I, float eps, float attn_scale,
+                          const float *cos, const float *sin, const int64_t *slot_mapping, void *k_cache,
+                          void *v_cache, int64_t layer_stride, int kv_f16, const int32_t *block_tables,
+                          int64_t max_blocks, const int32_t *seq_lens, int64_t block_size,
+                          const float *final_norm, float *out, int num_threads) {
+    const int64_t width = (H + 2 * KVH) * D, elem = kv_f16 ? 2 : 4;
+    float *x = malloc(sizeof(float) * (size_t)(M * hidden));
+    float *qkv = malloc(sizeof(float) * (size_t)(M * width));
+    float *attn = malloc(sizeof(float) * (size_t)(M * H * D));
+    float *o = malloc(sizeof(float) * (size_t)(M * hidden));
+    float *gu = malloc(sizeof(float) * (size_t)(M * 2 * I));
+    float *act = malloc(sizeof(float) * (size_t)(M * I));
+    float *r = malloc(sizeof(float) * (size_t)(M * hidden));
+    int rc = (x && qkv && attn && o && gu && act && r) ? 0 : -1;
+    for (int64_t l = 0; l < num_layers && rc == 0; l++) {
+        const DecodeLayer *L = layers + l;
+        char *kc = (char *)k_cache + l * layer_stride * elem, *vc = (char *)v_cache + l * layer_stride * elem;
+        onecall_add_rms_norm(h, l ? r : NULL, L->input_norm, M, hidden, eps, x);
+        if ((rc = q4_apply(&L->qkv, x, M, qkv, num_threads))) break;
+        onecall_rope_store(qkv, M, H, KVH, D, cos, sin, slot_mapping, kc, vc, kv_f16);
+        rc = onecall_paged_decode_attention(qkv, width, kc, vc, block_tables, max_blocks, seq_lens, M, H, KVH, D,
+                                            block_size, attn_scale, attn, num_threads, kv_f16);
+        if (rc || (rc = q4_apply(&L->o, attn, M, o, num_threads))) break;
+        onecall_add_rms_norm(h, o, L->post_norm, M, hidden, eps, x);
+        if ((rc = q4_apply(&L->gate_up, x, M, gu, num_threads))) break;
+        onecall_silu_mul(gu, M, I, act);
+        rc = q4_apply(&L->down, act, M, r, num_threads);
+    }
+    if (rc == 0) onecall_add_rms_norm(h, num_layers ? r : NULL, final_norm, M, hidden, eps, out);
+    free(x);
+    free(qkv);
+    free(attn);
+    free(o);
+    free(gu);
+    free(act);
+    free(r);
+    return rc;
 }

@@ -1,0 +1,193 @@
+"""The native CPU kernels one by one, on the embedded model's own weights and shapes.
+
+    python benchmarks/bench_kernels.py              # every kernel, batch 1 and 16, contexts 400 and 4,000
+    python benchmarks/bench_kernels.py --rows 1,4   # other batch sizes
+
+What it times (the best of --repeats calls after a warm-up: on a shared machine the minimum is the
+figure that repeats; each kernel called the way the engine calls it), and the bytes each call must read, so each line is also an achieved bandwidth:
+
+  q4 gemm         each projection shape of one layer (the file's own 4-bit groups), M rows
+  q8 logits       the tied embedding kept as the GGUF's Q8_0 int8, M rows
+  attention       one layer's decode attention at a context of 400 and 4,000 positions, float32 and
+                  float16 cache; beside it SDPA over a view of the cache (the prompt path's read)
+  decode step     the whole native decode forward (model/native_step.py: every layer, one call) and
+                  the per-op path (the same kernels called from Python), M rows, context 12
+  copy            a 512 MiB float32 copy (read + write), the machine's bandwidth yardstick
+
+The weights of the four projection shapes are read from L3/DRAM in a loop over 30 layers' worth of
+copies, so the figure is not a cache-resident one. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from onecall import LLM
+from onecall.model import native
+from onecall.model.attention import build_attention_metadata
+from onecall.model.fast_linear import FastLinear, decode_rows
+from onecall.model.kv_cache import PagedKVCache
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Best (minimum) seconds of fn() over `repeats` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def copy_bandwidth(num_bytes: int = 512 * 2**20) -> float:
+    x = torch.ones(num_bytes // 4)
+    y = torch.zeros_like(x)
+    return 2 * num_bytes / timed(lambda: y.copy_(x), 3)
+
+
+def _q4_layers(lib: Any, mods: list[FastLinear], x: torch.Tensor) -> None:
+    for mod in mods:
+        assert mod.q4 is not None
+        native.q4_gemm(lib, x, *mod.q4, mod.bias, torch.get_num_threads())
+
+
+def bench_q4(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[str, Any]]:
+    """Each projection of every layer in turn (so weights stream from memory, as in a real step)."""
+    out = []
+    layers = list(model.model.layers)
+    for owner, name in (
+        ("self_attn", "qkv_proj"),
+        ("self_attn", "o_proj"),
+        ("mlp", "gate_up_proj"),
+        ("mlp", "down_proj"),
+    ):
+        mods: list[FastLinear] = [getattr(getattr(layer, owner), name) for layer in layers]
+        q4 = mods[0].q4
+        assert q4 is not None, "the embedded model's projections are 4-bit"
+        nbytes = sum(t.numel() * t.element_size() for t in q4)
+        for m in rows:
+            x = torch.randn(m, mods[0].in_features)
+            s = timed(functools.partial(_q4_layers, lib, mods, x), repeats) / len(mods)
+            out.append({"kernel": f"q4 {name} {mods[0].out_features}x{mods[0].in_features}", "rows": m,
+                        "us": s * 1e6, "gb_per_s": nbytes / s / 1e9})  # fmt: skip
+    return out
+
+
+def bench_q8(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[str, Any]]:
+    head = model.fast_lm_head
+    if head is None or head.q8 is None:
+        return []
+    q, scale = head.q8
+    nbytes = q.numel() + scale.numel() * 4
+    out = []
+    for m in rows:
+        x = torch.randn(m, q.shape[1])
+        s = timed(functools.partial(native.q8_gemm, lib, x, q, scale, None, torch.get_num_threads()), repeats)
+        out.append({"kernel": f"q8 logits {q.shape[0]}x{q.shape[1]}", "rows": m, "us": s * 1e6,
+                    "gb_per_s": nbytes / s / 1e9})  # fmt: skip
+    return out
+
+
+def bench_attention(model: Any, repeats: int, lib: Any) -> list[dict[str, Any]]:
+    c = model.config
+    h, kvh, d, bs = c.num_attention_heads, c.num_key_value_heads, c.head_dim, 16
+    out = []
+    for ctx in (400, 4000):
+        for dtype in (torch.float32, torch.float16):
+            num_blocks = -(-ctx // bs)
+            k = torch.randn(num_blocks * bs, kvh, d).to(dtype)
+            v = torch.randn(num_blocks * bs, kvh, d).to(dtype)
+            tables = torch.arange(num_blocks, dtype=torch.int32)[None]
+            lens = torch.tensor([ctx], dtype=torch.int32)
+            q = torch.randn(1, h, d)
+            nbytes = 2 * ctx * kvh * d * k.element_size()
+            attend = functools.partial(
+                native.paged_decode_attention,
+                lib,
+                q,
+                k,
+                v,
+                tables,
+                lens,
+                bs,
+                d**-0.5,
+                torch.get_num_threads(),
+            )
+            s = timed(attend, repeats)
+            out.append({"kernel": f"attention native {str(dtype)[6:]} cache", "context": ctx, "us": s * 1e6,
+                        "gb_per_s": nbytes / s / 1e9})  # fmt: skip
+            if dtype == torch.float32:
+                kv, vv = k[:ctx].transpose(0, 1)[None], v[:ctx].transpose(0, 1)[None]
+                qg = q.view(1, kvh, h // kvh, d)
+                s = timed(
+                    functools.partial(F.scaled_dot_product_attention, qg, kv, vv, scale=d**-0.5), repeats
+                )
+                out.append({"kernel": "attention SDPA over a cache view", "context": ctx, "us": s * 1e6,
+                            "gb_per_s": nbytes / s / 1e9})  # fmt: skip
+    return out
+
+
+def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, cache: PagedKVCache, meta: Any) -> None:
+    with torch.inference_mode(), decode_rows(ids.shape[0]):
+        model(ids, pos, cache, meta)
+
+
+def bench_step(llm: LLM, rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    model = llm.engine.parts.model
+    c = model.config
+    cache = PagedKVCache(c.num_hidden_layers, 64, 16, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    cache.k.zero_(), cache.v.zero_()
+    weight_bytes = llm.weight_bytes_read(1) - sum(t.numel() * t.element_size() for t in model.fast_lm_head.q8)
+    out = []
+    step = model.native_step
+    for m in rows:
+        tables = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(m)]
+        meta = build_attention_metadata(tables, [12] * m, [1] * m, 16, "cpu")
+        ids = torch.arange(m) + 100
+        pos = torch.full((m,), 11)
+        for name, s_ in (("native decode step (all layers)", step), ("per-op decode (same kernels)", None)):
+            if name.startswith("native") and step is None:
+                continue
+            model.native_step = s_
+            s = timed(functools.partial(_forward, model, ids, pos, cache, meta), repeats)
+            out.append({"kernel": name, "rows": m, "us": s * 1e6, "gb_per_s": weight_bytes / s / 1e9})
+        model.native_step = step
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,16", help="batch sizes (rows per call)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    lib = native.load()
+    if lib is None:
+        raise SystemExit(f"native kernels unavailable: {native.unavailable_reason()}")
+    llm = LLM(kv_cache_gib=0.1)
+    model = llm.engine.parts.model
+    results: dict[str, Any] = {"kernels": llm.engine.parts.kernels, "threads": args.threads}
+    results["copy_gb_per_s"] = copy_bandwidth() / 1e9
+    print(f"copy bandwidth (read + write): {results['copy_gb_per_s']:.1f} GB/s; {results['kernels']}")
+    rows_out = bench_q4(model, rows, args.repeats, lib) + bench_q8(model, rows, args.repeats, lib)
+    rows_out += bench_attention(model, args.repeats, lib) + bench_step(llm, rows, args.repeats)
+    print(f"{'kernel':44} {'rows/ctx':>8} {'us':>10} {'GB/s':>7}")
+    for r in rows_out:
+        print(f"{r['kernel']:44} {r.get('rows', r.get('context')):>8} {r['us']:>10.1f} {r['gb_per_s']:>7.2f}")
+    results["kernels_timed"] = rows_out
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""NativeDecodeStep: a decode step's whole forward, every layer, in one call into the native kernels.
+
+The per-op fast path (model/layers.py with FastLinear) makes about twenty Python-level calls a layer:
+module dispatch, a ctypes call per kernel, a tensor per intermediate. At batch 1 on a 135M model
+that is a third of a decode step. When every row of a step is a decode row and every projection
+runs the native 4-bit kernel, `csrc/quant_gemm.c: onecall_decode_layers` runs the same kernels in
+the same order over the same values from C, so:
+
+- a decode row's bits do not depend on which path ran it (a mixed step takes the per-op path, a
+  pure decode step this one): batch invariance holds across both, and tests/test_native_kernels.py
+  checks the two paths bitwise;
+- the step's Python cost is the embedding lookup, the RoPE table lookup and one ctypes call.
+
+`NativeDecodeStep.build(model)` returns None (and the per-op path stays the only one) for a model it
+cannot run: a projection without a native 4-bit copy (not stored as Q4_0/Q4_1/Q4_K groups of 32),
+q/k norms (Qwen3: the per-op path runs those in torch), or the native kernels unavailable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import Array
+from typing import cast
+
+import torch
+from torch import nn
+
+from onecall.model import native
+from onecall.model.attention import AttentionMetadata
+from onecall.model.decoder import DecoderLayer, DecoderModel
+from onecall.model.fast_linear import FastLinear, num_decode_rows
+from onecall.model.kv_cache import PagedKVCache
+
+
+class _Q4Weight(ctypes.Structure):
+    """csrc's Q4Weight: one projection in the q4 layout."""
+
+    _fields_ = [
+        ("qs", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("offset", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("f16", ctypes.c_int64),
+    ]
+
+
+class _DecodeLayer(ctypes.Structure):
+    """csrc's DecodeLayer: a layer's two norm weights and four projections."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", _Q4Weight),
+        ("o", _Q4Weight),
+        ("gate_up", _Q4Weight),
+        ("down", _Q4Weight),
+    ]
+
+
+def _q4_weight(linear: nn.Module) -> _Q4Weight | None:
+    if not isinstance(linear, FastLinear) or linear.q4 is None:
+        return None
+    qs, scale, offset = linear.q4
+    bias = 0 if linear.bias is None else linear.bias.data_ptr()
+    return _Q4Weight(
+        qs.data_ptr(), scale.data_ptr(), offset.data_ptr(), bias,
+        linear.out_features, linear.in_features, int(scale.dtype == torch.float16),
+    )  # fmt: skip
+
+
+class NativeDecodeStep:
+    """Runs DecoderModel's layers and final norm for an all-decode step in one native call."""
+
+    def __init__(self, lib: ctypes.CDLL, layers: Array[_DecodeLayer], model: DecoderModel) -> None:
+        first = cast(DecoderLayer, model.layers[0])
+        attn = first.self_attn
+        self._lib = lib
+        self._layers = layers  # the tensors these structs point at are the model's own
+        self._final_norm = model.norm
+        self._scale = attn.scale
+        self._num_heads, self._num_kv_heads, self._head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self._hidden = first.input_layernorm.weight.shape[0]
+        self._intermediate = first.mlp.down_proj.in_features
+
+    @classmethod
+    def build(cls, model: DecoderModel) -> NativeDecodeStep | None:
+        """The step for a DecoderModel whose fast kernels are installed, or None where it cannot run
+        its layers exactly as the per-op path does (see the module docstring)."""
+        lib = native.load()
+        layers = [cast(DecoderLayer, layer) for layer in model.layers]
+        if lib is None or not layers:
+            return None
+        structs = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if attn.native is None or mlp.native is None or any(n.native is None for n in norms):
+                return None  # e.g. q/k norms: the per-op path runs part of attention in torch
+            if any(n.eps != model.norm.eps for n in norms):
+                return None  # the step takes one eps
+            weights = [_q4_weight(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(w is None for w in weights):
+                return None
+            structs.append(_DecodeLayer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), *weights))
+        return cls(lib, (_DecodeLayer * len(structs))(*structs), model)
+
+    def accepts(self, meta: AttentionMetadata, kv_cache: PagedKVCache, num_rows: int) -> bool:
+        """Whether this step is one it runs exactly like the per-op path: every row a one-query sequence
+        in row order, every projection call on the 4-bit kernel, a cache the native attention reads."""
+        d = meta.decode
+        return (
+            d is not None
+            and d.rows_are_prefix
+            and len(d.seq_index) == num_rows == len(meta.seqs)
+            and num_decode_rows(num_rows) == num_rows
+            and kv_cache.k.dtype in native.KV_DTYPES
+            and kv_cache.k.is_contiguous()
+            and kv_cache.v.is_contiguous()
+            and self._num_heads <= native.ATTENTION_MAX_HEADS
+            and self._head_dim % 8 == 0
+        )
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """h (M, hidden) float32: the embeddings (overwritten: the residual stream); cos, sin (M, head_dim / 2)
+        contiguous. Returns the final norm's output (M, hidden)."""
+        d = meta.decode
+        assert d is not None and h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+        m = h.shape[0]
+        out = torch.empty_like(h)
+        k, v = kv_cache.k, kv_cache.v
+        rc = self._lib.onecall_decode_layers(
+            self._layers, len(self._layers), h.data_ptr(), m, self._hidden,
+            self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate, self._final_norm.eps, self._scale,
+            cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), k.data_ptr(), v.data_ptr(),
+            k[0].numel(), int(k.dtype == torch.float16), d.block_tables.data_ptr(), d.block_tables.shape[1],
+            d.seq_lens.data_ptr(), meta.block_size, self._final_norm.weight.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == -1:
+            raise MemoryError("onecall_decode_layers: out of memory for its activation buffers")
+        assert rc == 0, f"onecall_decode_layers refused the shapes (rc {rc})"
+        return out

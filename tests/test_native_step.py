@@ -1,0 +1,110 @@
+"""The whole-step native decode (model/native_step.py) against the per-op fast path, bitwise.
+
+Tolerance: none. The step runs the per-op path's kernels in the same order on the same values, so
+hidden states and every K/V byte written must be identical; that is what keeps a request's tokens
+independent of whether its step was all-decode (this path) or mixed (the per-op path).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from onecall.model import native
+from onecall.model.attention import build_attention_metadata
+from onecall.model.decoder import DecoderLM
+from onecall.model.fast_linear import decode_rows
+from onecall.model.kv_cache import PagedKVCache
+from onecall.model.packing import enable_fast_kernels
+from tests.helpers.int4 import int4_engine
+from tests.helpers.tiny_engine import tiny_model
+
+pytestmark = pytest.mark.skipif(
+    native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
+)
+BLOCK = 4
+PROMPT_LENS = (5, 9, 2)  # a partial block, two blocks and a bit, less than a block
+
+
+def _scrambled_tables(num_blocks: int) -> list[list[int]]:
+    """Block tables for PROMPT_LENS + a few decode steps, out of order and not consecutive (so the
+    kernels read through the tables), never block 0."""
+    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(3)) + 1
+    per_seq = (num_blocks - 1) // len(PROMPT_LENS)
+    return [perm[i * per_seq : (i + 1) * per_seq].tolist() for i in range(len(PROMPT_LENS))]
+
+
+def _prefill(model: DecoderLM, cache: PagedKVCache, tables: list[list[int]]) -> None:
+    ids = torch.randint(
+        0, model.config.vocab_size, (sum(PROMPT_LENS),), generator=torch.Generator().manual_seed(1)
+    )
+    positions = torch.cat([torch.arange(n) for n in PROMPT_LENS])
+    meta = build_attention_metadata(tables, PROMPT_LENS, PROMPT_LENS, BLOCK, "cpu")
+    with torch.inference_mode(), decode_rows(0):
+        model(ids, positions, cache, meta)
+
+
+def _decode(model: DecoderLM, cache: PagedKVCache, tables: list[list[int]], lens: list[int]) -> torch.Tensor:
+    """One all-decode step: the next token of every sequence (lens: KV lengths after the step)."""
+    ids = torch.tensor([11 * (i + 1) + n for i, n in enumerate(lens)])
+    positions = torch.tensor([n - 1 for n in lens])
+    meta = build_attention_metadata(tables, lens, [1] * len(lens), BLOCK, "cpu")
+    with torch.inference_mode(), decode_rows(len(lens)):
+        return model(ids, positions, cache, meta)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_native_step_gives_the_per_op_paths_bits(kv_dtype: torch.dtype) -> None:
+    model = int4_engine("fast").parts.model  # qwen2-shaped: q/k/v biases in the 4-bit projections
+    step = model.native_step
+    assert step is not None, model.kernels
+    c = model.config
+    cache = PagedKVCache(c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, kv_dtype, "cpu")
+    cache.k.zero_(), cache.v.zero_()  # uninitialised memory may hold NaNs, which torch.equal never matches
+    tables = _scrambled_tables(40)
+    _prefill(model, cache, tables)
+    lens = list(PROMPT_LENS)
+    for _ in range(6):  # crosses block boundaries of every sequence
+        lens = [n + 1 for n in lens]
+        per_op_cache = copy.deepcopy(cache)
+        got = _decode(model, cache, tables, lens)
+        model.native_step = None
+        try:
+            want = _decode(model, per_op_cache, tables, lens)
+        finally:
+            model.native_step = step
+        assert torch.equal(got, want)
+        assert torch.equal(cache.k, per_op_cache.k) and torch.equal(cache.v, per_op_cache.v)
+
+
+def test_native_step_takes_only_all_decode_steps_on_the_4bit_kernel() -> None:
+    model = int4_engine("fast").parts.model
+    step = model.native_step
+    assert step is not None
+    c = model.config
+    cache = PagedKVCache(
+        c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.float32, "cpu"
+    )
+    tables = _scrambled_tables(40)
+    decode = build_attention_metadata(tables[:2], [6, 3], [1, 1], BLOCK, "cpu")
+    mixed = build_attention_metadata(tables[:2], [6, 3], [1, 3], BLOCK, "cpu")
+    assert step.accepts(decode, cache, 2)
+    assert not step.accepts(mixed, cache, 4)  # a prompt chunk shares the step: the per-op path
+    with decode_rows(0):  # the rows are planned as prompt rows (oneDNN): not this path's kernels
+        assert not step.accepts(decode, cache, 2)
+    bf16 = PagedKVCache(
+        c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.bfloat16, "cpu"
+    )
+    assert not step.accepts(decode, bf16, 2)
+
+
+def test_models_it_cannot_run_exactly_keep_the_per_op_path() -> None:
+    """No 4-bit copy of the projections (a float checkpoint), or q/k norms (Qwen3): no native step."""
+    dense = copy.deepcopy(tiny_model("llama"))
+    enable_fast_kernels(dense)
+    assert "onednn" in dense.kernels and dense.native_step is None
+    qwen3 = copy.deepcopy(tiny_model("qwen3"))
+    enable_fast_kernels(qwen3)
+    assert qwen3.native_step is None
