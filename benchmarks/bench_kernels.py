@@ -57,7 +57,7 @@ def copy_bandwidth(num_bytes: int = 512 * 2**20) -> float:
 def _q4_layers(lib: Any, mods: list[FastLinear], x: torch.Tensor) -> None:
     for mod in mods:
         assert mod.q4 is not None
-        native.q4_gemm(lib, x, *mod.q4, mod.bias, torch.get_num_threads())
+        native.q4_gemm(lib, x, mod.q4, mod.bias, torch.get_num_threads())
 
 
 def bench_q4(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[str, Any]]:
@@ -73,7 +73,7 @@ def bench_q4(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[s
         mods: list[FastLinear] = [getattr(getattr(layer, owner), name) for layer in layers]
         q4 = mods[0].q4
         assert q4 is not None, "the embedded model's projections are 4-bit"
-        nbytes = sum(t.numel() * t.element_size() for t in q4)
+        nbytes = q4.nbytes
         for m in rows:
             x = torch.randn(m, mods[0].in_features)
             s = timed(functools.partial(_q4_layers, lib, mods, x), repeats) / len(mods)

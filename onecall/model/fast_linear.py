@@ -109,9 +109,8 @@ class FastLinear(nn.Module):
         # Opaque oneDNN tensor, packed for decode-sized batches (it serves any batch size).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ONEDNN_PACK_ROWS)
         self.group_size = 0
-        # native q4 kernel: (out, in / 2) uint8 nibbles, (out, in / 32) scale and offset (float16 where
-        # exact, else float32)
-        self.q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # native q4 kernel: the groups in its layout, scales and offsets float16 where exact, else float32
+        self.q4: native.Q4Packed | None = None
         self._lib: ctypes.CDLL | None = None
         # torch's int4 kernel: packed weight and (in / group, out, 2) bfloat16 scales and zeros
         self.int4_weight: torch.Tensor | None = None
@@ -126,7 +125,7 @@ class FastLinear(nn.Module):
         lib = _native()
         if g.group_size == 32 and self.in_features % 32 == 0 and lib is not None:
             self.group_size = 32
-            self.q4 = (native.pack_q4(g.q), *_compact_scales(g.scale.float(), g.offset.float()))
+            self.q4 = native.pack_q4(g.q, *_compact_scales(g.scale.float(), g.offset.float()))
             self._lib = lib
         elif int4_shape_ok(self.out_features, self.in_features, g.group_size):
             self.group_size = g.group_size
@@ -165,10 +164,7 @@ class FastLinear(nn.Module):
 
     def _int4(self, x2: torch.Tensor) -> torch.Tensor:
         if self.q4 is not None and self._lib is not None:
-            qs, scale, offset = self.q4
-            return native.q4_gemm(
-                self._lib, x2.contiguous(), qs, scale, offset, self.bias, torch.get_num_threads()
-            )
+            return native.q4_gemm(self._lib, x2.contiguous(), self.q4, self.bias, torch.get_num_threads())
         assert self.int4_weight is not None and self.int4_scale_zeros is not None
         y = torch._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16), self.int4_weight, self.group_size, self.int4_scale_zeros
@@ -180,8 +176,9 @@ class FastLinear(nn.Module):
     def weight_bytes_read(self, rows: int) -> int:
         """Bytes of weights one call over `rows` rows (outside a decode_rows scope) streams."""
         if self.has_int4 and rows <= INT4_MAX_ROWS:
-            parts = self.q4 if self.q4 is not None else (self.int4_weight, self.int4_scale_zeros)
-            return sum(_nbytes(t) for t in parts if t is not None)
+            if self.q4 is not None:
+                return self.q4.nbytes
+            return sum(_nbytes(t) for t in (self.int4_weight, self.int4_scale_zeros) if t is not None)
         return self.in_features * self.out_features * 4
 
     def extra_repr(self) -> str:

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +67,11 @@ def load() -> ctypes.CDLL | None:
         return _lib
     with _lock:
         if not _loaded:
-            _loaded = True
             try:
                 _lib = _build_and_load()
             except _Unavailable as e:
                 _reason = str(e)
+            _loaded = True  # only now: a thread that saw _loaded outside the lock must see _lib set
         return _lib
 
 
@@ -177,33 +178,55 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 # ---- the kernels, on tensors ------------------------------------------------------------------
-def pack_q4(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) uint8 values 0..15 -> (N, K/2) uint8 in the kernel's q4 layout (see csrc)."""
+@dataclass(frozen=True)
+class Q4Packed:
+    """A 4-bit weight (N, K) in the q4 kernel's layout (csrc: rows in blocks of 8, N padded to whole
+    blocks): qs (N8 / 8, K / 32, 8, 16) uint8, scale and offset (N8 / 8, K / 32, 8) float32 or float16."""
+
+    qs: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    out_features: int  # N: rows of the weight (the padding rows are never written out)
+    in_features: int  # K
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset))
+
+
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Packed:
+    """(N, K) uint8 values 0..15 with (N, K / 32) scales and offsets (float32, or float16 where they are
+    exact so: fewer bytes to read) -> the q4 kernel's layout. w = q * scale + offset per group of 32."""
     n, k = q.shape
+    assert k % 32 == 0 and tuple(scale.shape) == tuple(offset.shape) == (n, k // 32)
+    assert scale.dtype == offset.dtype and scale.dtype in (torch.float32, torch.float16)
+    n8 = -(-n // 8) * 8
+    pad = n8 - n
     groups = q.to(torch.uint8).view(n, k // 32, 32)
-    return (groups[:, :, :16] | (groups[:, :, 16:] << 4)).reshape(n, k // 2).contiguous()
+    nibbles = groups[:, :, :16] | (groups[:, :, 16:] << 4)  # (N, G, 16)
+    if pad:
+        nibbles = torch.cat((nibbles, nibbles.new_zeros(pad, k // 32, 16)))
+        scale = torch.cat((scale, scale.new_zeros(pad, k // 32)))
+        offset = torch.cat((offset, offset.new_zeros(pad, k // 32)))
+    qs = nibbles.view(n8 // 8, 8, k // 32, 16).transpose(1, 2).contiguous()  # (N8/8, G, 8, 16)
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:
+        return t.view(n8 // 8, 8, k // 32).transpose(1, 2).contiguous()  # (N8/8, G, 8)
+
+    return Q4Packed(qs, blocked(scale), blocked(offset), n, k)
 
 
 def q4_gemm(
-    lib: ctypes.CDLL,
-    x: torch.Tensor,
-    qs: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    bias: torch.Tensor | None,
-    num_threads: int,
+    lib: ctypes.CDLL, x: torch.Tensor, w: Q4Packed, bias: torch.Tensor | None, num_threads: int
 ) -> torch.Tensor:
-    """x (M, K) float32 contiguous -> (M, N) float32, W = q * scale + offset in groups of 32; scale and
-    offset (N, K / 32) float32, or float16 (Q4_0/Q4_1 store them so: fewer bytes to read)."""
+    """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_q4."""
     m, k = x.shape
-    n = qs.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
+    y = torch.empty(m, w.out_features, dtype=torch.float32)
     rc = lib.onecall_q4_gemm(
-        x.data_ptr(), m, k, qs.data_ptr(), scale.data_ptr(), offset.data_ptr(), n,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(scale.dtype == torch.float16),
+        x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.out_features,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(w.scale.dtype == torch.float16),
     )  # fmt: skip
-    if rc == -2:
-        raise ValueError(f"onecall_q4_gemm: K = {k} is more than the kernel's 65,536 columns")
     if rc != 0:
         raise MemoryError("onecall_q4_gemm: out of memory for the activation buffer")
     return y

@@ -62,11 +62,11 @@ class _DecodeLayer(ctypes.Structure):
 def _q4_weight(linear: nn.Module) -> _Q4Weight | None:
     if not isinstance(linear, FastLinear) or linear.q4 is None:
         return None
-    qs, scale, offset = linear.q4
+    w = linear.q4
     bias = 0 if linear.bias is None else linear.bias.data_ptr()
     return _Q4Weight(
-        qs.data_ptr(), scale.data_ptr(), offset.data_ptr(), bias,
-        linear.out_features, linear.in_features, int(scale.dtype == torch.float16),
+        w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias,
+        w.out_features, w.in_features, int(w.scale.dtype == torch.float16),
     )  # fmt: skip
 
 

@@ -8,8 +8,9 @@
  *   q4 (the projections): each activation row is quantized per group of 32 to int16 with a float32
  *   step (absmax / 32767, round to nearest: relative error <= 1.5e-5 of the group's largest value,
  *   finer than bfloat16's 2^-9 per value; llama.cpp's int8 steps measurably changed SmolLM2's greedy
- *   text); weight x activation products are exact integer dot products (madd), scaled by weight
- *   scale x activation step in float32. The offset term uses the exact float32 sum of each group.
+ *   text); a group's weight x activation dot product is an exact integer (madd, then int32 adds),
+ *   exactly representable in float32, scaled by weight scale x activation step in float32. The offset
+ *   term uses the float32 sum of each activation group.
  *   q8 (the logits): activations stay float32; only the summation order differs from float32 math.
  *   Tolerances against the float32 reference are written down in tests/test_native_kernels.py.
  *
@@ -17,8 +18,11 @@
  * whatever the number of rows M in the call, so a row's result never depends on its neighbours.
  *
  * Layouts (groups of 32 along K; K % 32 == 0):
- *   q4: qs (N, K/2) uint8; in group g of row n, byte j (0..15) holds q[g*32 + j] in its low nibble
- *       and q[g*32 + 16 + j] in its high nibble. w = q * scale[n, g] + offset[n, g], q in 0..15.
+ *   q4: weight rows in blocks of 8 (N padded with zero rows to a multiple of 8), so that one group of
+ *       a block is 128 contiguous bytes and its 8 scales one vector:
+ *       qs (N8 / 8, G, 8, 16) uint8: block, group g, row b of the block; byte j holds q[g*32 + j] in
+ *       its low nibble and q[g*32 + 16 + j] in its high nibble;
+ *       scale, offset (N8 / 8, G, 8) float32 or IEEE half. w = q * scale + offset, q in 0..15.
  *   q8: q (N, K) int8. w = q * scale[n, g].
  */
 #include <immintrin.h>
@@ -91,132 +95,105 @@ static int quantize_rows(const float *x, int64_t M, int64_t K, QuantRows *r) {
     return 0;
 }
 
-/* n weight scales or offsets (float32, or IEEE half when f16) -> float32 out[0..n). */
-static inline __attribute__((always_inline)) void load_scales(const void *p, int64_t n, float *out, const int f16) {
-    if (!f16) {
-        memcpy(out, p, sizeof(float) * (size_t)n);
-        return;
-    }
-    const uint16_t *h = (const uint16_t *)p;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-    for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
+/* 8 scales or offsets of one group (one per weight row of a block), as float32 */
+static inline __attribute__((always_inline)) __m256 load8(const void *p, const int f16) {
+    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_loadu_ps((const float *)p);
 }
 
-/* sum over g < G of a[g] * b[g], in a fixed order (8 lanes, a fixed horizontal sum, then the tail) */
-static inline float dot_f32(const float *a, const float *b, int64_t G) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
-    float v = hsum8(acc);
-    for (; g < G; g++) v += a[g] * b[g];
-    return v;
+/* lane b = the sum of d_b's 8 lanes, for b < 8: exact int32 adds (the order does not matter) */
+static inline __m256i hsum_rows8(__m256i d0, __m256i d1, __m256i d2, __m256i d3, __m256i d4, __m256i d5, __m256i d6,
+                                 __m256i d7) {
+    const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+    const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d4, d5), _mm256_hadd_epi32(d6, d7));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* the exact int32 dot product of one weight row's group (16 packed bytes) with an int16 activation group */
+static inline __attribute__((always_inline)) __m256i dot_group(const __m256i lo, const __m256i hi, const __m256i x_lo,
+                                                               const __m256i x_hi) {
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, x_lo), _mm256_madd_epi16(hi, x_hi));
 }
 
 #ifndef Q4_PREFETCH
-#define Q4_PREFETCH 2
+#define Q4_PREFETCH 16 /* groups ahead that the weight stream is prefetched */
 #endif
 #ifndef Q8_PREFETCH
-#define Q8_PREFETCH 8
+#define Q8_PREFETCH 8 /* weight rows ahead that the q8 weight stream is prefetched */
 #endif
-#define Q4_MAX_GROUPS 2048 /* K <= 65,536 (the scales of a block of rows live on the stack) */
 
-/* Outputs y[m, n] for n in [n0, n0 + NB), m in [m0, m0 + MT). NB and MT are compile-time constants at
- * every call site, so the accumulators stay in registers. Every (m, n) goes through the same
- * operations in the same order whatever NB and MT are: acc = fma(float(exact int dot of group g),
- * scale[n, g] * step[m, g], acc) over g in order, then a fixed horizontal sum, + the offsets' share,
- * + bias. So the tile shape (and with it M) never changes a row's bits. */
-static inline __attribute__((always_inline)) void q4_tile(const int NB, const int MT, const QuantRows *r, int64_t m0,
-                                                          int64_t n0, int64_t K, const uint8_t *qs,
-                                                          float sc[][Q4_MAX_GROUPS], float off[][Q4_MAX_GROUPS],
-                                                          const float *bias, float *y, int64_t N) {
-    const int64_t G = K / 32;
+/* One block of 8 weight rows (nb) against MT activation rows from m0 (MT a compile-time constant at every
+ * call site). Lane b of acc[i] is output (m0 + i, nb * 8 + b):
+ *   acc = fma(float(exact int dot of group g), scale[n, g] * step[m, g], acc) over g in order,
+ *   oacc = fma(offset[n, g], sum(x in group g), oacc) over g in order,
+ *   y = (acc + oacc) + bias.
+ * A group's int dot fits float32 exactly (|dot| <= 32 * 15 * 32767 < 2^24). Every output goes through
+ * the same operations in the same order whatever MT, M and the thread count are: batch invariance. */
+static inline __attribute__((always_inline)) void q4_block(const int MT, const QuantRows *r, int64_t m0, int64_t nb,
+                                                           int64_t K, int64_t N, const uint8_t *qs, const void *scale,
+                                                           const void *offset, const float *bias, float *y,
+                                                           const int f16) {
+    const int64_t G = K / 32, es = f16 ? 2 : 4;
+    const uint8_t *wq = qs + nb * G * 128;
+    const char *wsc = (const char *)scale + nb * G * 8 * es, *wof = (const char *)offset + nb * G * 8 * es;
     const __m256i low4 = _mm256_set1_epi16(0x0F);
-    __m256 acc[4][4];
-    for (int b = 0; b < NB; b++)
-        for (int i = 0; i < MT; i++) acc[b][i] = _mm256_setzero_ps();
+    __m256 acc[2], oacc[2];
+    for (int i = 0; i < MT; i++) acc[i] = oacc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        __m256i w_lo[4], w_hi[4];
-        if (Q4_PREFETCH && (g & 3) == 0) /* the weight rows Q4_PREFETCH blocks ahead: one cache line each */
-            for (int b = 0; b < NB; b++) _mm_prefetch((const char *)(qs + (n0 + Q4_PREFETCH * 4 + b) * (K / 2) + g * 16), _MM_HINT_T0);
-        for (int b = 0; b < NB; b++) {
-            /* 16 bytes -> 16 int16 lanes holding lo | hi << 4: the low nibbles are columns 0..15 of the
-             * group, the high ones 16..31 */
-            const __m256i wb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + (n0 + b) * (K / 2) + g * 16)));
-            w_lo[b] = _mm256_and_si256(wb, low4);
-            w_hi[b] = _mm256_srli_epi16(wb, 4);
+        const uint8_t *wg = wq + g * 128;
+        if (Q4_PREFETCH) {
+            _mm_prefetch((const char *)(wg + Q4_PREFETCH * 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wg + Q4_PREFETCH * 128 + 64), _MM_HINT_T0);
         }
+        __m256i x_lo[2], x_hi[2], d[2][8];
         for (int i = 0; i < MT; i++) {
             const int16_t *xq = r->q + (m0 + i) * K + g * 32;
-            const __m256i x_lo = _mm256_loadu_si256((const __m256i *)xq);
-            const __m256i x_hi = _mm256_loadu_si256((const __m256i *)(xq + 16));
-            const __m256 step = _mm256_broadcast_ss(r->d + (m0 + i) * G + g);
-            for (int b = 0; b < NB; b++) {
-                /* (8,) int32: exact, |sum| <= 32 * 15 * 32767 */
-                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w_lo[b], x_lo), _mm256_madd_epi16(w_hi[b], x_hi));
-                const __m256 ds = _mm256_mul_ps(_mm256_broadcast_ss(&sc[b][g]), step);
-                acc[b][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[b][i]);
-            }
+            x_lo[i] = _mm256_loadu_si256((const __m256i *)xq);
+            x_hi[i] = _mm256_loadu_si256((const __m256i *)(xq + 16));
         }
-    }
-    for (int b = 0; b < NB; b++)
+        for (int b = 0; b < 8; b++) {
+            /* 16 bytes -> 16 int16 lanes holding lo | hi << 4: the low nibbles are columns 0..15 of the
+             * group, the high ones 16..31 */
+            const __m256i wb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + b * 16)));
+            const __m256i lo = _mm256_and_si256(wb, low4), hi = _mm256_srli_epi16(wb, 4);
+            for (int i = 0; i < MT; i++) d[i][b] = dot_group(lo, hi, x_lo[i], x_hi[i]);
+        }
+        const __m256 sc = load8(wsc + g * 8 * es, f16), of = load8(wof + g * 8 * es, f16);
         for (int i = 0; i < MT; i++) {
-            const int64_t m = m0 + i, n = n0 + b;
-            /* the offsets' share: sum over g of offset[n, g] * sum(x in group g) */
-            float v = hsum8(acc[b][i]) + dot_f32(off[b], r->sum + m * G, G);
-            if (bias) v += bias[n];
-            y[m * N + n] = v;
-        }
-}
-
-/* NB rows of the weight at n0, against every activation row: tiles of 4 rows (2 weight rows at a time,
- * 8 accumulators), the rest one row at a time (all NB weight rows: NB independent chains). */
-static inline __attribute__((always_inline)) void q4_rows(const int NB, const QuantRows *r, int64_t M, int64_t n0,
-                                                          int64_t K, const uint8_t *qs, const void *scale,
-                                                          const void *offset, const float *bias, float *y, int64_t N,
-                                                          const int f16) {
-    const int64_t G = K / 32;
-    float sc[4][Q4_MAX_GROUPS], off[4][Q4_MAX_GROUPS];
-    if (Q4_PREFETCH) { /* the scales and offsets Q4_PREFETCH blocks ahead (the weights: in q4_tile) */
-        const int64_t bytes = NB * G * (f16 ? 2 : 4), ahead = (n0 + Q4_PREFETCH * 4) * G * (f16 ? 2 : 4);
-        for (int64_t i = 0; i < bytes; i += 64) {
-            _mm_prefetch((const char *)scale + ahead + i, _MM_HINT_T0);
-            _mm_prefetch((const char *)offset + ahead + i, _MM_HINT_T0);
+            const int64_t m = m0 + i;
+            const __m256i dot = hsum_rows8(d[i][0], d[i][1], d[i][2], d[i][3], d[i][4], d[i][5], d[i][6], d[i][7]);
+            const __m256 ds = _mm256_mul_ps(sc, _mm256_broadcast_ss(r->d + m * G + g));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[i]);
+            oacc[i] = _mm256_fmadd_ps(of, _mm256_broadcast_ss(r->sum + m * G + g), oacc[i]);
         }
     }
-    for (int b = 0; b < NB; b++) {
-        load_scales((const char *)scale + (n0 + b) * G * (f16 ? 2 : 4), G, sc[b], f16);
-        load_scales((const char *)offset + (n0 + b) * G * (f16 ? 2 : 4), G, off[b], f16);
+    for (int i = 0; i < MT; i++) {
+        float out[8];
+        _mm256_storeu_ps(out, _mm256_add_ps(acc[i], oacc[i]));
+        const int64_t n0 = nb * 8, n_end = n0 + 8 < N ? n0 + 8 : N;
+        for (int64_t n = n0; n < n_end; n++) y[(m0 + i) * N + n] = bias ? out[n - n0] + bias[n] : out[n - n0];
     }
-    int64_t m = 0;
-    if (NB == 4)
-        for (; m + 4 <= M; m += 4) {
-            q4_tile(2, 4, r, m, n0, K, qs, sc, off, bias, y, N);
-            q4_tile(2, 4, r, m, n0 + 2, K, qs, sc + 2, off + 2, bias, y, N);
-        }
-    for (; m < M; m++) q4_tile(NB, 1, r, m, n0, K, qs, sc, off, bias, y, N);
 }
 
 static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs,
                                                          const void *scale, const void *offset, int64_t N,
                                                          const float *bias, float *y, int num_threads, const int f16) {
-    if (K / 32 > Q4_MAX_GROUPS) return -2;
     QuantRows r;
     if (quantize_rows(x, M, K, &r)) return -1;
-    const int64_t blocks = N / 4;
+    const int64_t blocks = (N + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t nb = 0; nb < blocks + (N % 4); nb++) {
-        if (nb < blocks)
-            q4_rows(4, &r, M, nb * 4, K, qs, scale, offset, bias, y, N, f16);
-        else /* the last N % 4 weight rows, one at a time */
-            q4_rows(1, &r, M, blocks * 4 + (nb - blocks), K, qs, scale, offset, bias, y, N, f16);
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) q4_block(2, &r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+        if (m < M) q4_block(1, &r, m, nb, K, N, qs, scale, offset, bias, y, f16);
     }
     free_rows(&r);
     return 0;
 }
 
-/* y (M, N) = x (M, K) @ W^T (+ bias), W in the q4 layout; scale and offset (N, K/32) float32, or
- * IEEE half when f16_scales. 0 on success, -1 out of memory, -2 K too large (> 32 * Q4_MAX_GROUPS). */
+/* y (M, N) = x (M, K) @ W^T (+ bias), W in the q4 layout (see the top of this file; N padded to whole
+ * blocks of 8 rows there, only the N rows written here); scale and offset float32, or IEEE half when
+ * f16_scales. 0 on success, -1 out of memory. */
 int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, const void *offset,
                     int64_t N, const float *bias, float *y, int num_threads, int f16_scales) {
     if (f16_scales) return q4_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 1);
