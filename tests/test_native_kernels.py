@@ -73,12 +73,13 @@ def test_q8_gemm_matches_float_math_and_is_batch_invariant() -> None:
     q = torch.randint(-127, 128, (200, 128), generator=g, dtype=torch.int8)
     scale = torch.rand(200, 4, generator=g) * 0.01
     w = (q.view(200, 4, 32).double() * scale.double().unsqueeze(-1)).view(200, 128)
-    x = torch.randn(9, 128, generator=g)
+    x = torch.randn(13, 128, generator=g)  # row tiles of 8, 4 and 1
     got = native.q8_gemm(LIB, x, q, scale, None, torch.get_num_threads())
     ref = x.double() @ w.T
     bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
     assert bool(((got.double() - ref).abs() <= bound).all())
-    assert torch.equal(native.q8_gemm(LIB, x[:1].contiguous(), q, scale, None, 2), got[:1])
+    for rows in (slice(0, 1), slice(3, 8), slice(8, 13), slice(5, 10)):  # each row in another tile
+        assert torch.equal(native.q8_gemm(LIB, x[rows].contiguous(), q, scale, None, 2), got[rows])
 
 
 def test_lm_head_keeps_a_q8_0_weight_as_int8_and_a_float_weight_as_float() -> None:

@@ -31,7 +31,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ROW_TILE 4  /* activation rows that share one load of a weight group (q8) */
 #define ACT_MAX 32767.0f /* activations are quantized to int16 steps of absmax / ACT_MAX per group */
 
 static inline float hsum8(__m256 v) {
@@ -200,45 +199,50 @@ int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
     return q4_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 0);
 }
 
+/* Outputs (m, n) of weight row n for activation rows m0 .. m0 + MT - 1 (MT a compile-time constant
+ * at each call site: the accumulators stay in registers, and a group's weights are converted once
+ * for MT rows). Per group g, in 8 lanes: t = sum_k q_k x_k (the int8 weights as exact float32
+ * integers), acc = fma(t, scale[n, g], acc); then a fixed horizontal sum: the same operations for an
+ * output whatever MT and M are. */
+static inline __attribute__((always_inline)) void q8_tile(const int MT, const float *x, int64_t m0, int64_t K,
+                                                          const int8_t *q, const float *scale, int64_t n,
+                                                          const float *bias, float *y, int64_t N) {
+    const int64_t G = K / 32;
+    __m256 acc[8];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int8_t *p = q + n * K + g * 32;
+        if (Q8_PREFETCH && m0 == 0 && (g & 1) == 0) /* the weight row Q8_PREFETCH ahead, a line at a time */
+            _mm_prefetch((const char *)(p + Q8_PREFETCH * K), _MM_HINT_T0);
+        const __m256 d = _mm256_broadcast_ss(scale + n * G + g);
+        __m256 w[4];
+        for (int k = 0; k < 4; k++)
+            w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * k))));
+        for (int i = 0; i < MT; i++) {
+            const float *xr = x + (m0 + i) * K + g * 32;
+            __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+            for (int k = 1; k < 4; k++) t = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xr + 8 * k), t);
+            acc[i] = _mm256_fmadd_ps(t, d, acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        float v = hsum8(acc[i]);
+        if (bias) v += bias[n];
+        y[(m0 + i) * N + n] = v;
+    }
+}
+
 /* y (M, N) = x (M, K) @ W^T (+ bias), W in the q8 layout. Activations stay float32 here (this is
  * the logits projection: the int8 weight is the checkpoint's own Q8_0, and the logits differ from
  * a float32 GEMM over the dequantized weight only in summation order). Always returns 0. */
 int onecall_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
                     const float *bias, float *y, int num_threads) {
-    const int64_t G = K / 32;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++) {
-        const int8_t *qrow = q + n * K;
-        const float *srow = scale + n * G;
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
-            const int rows = (int)(M - m0 < ROW_TILE ? M - m0 : ROW_TILE);
-            __m256 acc[ROW_TILE];
-            for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t g = 0; g < G; g++) {
-                const int8_t *p = qrow + g * 32;
-                if (Q8_PREFETCH && m0 == 0 && (g & 1) == 0) /* the weight row Q8_PREFETCH ahead, a line at a time */
-                    _mm_prefetch((const char *)(p + Q8_PREFETCH * K), _MM_HINT_T0);
-                /* the group's 32 weights as exact float32 integers, 8 at a time */
-                const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-                const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
-                const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16))));
-                const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 24))));
-                const __m256 d = _mm256_set1_ps(srow[g]);
-                for (int i = 0; i < rows; i++) {
-                    const float *xr = x + (m0 + i) * K + g * 32;
-                    __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
-                    t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
-                    t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
-                    t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
-                    acc[i] = _mm256_fmadd_ps(t, d, acc[i]);
-                }
-            }
-            for (int i = 0; i < rows; i++) {
-                float v = hsum8(acc[i]);
-                if (bias) v += bias[n];
-                y[(m0 + i) * N + n] = v;
-            }
-        }
+        int64_t m = 0;
+        for (; m + 8 <= M; m += 8) q8_tile(8, x, m, K, q, scale, n, bias, y, N);
+        for (; m + 4 <= M; m += 4) q8_tile(4, x, m, K, q, scale, n, bias, y, N);
+        for (; m < M; m++) q8_tile(1, x, m, K, q, scale, n, bias, y, N);
     }
     return 0;
 }
