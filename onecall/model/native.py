@@ -200,18 +200,20 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Pac
     n, k = q.shape
     assert k % 32 == 0 and tuple(scale.shape) == tuple(offset.shape) == (n, k // 32)
     assert scale.dtype == offset.dtype and scale.dtype in (torch.float32, torch.float16)
-    n8 = -(-n // 8) * 8
+    n8, g = -(-n // 8) * 8, k // 32
     pad = n8 - n
-    groups = q.to(torch.uint8).view(n, k // 32, 32)
-    nibbles = groups[:, :, :16] | (groups[:, :, 16:] << 4)  # (N, G, 16)
+    q = q.to(torch.uint8)
     if pad:
-        nibbles = torch.cat((nibbles, nibbles.new_zeros(pad, k // 32, 16)))
-        scale = torch.cat((scale, scale.new_zeros(pad, k // 32)))
-        offset = torch.cat((offset, offset.new_zeros(pad, k // 32)))
-    qs = nibbles.view(n8 // 8, 8, k // 32, 16).transpose(1, 2).contiguous()  # (N8/8, G, 8, 16)
+        q = torch.cat((q, q.new_zeros(pad, k)))
+        scale = torch.cat((scale, scale.new_zeros(pad, g)))
+        offset = torch.cat((offset, offset.new_zeros(pad, g)))
+    # (N8/8, G, 8, 2, 16): block, group, row of the block, first or second half of the group, column
+    halves = q.view(n8 // 8, 8, g, 2, 16).permute(0, 2, 1, 3, 4)
+    qs = torch.empty(n8 // 8, g, 8, 16, dtype=torch.uint8)
+    torch.add(halves[..., 0, :], halves[..., 1, :], alpha=16, out=qs)  # lo | hi << 4 (both <= 15), one pass
 
     def blocked(t: torch.Tensor) -> torch.Tensor:
-        return t.view(n8 // 8, 8, k // 32).transpose(1, 2).contiguous()  # (N8/8, G, 8)
+        return t.view(n8 // 8, 8, g).transpose(1, 2).contiguous()  # (N8/8, G, 8)
 
     return Q4Packed(qs, blocked(scale), blocked(offset), n, k)
 
