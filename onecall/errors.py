@@ -66,14 +66,36 @@ class QueueFullError(OnecallError):
     `retry_after` is a hint in seconds (the server sends it as Retry-After).
     """
 
-    def __init__(self, num_waiting: int, max_waiting: int, retry_after: int = 1) -> None:
+    def __init__(
+        self, num_waiting: int, max_waiting: int, retry_after: int = 1, num_requested: int = 1
+    ) -> None:
+        adding = f" and this request would add {num_requested}" if num_requested > 1 else ""
         super().__init__(
-            f"the server is busy: {num_waiting} requests are waiting (limit {max_waiting}); retry later"
+            f"the server is busy: {num_waiting} requests are waiting (limit {max_waiting}){adding}; "
+            "retry later"
         )
         self.num_waiting = num_waiting
         self.max_waiting = max_waiting
         self.retry_after = retry_after
+        self.num_requested = num_requested
+
+
+class EngineStepError(OnecallError):
+    """The engine step that ran this request raised. Only the requests of that step's batch fail
+    (each gets its own instance); their KV blocks are freed and the engine serves on.
+
+    `stage` names where it raised ("model forward", "sampler", "grammar", "detokenizer"), `cause`
+    is what was raised there (also the `__cause__`, so a logged traceback shows it).
+    """
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(f"the engine step failed in the {stage}: {type(cause).__name__}: {cause}")
+        self.stage = stage
+        self.cause = cause
+        self.__cause__ = cause
 
 
 class EngineDeadError(OnecallError):
-    """The engine loop stopped after an internal error; no request can be served until a restart."""
+    """The engine stopped (a fault repeated right after a recovery, its bookkeeping was found
+    inconsistent, or its thread died); no request can be served until a restart. The message
+    says why."""

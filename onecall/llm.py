@@ -139,6 +139,8 @@ class LLM:
                 ids.append(self._add(p, sp))
             while len(final) < len(ids):
                 for out in self.engine.step():
+                    if out.error is not None:
+                        raise out.error  # the step that ran it failed (the engine serves on)
                     if out.finished:
                         final[out.request_id] = out
         except BaseException:
@@ -155,6 +157,8 @@ class LLM:
             while True:
                 for out in self.engine.step():
                     if out.request_id == rid:
+                        if out.error is not None:
+                            raise out.error
                         yield out
                         if out.finished:
                             return

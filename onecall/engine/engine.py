@@ -7,6 +7,19 @@
 The LLM facade, the CLI, the server and the lab all call `step()` in a loop;
 nothing else advances a request. Loading (files -> model + tokenizer + KV pool)
 lives in engine/loading.py; this module is the loop.
+
+Faults. A step that raises after scheduling (in the grammar, the model forward, the
+sampler or the detokenizer) fails only the requests of its batch:
+
+    each request of the batch   finished output, finish_reason "error", `error` an
+                                EngineStepError naming the stage and the cause
+    its KV blocks               freed; nothing of it enters the prefix cache (the forward
+                                may have written half its KV), pending slot copies dropped
+    the engine                  serves on; requests outside the batch never notice
+
+If the step right after such a recovery fails too, or the bookkeeping does not add up
+after it, step() raises EngineDeadError, and does on every later call: a fault that
+repeats is not the requests' fault, and state that drifted cannot be trusted.
 """
 
 from __future__ import annotations
@@ -16,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -29,7 +42,12 @@ from onecall.engine.postprocess import postprocess_token
 from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from onecall.engine.sequence import FinishReason, Sequence, TextState
 from onecall.engine.trace import RequestTrace, StepRecord
-from onecall.errors import ContextLengthExceededError, InvalidParameterError
+from onecall.errors import (
+    ContextLengthExceededError,
+    EngineDeadError,
+    EngineStepError,
+    InvalidParameterError,
+)
 from onecall.model.attention import default_backend
 from onecall.sampling.mask_prefetch import MaskPrefetcher
 from onecall.sampling.sampler import sample
@@ -65,6 +83,7 @@ class RequestOutput:
     _num_tokens: int = field(repr=False)  # its length at this step
     _logprobs: list[float | None] | None = field(default=None, repr=False)  # when asked for
     _top_logprobs: list[list[tuple[int, float]] | None] | None = field(default=None, repr=False)
+    error: EngineStepError | None = None  # finish_reason "error": the step that ran it raised
 
     @property
     def token_ids(self) -> list[int]:
@@ -110,6 +129,9 @@ class Engine:
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()  # a server may reach `grammar` from another thread
         self._masks = MaskPrefetcher(self.model_config.vocab_size)
+        self._stage = ""  # the phase of the step now running, to name it if it raises
+        self._last_fault: EngineStepError | None = None  # set by a recovered step, cleared by a good one
+        self.dead_reason: str | None = None  # set once the engine refuses to go on (see the docstring)
         backend = default_backend(self.device, self.config.kernels)
         if self.config.cuda_graphs and backend == "triton":  # the fast kernels on CUDA
             self.enable_static_decode(capture=self.device.type == "cuda", backend=backend)
@@ -171,6 +193,8 @@ class Engine:
         caller can get wrong (typed errors, a bad structured_outputs grammar included), so a bad
         request never reaches the step loop. `constraint` (any TokenConstraint) overrides the grammar."""
         params = params or SamplingParams()
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         if request_id in self._seqs:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
         params.validate_vocab(self.tokenizer.vocab_size)
@@ -273,7 +297,10 @@ class Engine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, postprocess. Returns outputs of requests that
-        produced a token or finished in this step."""
+        produced a token or finished in this step. A step that raises fails only its batch (their
+        outputs carry `error`); EngineDeadError when it cannot go on (see the module docstring)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -282,16 +309,74 @@ class Engine:
         self.stats.num_preemptions_total += len(sched.preempted)
         t0 = time.perf_counter()
         self._note_first_schedule(sched, t0)
+        try:
+            outputs = self._run_step(sched, t0)
+        except Exception as e:
+            return self._recover(sched, self._step_error(e))
+        self._last_fault = None
+        return outputs
+
+    def _run_step(self, sched: SchedulerOutput, t0: float) -> list[RequestOutput]:
+        self._stage = "grammar"  # the masks start filling on the worker
         sampling = [s for s in sched.scheduled if s.samples]
         prefetched = self._prefetch_masks(sampling)
+        self._stage = "model forward"
         logits = self.runner.execute(sched.scheduled)
         result = None
         if sampling:  # the logits are this step's own (inference) tensor: masked rows edited in place
+            self._stage = "sampler"
             requests = [self._sampling_request(s.seq, prefetched.get(s.seq.seq_id)) for s in sampling]
             with torch.inference_mode():
                 result = sample(logits, requests, inplace=True)
         duration = time.perf_counter() - t0
+        self._stage = "postprocess"  # postprocess_token names the grammar or the detokenizer itself
         return self._postprocess(sched, sampling, result, duration)
+
+    def _step_error(self, e: Exception) -> EngineStepError:
+        if isinstance(e, EngineStepError):  # postprocess named the stage
+            return e
+        stage = self._stage
+        if stage == "sampler" and self._masks.raised(e):
+            stage = "grammar"  # a mask fill raised on the prefetch worker; the sampler re-raised it
+        return EngineStepError(stage, e)
+
+    def _recover(self, sched: SchedulerOutput, error: EngineStepError) -> list[RequestOutput]:
+        """Fail every request of the step that raised and free its KV (nothing committed); raise
+        EngineDeadError instead of serving on if this repeats a fault or the books do not add up."""
+        try:
+            outputs = self._fail_batch(sched, error)
+            self._check_books()
+        except Exception as e:
+            self._stop(f"{error}, and failing its batch left the bookkeeping inconsistent: {e!r}", error)
+        if self._last_fault is not None:
+            self._stop(f"{error}, in the step right after another fault ({self._last_fault})", error)
+        self._last_fault = error
+        return outputs
+
+    def _fail_batch(self, sched: SchedulerOutput, error: EngineStepError) -> list[RequestOutput]:
+        self._masks.wait()  # no fill may still run on a failed request's constraint
+        self.block_manager.take_copy_ops()  # queued only by this step's admissions: their blocks go
+        now = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        for item in sched.scheduled:
+            seq = item.seq
+            self._seqs.pop(seq.request_id, None)
+            self.scheduler.finish(seq, FinishReason.ERROR)  # frees without committing; no-op if retired
+            seq.trace.finish_reason = FinishReason.ERROR.value
+            seq.trace.finish_time = now
+            outputs.append(self._output(seq, "", [], EngineStepError(error.stage, error.cause)))
+        return outputs
+
+    def _stop(self, reason: str, error: EngineStepError) -> NoReturn:
+        self.dead_reason = reason
+        raise EngineDeadError(reason) from error
+
+    def _check_books(self) -> None:
+        """Every unfinished request is known to the scheduler once, and the KV books add up."""
+        live = [*self.scheduler.running, *self.scheduler.waiting]
+        assert len({id(s) for s in live}) == len(live), "a sequence is queued twice"
+        assert {s.request_id for s in live} == set(self._seqs), "the scheduler and the requests disagree"
+        self.block_manager.check_invariants()
 
     def _prefetch_masks(self, sampling: list[ScheduledSeq]) -> dict[int, TokenConstraint]:
         """Start this step's grammar masks on the prefetch worker: they depend only on tokens already
@@ -366,7 +451,9 @@ class Engine:
         seq.trace.finish_time = now
         self._seqs.pop(seq.request_id, None)
 
-    def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, delta_text: str, delta_ids: list[int], error: EngineStepError | None = None
+    ) -> RequestOutput:
         want_lp = seq.params.logprobs is not None
         ts = seq.text_state
         return RequestOutput(
@@ -383,4 +470,5 @@ class Engine:
             _num_tokens=seq.num_tokens,
             _logprobs=seq.output_logprobs if want_lp else None,
             _top_logprobs=seq.output_top_logprobs if want_lp else None,
+            error=error,
         )

@@ -9,6 +9,8 @@ Stop checks, in order (the first that fires wins):
     5. max_tokens, or the context window is full      -> "length"
 Text is produced incrementally (never half a UTF-8 character) and passes through
 the stop-string matcher, which holds back anything that may start a stop string.
+A grammar or a detokenizer that raises comes out as an EngineStepError naming it
+("grammar", "detokenizer"): the engine then fails the step's requests, not itself.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Set
 
 from onecall.engine.sequence import FinishReason, Sequence
 from onecall.engine.trace import StepRecord
+from onecall.errors import EngineStepError
 from onecall.sampling.types import SampleResult
 
 
@@ -24,7 +27,7 @@ def postprocess_token(
     seq: Sequence, result: SampleResult, row: int, record: StepRecord, eos_ids: Set[int]
 ) -> tuple[str, FinishReason | None]:
     """Append the sampled token of `row`; returns (text delta, finish reason or None)."""
-    # 1. append and record
+    # 1. append and record; the grammar takes the token
     token = result.token_ids[row]
     seq.token_ids.append(token)
     record.token_id = token
@@ -37,17 +40,32 @@ def postprocess_token(
     if seq.params.logprobs is not None:
         seq.output_logprobs.append(result.logprobs[row])
         seq.output_top_logprobs.append(result.top_logprobs[row])
+    grammar_done = False
     if seq.constraint is not None:
-        seq.constraint.advance(token)
+        try:
+            seq.constraint.advance(token)
+            grammar_done = seq.constraint.is_finished()
+        except Exception as e:
+            raise EngineStepError("grammar", e) from e
 
     # 2. token-level stops
     params = seq.params
-    ts = seq.text_state
-    assert ts is not None, "engine attaches text state at add_request"
     finish: FinishReason | None = None
     if token in params.stop_token_ids or token in eos_ids and not params.ignore_eos:
         finish, seq.trace.stop_reason = FinishReason.STOP, token
+    try:
+        return _text_and_limits(seq, token, finish, grammar_done)
+    except Exception as e:
+        raise EngineStepError("detokenizer", e) from e
 
+
+def _text_and_limits(
+    seq: Sequence, token: int, finish: FinishReason | None, grammar_done: bool
+) -> tuple[str, FinishReason | None]:
+    """Steps 3.-6. of the module docstring: the text delta and the stops that depend on it."""
+    params = seq.params
+    ts = seq.text_state
+    assert ts is not None, "engine attaches text state at add_request"
     # 3. text, unless the token itself stopped the request (EOS/stop ids never reach the text)
     delta = ""
     if finish is None:
@@ -57,7 +75,7 @@ def postprocess_token(
             if matched is not None:
                 finish, seq.trace.stop_reason = FinishReason.STOP, matched
     # 4.-5. grammar completion and length limits
-    if finish is None and seq.constraint is not None and seq.constraint.is_finished():
+    if finish is None and grammar_done:
         finish = FinishReason.STOP
     if finish is None and (
         seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= seq.max_total_tokens

@@ -69,13 +69,15 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire a sequence: its computed path goes into the prefix cache, its blocks are freed."""
+        """Retire a sequence: its computed path goes into the prefix cache, its blocks are freed.
+        An aborted or failed one commits nothing (a failed step raised somewhere between writing
+        KV and counting it: nothing of that request is trusted)."""
         if seq in self.running:
             self.running.remove(seq)
         else:
             with contextlib.suppress(ValueError):  # already gone from the queue
                 self.waiting.remove(seq)
-        self._release(seq, keep_in_cache=reason is not FinishReason.ABORT)
+        self._release(seq, keep_in_cache=reason not in (FinishReason.ABORT, FinishReason.ERROR))
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

@@ -42,6 +42,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id, a stop string, or a finished grammar
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the step that ran it raised (RequestOutput.error says where and why)
 
 
 @dataclass

@@ -76,6 +76,12 @@ class MaskPrefetcher:
     def _fill(constraints: list[TokenConstraint], bitmask: torch.Tensor) -> list[bool]:
         return [c.fill_bitmask(bitmask, j) for j, c in enumerate(constraints)]
 
+    def raised(self, exc: BaseException) -> bool:
+        """Did the current fills end in `exc`? (The sampler re-raises a fill's error: the engine
+        asks this to name the grammar, not the sampler, as the stage that failed.)"""
+        job = self._job
+        return job is not None and job.done() and not job.cancelled() and job.exception() is exc
+
     def wait(self) -> None:
         """Block until the last step's fills are done. A fill's error is not raised here: it
         reached the sampler (fill_bitmask) already."""

@@ -6,7 +6,7 @@
     POST /v1/completions         key    serving_completion.create_completion
     GET  /v1/models[/{model}]    key    here
     POST /tokenize, /detokenize  key    serving_tokens
-    GET  /health                 open   200 when the engine runs; 503 while loading or once dead
+    GET  /health                 open   200 when the engine runs; 503 while loading or once dead (and why)
     GET  /metrics                open   Prometheus text (server/metrics.py)
 
 Every route goes through `_route`, which checks the API key first (before the body is read),

@@ -13,11 +13,17 @@ Invariants:
   the engine thread. The Engine is not thread-safe and never has to be.
 - A step never runs on the event loop; the loop only awaits futures and reads stream queues.
 - `_streams` (request id -> stream) belongs to the engine thread. A stream leaves it when its
-  finished output (stop, length or abort) is sent, or when the engine dies.
-- Commands are queued only while `_closed` is False, checked under `_lock`; shutdown sets it under
-  the same lock, so nothing can be queued behind the shutdown command and never be answered.
-- If step() raises, the engine is dead: every open stream raises EngineDeadError, and the thread
-  stays up only to refuse later commands with EngineDeadError, until shutdown.
+  finished output (stop, length or abort) or its step's EngineStepError is sent, or when the
+  engine dies.
+- Commands are queued only while `_closed` and `_dead` are False, checked under `_lock`; shutdown
+  and death set them under the same lock, so no command is queued behind either and never answered.
+- A step that fails its batch (Engine.step's recovered fault) ends just those streams, each with its
+  EngineStepError; the engine serves on.
+- If step() raises (the engine stopped: a fault right after a recovery, inconsistent books), or
+  anything at all, a BaseException included, escapes the thread's loop, the engine is dead: every
+  open stream raises EngineDeadError saying why, every command taken or queued is answered (adds
+  with EngineDeadError), later adds are refused with it, and the thread ends. `dead_reason` says why.
+- `max_waiting` counts requests: an add of n (n > 1 choices) needs room for all n.
 
 Cleanup is the consumer's job: a consumer that stops iterating (break, cancellation, a client that
 disconnected) must abort its stream, or the request runs on to max_tokens. Either
@@ -39,7 +45,8 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -54,11 +61,11 @@ logger = logging.getLogger("onecall.server")
 
 Prompt = str | list[int] | RenderedPrompt
 _Item = RequestOutput | BaseException  # what a stream's queue holds: outputs, then maybe an error
-_DEAD = "the engine loop died after an internal error (logged by the server); restart it"
 
 
 class RequestStream:
-    """One request's outputs, in order; the last has finished=True (or the engine died)."""
+    """One request's outputs, in order; the last has finished=True, or reading it raises the
+    EngineStepError of a step that failed it (or EngineDeadError)."""
 
     def __init__(self, request_id: str, owner: AsyncEngine) -> None:
         self.request_id = request_id
@@ -156,12 +163,14 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.metrics = metrics
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _closed against _commands.put
+        self._lock = threading.Lock()  # guards _closed and _dead against _commands.put
         self._closed = False
         self._dead = False
+        self.dead_reason: str | None = None  # why the engine died (set with _dead)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._taken: deque[_Command] = deque()  # engine thread only: taken off the queue, not yet handled
 
     # ---- the event-loop side ---------------------------------------------------------------------
     def start(self) -> None:
@@ -186,13 +195,15 @@ class AsyncEngine:
         constraint: TokenConstraint | None = None,
     ) -> RequestStream:
         """Queue one request. Raises the engine's typed errors, QueueFullError or EngineDeadError
-        before any token; on success the stream yields its outputs."""
+        before any token; on success the stream yields its outputs (or raises EngineStepError if a
+        step that ran it failed, EngineDeadError if the engine died)."""
         now = time.perf_counter()
         (stream,) = await self._add([_NewRequest(request_id, prompt, params, constraint, now)])
         return stream
 
     async def add_requests(self, items: list[tuple[str, Prompt, SamplingParams]]) -> list[RequestStream]:
-        """Queue several requests at once (n > 1), all or nothing: if one fails, none stays queued."""
+        """Queue several requests at once (n > 1), all or nothing: if one fails, none stays queued.
+        They count as len(items) waiting requests against max_waiting."""
         now = time.perf_counter()
         return await self._add([_NewRequest(rid, p, sp, None, now) for rid, p, sp in items])
 
@@ -229,45 +240,65 @@ class AsyncEngine:
         await asyncio.shield(asyncio.wrap_future(command.future))
 
     def _submit(self, command: _Add) -> Future[None]:
-        if self._dead:
-            raise EngineDeadError(_DEAD)
         if not self._submit_if_open(command):
+            if self._dead:
+                raise EngineDeadError(self._dead_message())
             raise EngineDeadError("the engine is not running (not started, or shut down)")
         return command.future
 
     def _submit_if_open(self, command: _Command) -> bool:
         with self._lock:
-            if self._thread is None or self._closed:
+            if self._thread is None or self._closed or self._dead:
                 return False
             self._commands.put(command)
             return True
 
+    def dead_error(self) -> EngineDeadError | None:
+        """The error every request gets once the engine died, saying why; None while it has not."""
+        return None if self.dead_reason is None else EngineDeadError(self._dead_message())
+
+    def _dead_message(self) -> str:
+        return f"the engine stopped: {self.dead_reason}; restart the server"
+
     # ---- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        """The thread's loop: commands first, then one step; block for commands only when idle."""
+        """The thread: the loop below until shutdown; whatever ends it otherwise, a BaseException
+        included, fails every waiter (_die) instead of leaving it hanging."""
+        try:
+            self._loop_until_shutdown()
+        except BaseException as e:  # KeyboardInterrupt, SystemExit, ...: nobody above us would answer
+            self._die(f"the engine thread stopped on {type(e).__name__}: {e}", e)
+
+    def _loop_until_shutdown(self) -> None:
+        """Commands first, then one step; block for commands only when idle. Returns on shutdown or
+        once dead (everything was answered then)."""
         self._update_metrics([])  # initial gauges
-        while True:
-            idle = self._dead or not self.engine.has_unfinished_requests()
-            for command in self._take_commands(block=idle):
+        while not self._dead:
+            idle = not self.engine.has_unfinished_requests()
+            self._taken.extend(self._take_commands(block=idle))
+            while self._taken:
+                command = self._taken[0]  # stays in _taken while handled: _die answers it if need be
                 if isinstance(command, _Shutdown):
+                    self._taken.clear()  # nothing is queued behind it
                     self._shutdown_now()
                     return
                 try:
                     self._handle(command)
-                except Exception:  # a bug outside the engine's typed errors: never leave a caller hanging
-                    self._die(f"handling {type(command).__name__} raised")
-                    self._answer_dead(command)
-            if not self._dead and self.engine.has_unfinished_requests():
+                except Exception as e:  # a bug outside the engine's typed errors
+                    self._die(f"handling {type(command).__name__} raised {type(e).__name__}: {e}", e)
+                    return
+                self._taken.popleft()
+            if self.engine.has_unfinished_requests():
                 self._step()
 
-    @staticmethod
-    def _answer_dead(command: _Add | _Abort) -> None:
-        if command.future.done():
+    def _answer_dead(self, command: _Command) -> None:
+        if isinstance(command, _Shutdown):
             return
-        if isinstance(command, _Add):
-            command.future.set_exception(EngineDeadError(_DEAD))
-        else:
-            command.future.set_result(None)  # an abort still "succeeded": nothing runs any more
+        with contextlib.suppress(InvalidStateError):  # answered already, or cancelled by its caller
+            if isinstance(command, _Add):
+                command.future.set_exception(EngineDeadError(self._dead_message()))
+            else:
+                command.future.set_result(None)  # an abort still "succeeded": nothing runs any more
 
     def _take_commands(self, *, block: bool) -> list[_Command]:
         commands = [self._commands.get()] if block else []
@@ -281,7 +312,7 @@ class AsyncEngine:
         # An add whose caller was cancelled before we got here is skipped; an abort always runs.
         wanted = command.future.set_running_or_notify_cancel()
         if isinstance(command, _Abort):
-            outputs = [] if self._dead else self._abort_now(command.request_id)
+            outputs = self._abort_now(command.request_id)
             self._update_metrics(outputs)
             self._publish(outputs)
             if wanted:
@@ -298,10 +329,13 @@ class AsyncEngine:
         self._update_metrics([])
 
     def _add_now(self, command: _Add) -> None:
-        if self._dead:
-            raise EngineDeadError(_DEAD)
-        if self.engine.num_waiting >= self.max_waiting:
-            raise QueueFullError(self.engine.num_waiting, self.max_waiting)
+        n, num_waiting = len(command.requests), self.engine.num_waiting
+        if n > self.max_waiting:  # would never fit: not worth a retry
+            raise InvalidParameterError(
+                "n", f"asks for {n} choices, but at most {self.max_waiting} requests may wait at once"
+            )
+        if num_waiting + n > self.max_waiting:
+            raise QueueFullError(num_waiting, self.max_waiting, num_requested=n)
         added: list[str] = []
         try:
             for r in command.requests:
@@ -324,14 +358,28 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception:
-            self._die("engine.step() raised")
+        except Exception as e:
+            reason = (
+                str(e) if isinstance(e, EngineDeadError) else f"engine.step() raised {type(e).__name__}: {e}"
+            )
+            self._die(reason, e)
             return
+        self._log_faults(outputs)
         self._update_metrics(outputs)  # first, so a consumer that sees an output sees its metrics
         self._publish(outputs)
 
+    @staticmethod
+    def _log_faults(outputs: list[RequestOutput]) -> None:
+        """One line (and the traceback) per failed step, however many requests it failed."""
+        errors = [out.error for out in outputs if out.error is not None]
+        if errors:
+            logger.error(
+                "%s; failed its %d requests, serving on", errors[0], len(errors), exc_info=errors[0].cause
+            )
+
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Send outputs to their streams: one wake-up of the event loop per call, not per output."""
+        """Send outputs to their streams: one wake-up of the event loop per call, not per output.
+        A failed request's stream gets its EngineStepError instead of the output."""
         batch: list[tuple[RequestStream, _Item]] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -339,7 +387,7 @@ class AsyncEngine:
                 continue  # already ended (an abort raced a finish), or the engine died
             if out.finished:
                 del self._streams[out.request_id]
-            batch.append((stream, out))
+            batch.append((stream, out if out.error is None else out.error))
         self._send(batch)
 
     def _send(self, batch: list[tuple[RequestStream, _Item]]) -> None:
@@ -348,19 +396,28 @@ class AsyncEngine:
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is left to read them
             self._loop.call_soon_threadsafe(_deliver_all, batch)
 
-    def _die(self, what: str) -> None:
-        logger.exception("%s; the engine is dead, failing %d open requests", what, len(self._streams))
-        self._dead = True
-        self._send([(stream, EngineDeadError(_DEAD)) for stream in self._streams.values()])
+    def _die(self, reason: str, exc: BaseException) -> None:
+        """The engine cannot go on: refuse later commands, fail every open stream and every command
+        taken or queued. Nothing can be queued after this: `_dead` is set under `_lock`."""
+        logger.error(
+            "%s; the engine is dead, failing %d open requests", reason, len(self._streams), exc_info=exc
+        )
+        with self._lock:
+            self._dead, self.dead_reason = True, reason
+        self._send([(stream, EngineDeadError(self._dead_message())) for stream in self._streams.values()])
         self._streams.clear()
+        unanswered = [*self._taken, *self._take_commands(block=False)]
+        self._taken.clear()
+        for command in unanswered:
+            self._answer_dead(command)
 
     def _shutdown_now(self) -> None:
         outputs: list[RequestOutput] = []
         try:
-            for request_id in [] if self._dead else list(self._streams):
+            for request_id in list(self._streams):
                 outputs += self._abort_now(request_id)
-        except Exception:
-            self._die("engine.abort() raised during shutdown")
+        except Exception as e:
+            self._die(f"engine.abort() raised during shutdown: {type(e).__name__}: {e}", e)
         self._update_metrics(outputs)
         self._publish(outputs)
 

@@ -8,7 +8,10 @@
     unknown model                                       404     code model_not_found
     body over the size limit                            413     invalid_request_error
     QueueFullError                                      429     rate_limit_error, Retry-After
-    model still loading, engine dead                    503     service_unavailable_error
+    model still loading, engine dead                    503     service_unavailable_error (why, in the
+                                                                message: the load error, the dead engine's cause)
+    EngineStepError (the step that ran it raised)       500     server_error, code engine_step_failed: the
+                                                                stage and cause named; logged by the engine thread
     anything else (a bug)                               500     server_error: logged with the request
                                                                 id and traceback; the body has the id only
 
@@ -29,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from onecall.errors import (
     ContextLengthExceededError,
     EngineDeadError,
+    EngineStepError,
     InvalidParameterError,
     OnecallError,
     QueueFullError,
@@ -86,6 +90,8 @@ def http_error(exc: BaseException, request_id: str) -> HTTPError:
         )
     if isinstance(exc, EngineDeadError):
         return HTTPError(503, str(exc), type="service_unavailable_error", code="engine_dead")
+    if isinstance(exc, EngineStepError):  # not the caller's fault, and the engine serves on
+        return HTTPError(500, str(exc), type="server_error", code="engine_step_failed")
     if isinstance(exc, ValidationError):
         return validation_error(exc)
     if isinstance(exc, OnecallError):  # a typed error we did not expect on this path: still the caller's

@@ -5,7 +5,7 @@
     counters    onecall_prompt_tokens_total, onecall_generation_tokens_total,
                 onecall_prefix_cache_query_tokens_total, onecall_prefix_cache_hit_tokens_total,
                 onecall_preemptions_total, onecall_request_success_total{finish_reason},
-                onecall_request_aborted_total
+                onecall_request_aborted_total, onecall_request_failed_total (a step that ran it raised)
     histograms  onecall_time_to_first_token_seconds, onecall_inter_token_latency_seconds,
                 onecall_e2e_request_latency_seconds
 
@@ -92,6 +92,9 @@ class Metrics:
         self.request_aborted = Counter(
             "onecall_request_aborted", "Requests aborted (client gone, shutdown).", registry=r
         )
+        self.request_failed = Counter(
+            "onecall_request_failed", "Requests failed by an engine step that raised.", registry=r
+        )
         self.time_to_first_token = Histogram(
             "onecall_time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS, registry=r
         )
@@ -138,6 +141,9 @@ class Metrics:
             self.time_to_first_token.observe(trace.time_to_first_token)
         if out.finish_reason == "abort":
             self.request_aborted.inc()
+            return
+        if out.finish_reason == "error":
+            self.request_failed.inc()
             return
         if trace.e2e_time is not None:
             self.e2e_request_latency.observe(trace.e2e_time)

@@ -5,7 +5,7 @@ ServerState owns the engine's life in the server:
     1. startup    a ready AsyncEngine is started at once; a loader (a function that builds one,
                   as `onecall serve` passes) runs in a worker thread after the socket is up, so
                   /health answers 503 "loading" until the model is in memory, then 200
-    2. serving    routes get the engine from `ready_engine()` (503 while loading or once dead),
+    2. serving    routes get the engine from `ready_engine()` (503 while loading or once dead, saying why),
                   check the API key, the model name and the body size here
     3. shutdown   the engine aborts whatever is still in flight and its thread is joined
 
@@ -116,9 +116,12 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
         if not self.engine.is_running:
+            dead = self.engine.dead_error()
+            if dead is not None:
+                raise dead  # 503 engine_dead, with the cause (http_errors.py)
             raise HTTPError(
                 503,
-                "the engine is not running (it stopped after an internal error, or the server is shutting down)",
+                "the engine is not running (the server is shutting down)",
                 type="service_unavailable_error",
                 code="engine_dead",
             )
