@@ -181,7 +181,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 @dataclass(frozen=True)
 class Q4Packed:
     """A 4-bit weight (N, K) in the q4 kernel's layout (csrc: rows in blocks of 8, N padded to whole
-    blocks): qs (N8 / 8, K / 32, 8, 16) uint8, scale and offset (N8 / 8, K / 32, 8) float32 or float16."""
+    blocks): qs (N8 / 8, K / 32, 8, 8, 2) uint8, scale and offset (N8 / 8, K / 32, 8) float32 or float16."""
 
     qs: torch.Tensor
     scale: torch.Tensor
@@ -207,10 +207,11 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Pac
         q = torch.cat((q, q.new_zeros(pad, k)))
         scale = torch.cat((scale, scale.new_zeros(pad, g)))
         offset = torch.cat((offset, offset.new_zeros(pad, g)))
-    # (N8/8, G, 8, 2, 16): block, group, row of the block, first or second half of the group, column
-    halves = q.view(n8 // 8, 8, g, 2, 16).permute(0, 2, 1, 3, 4)
-    qs = torch.empty(n8 // 8, g, 8, 16, dtype=torch.uint8)
-    torch.add(halves[..., 0, :], halves[..., 1, :], alpha=16, out=qs)  # lo | hi << 4 (both <= 15), one pass
+    # (N8/8, G, 2, 8, 8, 2): block, group, half of the group, column pair, row of the block, column of the
+    # pair; the byte for (pair, row, column) holds the first half's value low and the second half's high
+    halves = q.view(n8 // 8, 8, g, 2, 8, 2).permute(0, 2, 3, 4, 1, 5)
+    qs = torch.empty(n8 // 8, g, 8, 8, 2, dtype=torch.uint8)
+    torch.add(halves[:, :, 0], halves[:, :, 1], alpha=16, out=qs)  # lo | hi << 4 (both <= 15), one pass
 
     def blocked(t: torch.Tensor) -> torch.Tensor:
         return t.view(n8 // 8, 8, g).transpose(1, 2).contiguous()  # (N8/8, G, 8)

@@ -20,8 +20,9 @@
  * Layouts (groups of 32 along K; K % 32 == 0):
  *   q4: weight rows in blocks of 8 (N padded with zero rows to a multiple of 8), so that one group of
  *       a block is 128 contiguous bytes and its 8 scales one vector:
- *       qs (N8 / 8, G, 8, 16) uint8: block, group g, row b of the block; byte j holds q[g*32 + j] in
- *       its low nibble and q[g*32 + 16 + j] in its high nibble;
+ *       qs (N8 / 8, G, 8, 8, 2) uint8: block, group g, column pair c, row b of the block, column j of
+ *       the pair; the byte holds q[b, g*32 + 2c + j] in its low nibble and q[b, g*32 + 16 + 2c + j] in
+ *       its high nibble;
  *       scale, offset (N8 / 8, G, 8) float32 or IEEE half. w = q * scale + offset, q in 0..15.
  *   q8: q (N, K) int8. w = q * scale[n, g].
  */
@@ -100,20 +101,6 @@ static inline __attribute__((always_inline)) __m256 load8(const void *p, const i
     return _mm256_loadu_ps((const float *)p);
 }
 
-/* lane b = the sum of d_b's 8 lanes, for b < 8: exact int32 adds (the order does not matter) */
-static inline __m256i hsum_rows8(__m256i d0, __m256i d1, __m256i d2, __m256i d3, __m256i d4, __m256i d5, __m256i d6,
-                                 __m256i d7) {
-    const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
-    const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d4, d5), _mm256_hadd_epi32(d6, d7));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-}
-
-/* the exact int32 dot product of one weight row's group (16 packed bytes) with an int16 activation group */
-static inline __attribute__((always_inline)) __m256i dot_group(const __m256i lo, const __m256i hi, const __m256i x_lo,
-                                                               const __m256i x_hi) {
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, x_lo), _mm256_madd_epi16(hi, x_hi));
-}
-
 #ifndef Q4_PREFETCH
 #define Q4_PREFETCH 16 /* groups ahead that the weight stream is prefetched */
 #endif
@@ -122,12 +109,18 @@ static inline __attribute__((always_inline)) __m256i dot_group(const __m256i lo,
 #endif
 
 /* One block of 8 weight rows (nb) against MT activation rows from m0 (MT a compile-time constant at every
- * call site). Lane b of acc[i] is output (m0 + i, nb * 8 + b):
+ * call site, at most Q4_MAX_TILE). A group of the block is 8 chunks of 16 bytes; chunk c, widened to 16
+ * int16 lanes and masked or shifted, holds the 8 rows' columns (2c, 2c + 1) (low nibbles) or
+ * (16 + 2c, 17 + 2c) (high nibbles), row-major, so one madd against that column pair of an activation
+ * row, broadcast, gives each row's partial dot in its own int32 lane: no horizontal sums. Lane b of
+ * acc[i] is output (m0 + i, nb * 8 + b):
  *   acc = fma(float(exact int dot of group g), scale[n, g] * step[m, g], acc) over g in order,
  *   oacc = fma(offset[n, g], sum(x in group g), oacc) over g in order,
  *   y = (acc + oacc) + bias.
- * A group's int dot fits float32 exactly (|dot| <= 32 * 15 * 32767 < 2^24). Every output goes through
- * the same operations in the same order whatever MT, M and the thread count are: batch invariance. */
+ * A group's int dot fits float32 exactly (|dot| <= 32 * 15 * 32767 < 2^24), so the order of its int32
+ * adds does not matter. Every output goes through the same operations in the same order whatever MT, M
+ * and the thread count are: batch invariance. */
+#define Q4_MAX_TILE 8
 static inline __attribute__((always_inline)) void q4_block(const int MT, const QuantRows *r, int64_t m0, int64_t nb,
                                                            int64_t K, int64_t N, const uint8_t *qs, const void *scale,
                                                            const void *offset, const float *bias, float *y,
@@ -136,7 +129,7 @@ static inline __attribute__((always_inline)) void q4_block(const int MT, const Q
     const uint8_t *wq = qs + nb * G * 128;
     const char *wsc = (const char *)scale + nb * G * 8 * es, *wof = (const char *)offset + nb * G * 8 * es;
     const __m256i low4 = _mm256_set1_epi16(0x0F);
-    __m256 acc[2], oacc[2];
+    __m256 acc[Q4_MAX_TILE], oacc[Q4_MAX_TILE];
     for (int i = 0; i < MT; i++) acc[i] = oacc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *wg = wq + g * 128;
@@ -144,25 +137,25 @@ static inline __attribute__((always_inline)) void q4_block(const int MT, const Q
             _mm_prefetch((const char *)(wg + Q4_PREFETCH * 128), _MM_HINT_T0);
             _mm_prefetch((const char *)(wg + Q4_PREFETCH * 128 + 64), _MM_HINT_T0);
         }
-        __m256i x_lo[2], x_hi[2], d[2][8];
-        for (int i = 0; i < MT; i++) {
-            const int16_t *xq = r->q + (m0 + i) * K + g * 32;
-            x_lo[i] = _mm256_loadu_si256((const __m256i *)xq);
-            x_hi[i] = _mm256_loadu_si256((const __m256i *)(xq + 16));
-        }
-        for (int b = 0; b < 8; b++) {
-            /* 16 bytes -> 16 int16 lanes holding lo | hi << 4: the low nibbles are columns 0..15 of the
-             * group, the high ones 16..31 */
-            const __m256i wb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + b * 16)));
+        __m256i a[Q4_MAX_TILE];
+        for (int i = 0; i < MT; i++) a[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i wb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + c * 16)));
             const __m256i lo = _mm256_and_si256(wb, low4), hi = _mm256_srli_epi16(wb, 4);
-            for (int i = 0; i < MT; i++) d[i][b] = dot_group(lo, hi, x_lo[i], x_hi[i]);
+            for (int i = 0; i < MT; i++) {
+                const int16_t *xq = r->q + (m0 + i) * K + g * 32;
+                int32_t xl, xh; /* the column pair's two int16 values, broadcast to every 32-bit lane */
+                memcpy(&xl, xq + 2 * c, 4);
+                memcpy(&xh, xq + 16 + 2 * c, 4);
+                a[i] = _mm256_add_epi32(a[i], _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi32(xl)),
+                                                               _mm256_madd_epi16(hi, _mm256_set1_epi32(xh))));
+            }
         }
         const __m256 sc = load8(wsc + g * 8 * es, f16), of = load8(wof + g * 8 * es, f16);
         for (int i = 0; i < MT; i++) {
             const int64_t m = m0 + i;
-            const __m256i dot = hsum_rows8(d[i][0], d[i][1], d[i][2], d[i][3], d[i][4], d[i][5], d[i][6], d[i][7]);
             const __m256 ds = _mm256_mul_ps(sc, _mm256_broadcast_ss(r->d + m * G + g));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i]), ds, acc[i]);
             oacc[i] = _mm256_fmadd_ps(of, _mm256_broadcast_ss(r->sum + m * G + g), oacc[i]);
         }
     }
@@ -183,6 +176,8 @@ static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t nb = 0; nb < blocks; nb++) {
         int64_t m = 0;
+        for (; m + 8 <= M; m += 8) q4_block(8, &r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+        for (; m + 4 <= M; m += 4) q4_block(4, &r, m, nb, K, N, qs, scale, offset, bias, y, f16);
         for (; m + 2 <= M; m += 2) q4_block(2, &r, m, nb, K, N, qs, scale, offset, bias, y, f16);
         if (m < M) q4_block(1, &r, m, nb, K, N, qs, scale, offset, bias, y, f16);
     }
