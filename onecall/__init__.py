@@ -6,25 +6,85 @@
                    SamplingParams(temperature=0))[0]
     print(out.text, out.trace.num_cached_tokens)
 
-Heavy modules load lazily so `import onecall` stays cheap.
+The public API is `__all__`, and entry points built on the library (the lab) import nothing else:
+
+    LLM, ModelInfo, RequestOutput               the engine behind a facade; what it loaded; what it returns
+    SamplingParams, StructuredOutputsParams     a request's parameters
+    RenderedPrompt, get_named_template          LLM.render's result; the templates onecall ships
+    ToolFormat, TOOL_CALL_OPEN, ToolCall,       the text layer of tool calling (text/tool_specs.py,
+      ParsedToolCalls, parse_tool_calls,        text/tool_calls.py): the pieces the server composes
+      messages_for_json_tools,
+      tool_call_grammar, tool_call_schema
+    OnecallError, InvalidParameterError         the errors a caller can cause
+
+Everything but the parameters loads lazily, on first use, so `import onecall` stays cheap
+(no torch, and none of onecall's subpackages).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from onecall.llm import LLM
+    from onecall.engine.engine import RequestOutput
+    from onecall.errors import InvalidParameterError, OnecallError
+    from onecall.llm import LLM, ModelInfo
+    from onecall.text.chat_template import RenderedPrompt
+    from onecall.text.templates import get_named_template
+    from onecall.text.tool_calls import ParsedToolCalls, ToolCall, parse_tool_calls
+    from onecall.text.tool_specs import (
+        TOOL_CALL_OPEN,
+        ToolFormat,
+        messages_for_json_tools,
+        tool_call_grammar,
+        tool_call_schema,
+    )
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
+# name -> the module that defines it, imported on first access
+_LAZY: dict[str, str] = {
+    "InvalidParameterError": "onecall.errors",
+    "LLM": "onecall.llm",
+    "ModelInfo": "onecall.llm",
+    "OnecallError": "onecall.errors",
+    "ParsedToolCalls": "onecall.text.tool_calls",
+    "RenderedPrompt": "onecall.text.chat_template",
+    "RequestOutput": "onecall.engine.engine",
+    "TOOL_CALL_OPEN": "onecall.text.tool_specs",
+    "ToolCall": "onecall.text.tool_calls",
+    "ToolFormat": "onecall.text.tool_specs",
+    "get_named_template": "onecall.text.templates",
+    "messages_for_json_tools": "onecall.text.tool_specs",
+    "parse_tool_calls": "onecall.text.tool_calls",
+    "tool_call_grammar": "onecall.text.tool_specs",
+    "tool_call_schema": "onecall.text.tool_specs",
+}
+
+__all__ = [
+    "InvalidParameterError",
+    "LLM",
+    "ModelInfo",
+    "OnecallError",
+    "ParsedToolCalls",
+    "RenderedPrompt",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "TOOL_CALL_OPEN",
+    "ToolCall",
+    "ToolFormat",
+    "get_named_template",
+    "messages_for_json_tools",
+    "parse_tool_calls",
+    "tool_call_grammar",
+    "tool_call_schema",
+]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name == "LLM":
-        from onecall.llm import LLM
-
-        return LLM
-    raise AttributeError(name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'onecall' has no attribute {name!r}")

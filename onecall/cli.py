@@ -8,7 +8,8 @@
     onecall serve --port 8000                                 # the OpenAI-compatible HTTP server
     onecall lab --out lab-report                              # every experiment, report with plots
 
-run and replay (and the flags every command shares) live in cli_run.py.
+run and replay (and the sampling flags chat shares) live in cli_run.py; the engine flags every
+command takes (--model, --dtype, ...), the lab's included, in engine_flags.py.
 
 Errors a user can cause print one clear line and exit 2; no stack trace.
 """
@@ -21,12 +22,12 @@ import signal
 import sys
 from typing import Any
 
-from onecall.cli_run import add_engine_args as _add_engine_args
 from onecall.cli_run import add_replay_command, add_run_command
 from onecall.cli_run import add_sampling_args as _add_sampling_args
-from onecall.cli_run import engine_kwargs as _engine_kwargs
 from onecall.cli_run import load_llm as _llm
 from onecall.cli_run import sampling_params as _params
+from onecall.engine_flags import add_engine_args as _add_engine_args
+from onecall.engine_flags import engine_kwargs as _engine_kwargs
 from onecall.errors import InvalidParameterError, OnecallError
 
 

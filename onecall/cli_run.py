@@ -1,4 +1,4 @@
-"""`onecall run` and `onecall replay`, and the engine and sampling flags every command shares.
+"""`onecall run` and `onecall replay`, and the sampling flags they share with `onecall chat`.
 
     onecall run "What is the capital of France?" --trace           # answer + the trace table
     onecall run "..." --trace-level full --trace                   # + each token's logit provenance
@@ -25,40 +25,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from onecall.engine_flags import add_engine_args, engine_kwargs
 from onecall.sampling_params import TRACE_LEVELS, SamplingParams
 
 if TYPE_CHECKING:
     from onecall.bundle import Bundle
 
 
-# ---- shared flags --------------------------------------------------------------------------------
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M)"
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)",
-    )
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=None)
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="K/V cache dtype (auto: the model's); float16 halves what long-context decode reads",
-    )
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    p.add_argument(
-        "--kernels",
-        default="fast",
-        choices=["fast", "reference"],
-        help="fast: oneDNN and the GGUF's own int4 weights on CPU (default); reference: plain torch ops",
-    )
-
-
+# ---- sampling flags (run, chat) ------------------------------------------------------------------
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
@@ -83,26 +57,12 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
     )
 
 
-def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields every subcommand takes from add_engine_args' flags."""
-    return {
-        "model": a.model,
-        "dtype": a.dtype,
-        "device": a.device,
-        "max_model_len": a.max_model_len,
-        "kv_cache_gib": a.kv_cache_gib,
-        "num_threads": a.num_threads,
-        "kernels": a.kernels,
-        "kv_cache_dtype": a.kv_cache_dtype,
-    }
-
-
 def load_llm(a: argparse.Namespace) -> Any:
     from onecall.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(a))
-    print(f"loaded {llm.engine.parts.model_name} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    print(f"loaded {llm.info.model_name} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return llm
 
 
@@ -196,7 +156,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
     bundle = load_bundle(a.bundle)
     t0 = time.perf_counter()
     llm = LLM(**_replay_kwargs(a, bundle))
-    print(f"loaded {llm.engine.parts.model_name} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    print(f"loaded {llm.info.model_name} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     report = replay_bundle(bundle, llm)
     for warning in report.warnings:
         print(f"onecall: warning: {warning}", file=sys.stderr)

@@ -2,15 +2,18 @@
 
 Every method drives the same Engine.add_request / step loop; nothing here knows
 about tensors, except attention_probs(), which runs the model's separate inspection
-path (model/attention_probe.py) for the lab. Chat conversations are rendered with the model's own template
+path (model/attention_probe.py) for the lab. `LLM.info` (a ModelInfo) says what is loaded and
+how it runs, so callers (the CLI, the lab) never read the engine's insides. Chat conversations are rendered with the model's own template
 (the seed's point: without it the model does not stop cleanly) and the render
 (text, ids, control-token mask) goes into each request's trace.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +28,32 @@ from onecall.text.chat_template import RenderedPrompt, render_chat
 Prompt = str | list[int]
 Message = dict[str, Any]
 Params = SamplingParams | Sequence[SamplingParams] | None  # one for all prompts, or one per prompt
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an LLM has loaded and how it runs (`LLM.info`): for reports, logs and bandwidth
+    arithmetic. Plain values only, so `dataclasses.asdict(info)` is JSON. The shape fields keep
+    Hugging Face's names."""
+
+    model_name: str  # the GGUF file's stem or the Hugging Face folder's name
+    device: str  # "cpu", "cuda:0", ...
+    dtype: str  # the weights' compute dtype: "float32", "bfloat16", "float16"
+    kernels: str  # what the projections run on on this device (the --kernels switch's outcome)
+    kv_cache_dtype: str  # what the K/V cache holds (the model's dtype unless kv_cache_dtype says otherwise)
+    max_model_len: int  # the longest prompt + output, in tokens
+    vocab_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    weight_bytes_per_step: int  # weight bytes a one-token decode step streams (LLM.weight_bytes_read(1))
+    kv_bytes_per_token: int  # K and V of one cached position over all layers
+
+    def decode_step_bytes(self, num_positions: int) -> int:
+        """Bytes a one-sequence decode step reads when it attends over `num_positions` positions:
+        every weight once, plus K and V of each position in every layer."""
+        return self.weight_bytes_per_step + self.kv_bytes_per_token * num_positions
 
 
 class LLM:
@@ -106,6 +135,28 @@ class LLM:
         yield from self._stream(self.render(messages, chat_template=chat_template, **render_kwargs), params)
 
     # ---- inspection --------------------------------------------------------------------------
+    @functools.cached_property
+    def info(self) -> ModelInfo:
+        """The loaded model, device, dtypes, kernels and shape; fixed once the model is loaded."""
+        parts, cfg = self.engine.parts, self.engine.model_config
+        kv_dtype = parts.kv_cache.k.dtype
+        kv_per_layer = cfg.num_key_value_heads * cfg.head_dim * kv_dtype.itemsize  # K or V of one position
+        return ModelInfo(
+            model_name=parts.model_name,
+            device=str(self.engine.device),
+            dtype=_dtype_name(parts.dtype),
+            kernels=parts.kernels,
+            kv_cache_dtype=_dtype_name(kv_dtype),
+            max_model_len=self.engine.max_model_len,
+            vocab_size=cfg.vocab_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            weight_bytes_per_step=self.weight_bytes_read(1),
+            kv_bytes_per_token=2 * cfg.num_hidden_layers * kv_per_layer,
+        )
+
     def attention_probs(self, prompt: Prompt | RenderedPrompt) -> torch.Tensor:
         """(num_layers, num_prompt_tokens) float32: per layer, the attention the prompt's last position
         pays to every position, averaged over heads (rows sum to 1). A separate plain forward
@@ -169,6 +220,10 @@ class LLM:
         rid = f"req-{next(self._ids)}"
         self.engine.add_request(rid, prompt, params)
         return rid
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

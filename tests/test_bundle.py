@@ -1,48 +1,77 @@
 """Replayable bundles: save -> load -> replay matches token for token; anything else is reported.
 
-On the tiny random-weight engine: greedy and seeded nucleus sampling replay exactly (on a fresh
-engine, so no cached prefix helps); a bundle edited to another token reports that index and
-both tokens; a different model hash or an unseeded sampled call is a warning, not a crash;
-every malformed field is an InvalidParameterError naming it. Through the real `onecall`
-command on the embedded model: run --save-bundle, then replay, exit code 0 (and 1 after an edit).
+On the tiny random-weight engine, which owns real files (its weights as model.safetensors and its
+config as config.json, in a Hugging Face folder of its own): greedy and seeded nucleus sampling
+replay exactly (on a fresh engine, so no cached prefix helps); a bundle edited to another token
+reports that index and both tokens; a different model hash or an unseeded sampled call is a
+warning, not a crash; every malformed field is an InvalidParameterError naming it. Through the
+real `onecall` command on the embedded model: run --save-bundle, then replay, exit code 0 (and 1
+after an edit). A bundle's model hash is checked against one computed here from the files' bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import save_file
 
 import onecall
 from onecall.bundle import (
     Bundle,
     load_bundle,
-    model_sha256,
     params_from_dict,
     params_to_dict,
     replay_bundle,
     save_bundle,
 )
 from onecall.cli import main
+from onecall.engine.engine import Engine
 from onecall.errors import InvalidParameterError
 from onecall.llm import LLM
-from onecall.model.loader import resolve_model
+from onecall.model.loader import ModelFiles, resolve_model
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
-from tests.helpers.tiny_engine import tiny_engine
+from tests.helpers.tiny_engine import tiny_engine, tiny_model
 
 ONECALL = "/work/main/.venv/bin/onecall"
 HI = [{"role": "user", "content": "Tell me about the sea."}]
 
 
-def tiny_llm() -> LLM:
-    return LLM(engine=tiny_engine())
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> ModelFiles:
+    """The tiny model's own files: its weights and its config, as a Hugging Face folder holds them."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    model = tiny_model()
+    # clone: the tied embedding and output matrix share memory, which safetensors refuses to write
+    save_file({k: v.detach().clone() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(model.config)))
+    return ModelFiles(kind="hf", path=folder, name=folder.name)
 
 
-def saved(tmp_path: Path, params: SamplingParams, name: str = "b.json") -> tuple[Path, Any]:
-    llm = tiny_llm()
+def folder_sha256(files: ModelFiles) -> str:
+    """The bundle format's model hash, computed here from the bytes: *.safetensors in name order,
+    then config.json, each as its name, a NUL, then its bytes."""
+    h = hashlib.sha256()
+    for name in ("model.safetensors", "config.json"):
+        h.update(name.encode() + b"\0" + (files.path / name).read_bytes())
+    return h.hexdigest()
+
+
+def tiny_llm(files: ModelFiles) -> LLM:
+    """An LLM on the tiny engine, which claims `files` (and not the embedded GGUF) as its model."""
+    engine = tiny_engine()
+    return LLM(engine=Engine(engine.config, parts=dataclasses.replace(engine.parts, files=files)))
+
+
+def saved(
+    tmp_path: Path, params: SamplingParams, files: ModelFiles, name: str = "b.json"
+) -> tuple[Path, Any]:
+    llm = tiny_llm(files)
     out = llm.chat(HI, params)[0]
     path = tmp_path / name
     save_bundle(path, out, params, llm)
@@ -57,15 +86,18 @@ def saved(tmp_path: Path, params: SamplingParams, name: str = "b.json") -> tuple
     ],
     ids=["greedy", "seeded-top-p"],
 )
-def test_replay_matches_token_for_token(tmp_path: Path, params: SamplingParams) -> None:
-    path, out = saved(tmp_path, params)
+def test_replay_matches_token_for_token(
+    tmp_path: Path, params: SamplingParams, tiny_files: ModelFiles
+) -> None:
+    path, out = saved(tmp_path, params, tiny_files)
     bundle = load_bundle(path)
     assert bundle.params == params and bundle.params.seed == params.seed
     assert bundle.output_token_ids == out.token_ids and bundle.prompt_token_ids == out.trace.prompt_token_ids
-    assert bundle.model_sha256 == model_sha256(resolve_model(None)) and bundle.replay_exact
+    assert bundle.model_sha256 == folder_sha256(tiny_files) and bundle.replay_exact
+    assert bundle.model_path == str(tiny_files.path) and bundle.model_name == tiny_files.name
     assert bundle.onecall_version == onecall.__version__
 
-    report = replay_bundle(bundle, tiny_llm())  # a fresh engine: nothing cached
+    report = replay_bundle(bundle, tiny_llm(tiny_files))  # a fresh engine: nothing cached
     assert report.is_exact and report.first_mismatch is None and all(report.matches)
     assert report.replayed_token_ids == out.token_ids and report.replayed_text == out.text
     assert report.model_matches and report.warnings == []
@@ -73,16 +105,16 @@ def test_replay_matches_token_for_token(tmp_path: Path, params: SamplingParams) 
     assert report.verdict() == f"replay: {n}/{n} tokens matched"
 
 
-def test_an_edited_token_is_reported_where_it_differs(tmp_path: Path) -> None:
-    path, out = saved(tmp_path, SamplingParams(temperature=0.0, max_tokens=12))
+def test_an_edited_token_is_reported_where_it_differs(tmp_path: Path, tiny_files: ModelFiles) -> None:
+    path, out = saved(tmp_path, SamplingParams(temperature=0.0, max_tokens=12), tiny_files)
     data = json.loads(path.read_text())
     original = data["output"]["token_ids"][5]
     data["output"]["token_ids"][5] = original + 1
-    report = replay_bundle(data, tiny_llm())
+    report = replay_bundle(data, tiny_llm(tiny_files))
     assert not report.is_exact and report.first_mismatch == 5
     assert report.expected_token == original + 1 and report.replayed_token == original
     assert report.matches[:5] == [True] * 5 and report.matches[5] is False
-    tok = tiny_llm().tokenizer
+    tok = tiny_llm(tiny_files).tokenizer
     verdict = report.verdict(tok)
     assert (
         verdict.startswith("replay: 5/12 tokens matched; first mismatch at token 5")
@@ -91,7 +123,7 @@ def test_an_edited_token_is_reported_where_it_differs(tmp_path: Path) -> None:
 
     # a replay that runs past the saved output's end mismatches where the saved one ended
     data["output"]["token_ids"] = out.token_ids[:7]
-    short = replay_bundle(data, tiny_llm())
+    short = replay_bundle(data, tiny_llm(tiny_files))
     assert (
         short.first_mismatch == 7
         and short.expected_token is None
@@ -100,24 +132,24 @@ def test_an_edited_token_is_reported_where_it_differs(tmp_path: Path) -> None:
     assert "the end of the output" in short.verdict(tok)
 
 
-def test_other_model_and_unseeded_sampling_are_warnings(tmp_path: Path) -> None:
+def test_other_model_and_unseeded_sampling_are_warnings(tmp_path: Path, tiny_files: ModelFiles) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=6)  # sampled, no seed: not replayable exactly
-    path, _ = saved(tmp_path, params)
+    path, _ = saved(tmp_path, params, tiny_files)
     data = json.loads(path.read_text())
     assert data["replay_exact"] is False and data["sampling_params"]["seed"] is None
     data["model"]["sha256"] = "0" * 64
     data["dtype"] = "bfloat16"
     data["kv_cache_dtype"] = "float16"
-    report = replay_bundle(data, tiny_llm())
+    report = replay_bundle(data, tiny_llm(tiny_files))
     assert not report.model_matches
     text = "\n".join(report.warnings)
     assert "different model" in text and "dtype differs" in text and "without a seed" in text
     assert "K/V cache dtype differs (bundle float16, replay float32)" in text
 
 
-def test_a_bundle_without_kv_cache_dtype_ran_the_model_dtype(tmp_path: Path) -> None:
+def test_a_bundle_without_kv_cache_dtype_ran_the_model_dtype(tmp_path: Path, tiny_files: ModelFiles) -> None:
     """Bundles written before the field existed still load: their cache held the model's dtype."""
-    path, _ = saved(tmp_path, SamplingParams(temperature=0.0, max_tokens=2))
+    path, _ = saved(tmp_path, SamplingParams(temperature=0.0, max_tokens=2), tiny_files)
     data = json.loads(path.read_text())
     assert data["kv_cache_dtype"] == data["dtype"] == "float32"
     del data["kv_cache_dtype"]
@@ -171,8 +203,10 @@ def test_sampling_params_round_trip_every_field() -> None:
         (lambda d: d.__setitem__("kv_cache_dtype", 16), "kv_cache_dtype"),
     ],
 )
-def test_malformed_bundles_name_the_field(tmp_path: Path, edit: Any, param: str) -> None:
-    path, _ = saved(tmp_path, SamplingParams(temperature=0.0, max_tokens=2))
+def test_malformed_bundles_name_the_field(
+    tmp_path: Path, edit: Any, param: str, tiny_files: ModelFiles
+) -> None:
+    path, _ = saved(tmp_path, SamplingParams(temperature=0.0, max_tokens=2), tiny_files)
     data = json.loads(path.read_text())
     edit(data)
     path.write_text(json.dumps(data))
@@ -219,7 +253,9 @@ def test_cli_run_save_bundle_then_replay(tmp_path: Path) -> None:
     data = json.loads(bundle.read_text())
     assert isinstance(data["sampling_params"]["seed"], int) and data["replay_exact"] is True
     assert data["num_threads"] == 1  # replay takes it from the bundle
-    assert data["model"]["sha256"] == model_sha256(resolve_model(None))
+    gguf = resolve_model(None).path  # a GGUF's hash is its file's: computed here from the bytes
+    assert data["model"]["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert data["model"]["path"] == str(gguf)
 
     replay = subprocess.run([ONECALL, "replay", str(bundle)], capture_output=True, text=True, timeout=120)
     n = len(data["output"]["token_ids"])
@@ -228,22 +264,25 @@ def test_cli_run_save_bundle_then_replay(tmp_path: Path) -> None:
     assert "warning" not in replay.stderr
 
 
-def test_cli_replay_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+def test_cli_replay_exit_codes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, tiny_files: ModelFiles
+) -> None:
     """`onecall replay` in-process, its LLM swapped for the tiny engine (the command builds it)."""
-    path, out = saved(tmp_path, SamplingParams(temperature=0.7, seed=3, max_tokens=10))
+    path, out = saved(tmp_path, SamplingParams(temperature=0.7, seed=3, max_tokens=10), tiny_files)
     built: list[dict[str, Any]] = []
 
     def fake_llm(**kwargs: Any) -> LLM:
         built.append(kwargs)
-        return tiny_llm()
+        return tiny_llm(tiny_files)
 
     monkeypatch.setattr("onecall.llm.LLM", fake_llm)
     assert main(["replay", str(path)]) == 0
     assert (
         capsys.readouterr().out.strip() == f"replay: {len(out.token_ids)}/{len(out.token_ids)} tokens matched"
     )
-    # the bundle's model, dtype and kernels switch fill in what the flags leave out
-    assert built[0]["model"] == str(resolve_model(None).path) and built[0]["dtype"] == "float32"
+    # the bundle's model (its own folder, not the default), dtype and kernels switch fill in what the
+    # flags leave out
+    assert built[0]["model"] == str(tiny_files.path) and built[0]["dtype"] == "float32"
     assert built[0]["kernels"] == "fast" and built[0]["device"] == "cpu" and built[0]["num_threads"] >= 1
 
     data = json.loads(path.read_text())

@@ -4,8 +4,9 @@ One LLM is loaded for the module and one lab run (memory, prefix_cache, template
 a temporary folder; the tests read its results.json and reports. What the model says is not
 asserted (a 135M model's answers are what they are); the structure, the cache facts (cached prefill
 below re-sent prefill, the qwen3-style template breaking the match by exactly the length of its
-think block) and the report's form are. The other experiments' modules are checked against the
-contract here and run by their own tests.
+think block) and the report's form are: its seed table is the seed rows results.json holds, and
+its words name the model that ran. The other experiments' modules are checked against the contract
+here and run by their own tests.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import torch
 from onecall.errors import InvalidParameterError
 from onecall.lab.base import ExperimentResult, LabContext, SeedRow
 from onecall.lab.experiments import EXPERIMENT_MODULES, EXPERIMENT_NAMES, load_experiment, select_experiments
-from onecall.lab.report import markdown_to_html, md_table
+from onecall.lab.report import markdown_to_html, md_cell, md_table
 from onecall.lab.runner import LabRun, run_lab
 from onecall.llm import LLM
 from onecall.text.templates import get_named_template
+
+pytestmark = pytest.mark.slow
 
 MINE = ["memory", "prefix_cache", "template"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -107,6 +110,10 @@ def test_prefix_cache(llm: LLM, lab: tuple[LabRun, dict[str, Any]]) -> None:
         assert t["cause"].startswith("template rewrote an earlier turn")
         assert d["cached_token_text"] in "<think>\n\n</think>\n\n"
     assert chats["qwen3-style"]["totals"]["tokens_early_after_turn_1"] == [block_len]
+    block = res["think_block"]  # what the report's words about the block come from
+    assert block["num_tokens"] == block_len == len(block["tokens"])
+    assert block["text"] == "<think>\n\n</think>\n\n"
+    assert "".join(block["tokens"]) == block["text"]
 
 
 def test_template(llm: LLM, lab: tuple[LabRun, dict[str, Any]]) -> None:
@@ -121,7 +128,7 @@ def test_template(llm: LLM, lab: tuple[LabRun, dict[str, Any]]) -> None:
         assert fmt["num_clean"] == sum(a["clean"] for a in answers)
     att = res["attention"]
     shares = att["control_share_per_layer"]
-    assert len(shares) == llm.engine.model_config.num_hidden_layers
+    assert len(shares) == llm.info.num_hidden_layers
     assert all(0.0 <= s <= 1.0 + 1e-5 for s in shares)
     # position 0 (<|im_start|>) is one of the control positions: its share is part of theirs
     assert att["control_positions"][0] == 0
@@ -134,8 +141,17 @@ def test_report_files(lab: tuple[LabRun, dict[str, Any]]) -> None:
     run, results = lab
     md = (run.out_dir / "report.md").read_text()
     assert "## Seed vs ours" in md
-    for seed_figure in ("5,549 / 999", "139 ms / 64.2 ms", "4 tokens", "5/5, 0/5, 0/5", "59.1%", "91.4%"):
-        assert seed_figure in md
+    # the seed table is the seed rows results.json holds: the seed's figures beside ours, one row each
+    seed_rows = [(name, r) for name, e in results["meta"]["experiments"].items() for r in e["seed_rows"]]
+    assert len(seed_rows) >= len(MINE)
+    for name, r in seed_rows:
+        cells = [name, r["figure"], r["seed"], r["ours"], r["note"]]
+        assert "| " + " | ".join(md_cell(c) for c in cells) + " |" in md
+    # the words name what ran: the model, never one written in for the model the lab was tried on
+    model = results["meta"]["model"]
+    prefix_rows = [r for name, r in seed_rows if name == "prefix_cache"]
+    assert model in prefix_rows[0]["note"] and model in prefix_rows[2]["note"]
+    assert f"With {model}'s own template" in md
     plots = [p for entry in results["meta"]["experiments"].values() for p in entry["plots"]]
     assert len(plots) == 3
     for name in plots:

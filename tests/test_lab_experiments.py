@@ -23,6 +23,8 @@ from onecall import LLM
 from onecall.lab.base import ExperimentResult, LabContext
 from onecall.lab.experiments import json_exp, prefill_decode, sampling, tools
 
+pytestmark = pytest.mark.slow
+
 QUICK_CALLS = 3
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

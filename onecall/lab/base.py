@@ -5,8 +5,9 @@
 
 An experiment is a module in onecall/lab/experiments/ with a `NAME`, a `TITLE`
 and `run(ctx: LabContext) -> ExperimentResult`. It drives the engine only
-through the public Python API (`onecall.LLM`, SamplingParams, RequestOutput
-and its trace); it never reaches into private engine state. It writes its
+through the public Python API (the names in `onecall.__all__`: LLM and its `info`,
+SamplingParams, RequestOutput and its trace); it never reaches into the engine
+(tests/test_lab_public_api.py checks). It writes its
 plots into `ctx.out_dir` and returns their paths; the report embeds them.
 
 Every experiment sets `seed_rows`: the seed's figure beside ours (the seed
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from onecall.llm import LLM
+    from onecall import LLM
 
 
 @dataclass
@@ -51,8 +52,8 @@ class LabContext:
     @property
     def setting(self) -> str:
         """'<model> on <device>, <dtype>', for the report's headers."""
-        parts = self.llm.engine.parts
-        return f"{parts.model_name} on {self.llm.engine.device}, {str(parts.dtype).removeprefix('torch.')}"
+        info = self.llm.info
+        return f"{info.model_name} on {info.device}, {info.dtype}"
 
 
 @dataclass

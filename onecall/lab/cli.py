@@ -13,8 +13,8 @@ import argparse
 import sys
 import time
 
-from onecall.cli_run import add_engine_args
-from onecall.cli_run import engine_kwargs as engine_kwargs_of
+from onecall.engine_flags import add_engine_args
+from onecall.engine_flags import engine_kwargs as engine_kwargs_of
 from onecall.lab.experiments import EXPERIMENT_NAMES, select_experiments
 
 
@@ -40,20 +40,20 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_lab(a: argparse.Namespace) -> int:
     """Load the model once, run the experiments, write the report. 0 if all succeeded, 1 if any
     failed (the others still ran and are in the report); bad flags raise InvalidParameterError."""
-    from onecall.errors import InvalidParameterError
+    from onecall import InvalidParameterError
 
     names = select_experiments(a.only)  # before loading anything: a typo fails in a second
     if a.calls < 1:
         raise InvalidParameterError("calls", f"must be >= 1, got {a.calls}")
+    from onecall import LLM
     from onecall.lab.runner import run_lab
-    from onecall.llm import LLM
 
     engine_kwargs = {k: v for k, v in engine_kwargs_of(a).items() if v is not None}
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs)
-    parts = llm.engine.parts
+    info = llm.info
     print(
-        f"lab: loaded {parts.model_name} on {llm.engine.device} ({parts.kernels}) in "
+        f"lab: loaded {info.model_name} on {info.device} ({info.kernels}) in "
         f"{time.perf_counter() - t0:.1f} s; running {', '.join(names)}",
         file=sys.stderr,
     )

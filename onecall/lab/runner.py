@@ -31,7 +31,7 @@ from onecall.lab.experiments import ExperimentUnavailableError, load_experiment
 from onecall.lab.report import ExperimentOutcome, report_html, report_markdown
 
 if TYPE_CHECKING:
-    from onecall.llm import LLM
+    from onecall import LLM
 
 
 @dataclass
@@ -119,14 +119,14 @@ def lab_meta(
     llm: LLM, engine_kwargs: dict[str, Any], outcomes: Sequence[ExperimentOutcome], *, calls: int, quick: bool
 ) -> dict[str, Any]:
     """results.json's `meta`: what ran where, and each experiment's status, seed rows and plots."""
-    parts = llm.engine.parts
-    device = llm.engine.device
+    info = llm.info
+    device = torch.device(info.device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
-        "model": parts.model_name,
-        "device": str(device),
-        "dtype": str(parts.dtype).removeprefix("torch."),
-        "kernels": parts.kernels,
+        "model": info.model_name,
+        "device": info.device,
+        "dtype": info.dtype,
+        "kernels": info.kernels,
         "onecall_version": onecall.__version__,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu},

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from onecall.errors import InvalidParameterError
+from onecall import InvalidParameterError
 
 # experiment NAME -> module in this package (a module cannot be called `json`: it would shadow the stdlib's)
 EXPERIMENT_MODULES: dict[str, str] = {

@@ -20,12 +20,10 @@ import re
 from statistics import mean
 from typing import Any
 
-from onecall import SamplingParams
-from onecall.engine.engine import RequestOutput
+from onecall import RequestOutput, SamplingParams, StructuredOutputsParams
 from onecall.lab.base import ExperimentResult, LabContext, SeedRow
 from onecall.lab.plots import bar_plot, line_plot
 from onecall.lab.report import md_code, md_table
-from onecall.sampling_params import StructuredOutputsParams
 
 NAME = "json"
 TITLE = "JSON three ways: a naive prompt, a strict system prompt, and a grammar mask"
@@ -55,6 +53,7 @@ METHODS: dict[str, tuple[list[dict[str, str]], StructuredOutputsParams | None]] 
 QUICK_CALLS = 3
 MAX_TOKENS, QUICK_MAX_TOKENS = 128, 64  # a grammar reply takes about 20 tokens
 TEMPERATURE = 0.7
+SEED_CALLS, SEED_VOCAB, SEED_FIRST_STEP_ALLOWED = 80, 151_936, 2  # the seed's runs, on Qwen3-8B
 _FENCED = re.compile(r"^\s*```[a-zA-Z]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
 
 
@@ -75,7 +74,7 @@ def fenced_body(text: str) -> str | None:
 def run(ctx: LabContext) -> ExperimentResult:
     n = QUICK_CALLS if ctx.quick else ctx.calls
     max_tokens = QUICK_MAX_TOKENS if ctx.quick else MAX_TOKENS
-    vocab = ctx.llm.engine.model_config.vocab_size
+    vocab = ctx.llm.info.vocab_size
 
     # 1. every call of every method in one batch (distinct seeds within a method)
     ctx.progress(f"json: {len(METHODS)} methods x {n} calls, temperature {TEMPERATURE}, one batch")
@@ -109,7 +108,7 @@ def run(ctx: LabContext) -> ExperimentResult:
                 "json.loads failures": [m["failures"] for m in methods.values()],
                 "in a Markdown fence": [m["fenced"] for m in methods.values()],
             },
-            title=f"json.loads failures, {n} calls per method, {ctx.llm.engine.parts.model_name}",
+            title=f"json.loads failures, {n} calls per method, {ctx.llm.info.model_name}",
             xlabel="method",
             ylabel="replies",
         ),
@@ -172,29 +171,44 @@ def _mask_figures(outputs: list[RequestOutput], vocab: int) -> dict[str, Any]:
 def _seed_rows(
     ctx: LabContext, methods: dict[str, dict[str, Any]], grammar: dict[str, Any], n: int
 ) -> list[SeedRow]:
-    why = f"unconstrained, the format is the model's own habit (Qwen3 fences its JSON); {n} calls here, 80 in the seed"
+    why = (
+        f"unconstrained, the format is the model's own habit (Qwen3 fences its JSON); {n} calls here "
+        f"({ctx.llm.info.model_name}), {SEED_CALLS} in the seed"
+    )
     naive, strict, gram = (methods[k] for k in METHODS)
+    seed_masked = SEED_VOCAB - SEED_FIRST_STEP_ALLOWED
     return [
-        SeedRow("naive prompt: json.loads failures", "80 of 80", f"{naive['failures']} of {n}", why),
-        SeedRow("naive prompt: replies in a Markdown fence", "80 of 80", f"{naive['fenced']} of {n}", why),
+        SeedRow(
+            "naive prompt: json.loads failures",
+            f"{SEED_CALLS} of {SEED_CALLS}",
+            f"{naive['failures']} of {n}",
+            why,
+        ),
+        SeedRow(
+            "naive prompt: replies in a Markdown fence",
+            f"{SEED_CALLS} of {SEED_CALLS}",
+            f"{naive['fenced']} of {n}",
+            why,
+        ),
         SeedRow(
             "strict system prompt: json.loads failures",
-            '0 of 80 ("passed")',
+            f'0 of {SEED_CALLS} ("passed")',
             f"{strict['failures']} of {n}",
             why,
         ),
         SeedRow(
             "grammar: json.loads failures",
-            "0 of 80 (impossible by construction)",
+            f"0 of {SEED_CALLS} (impossible by construction)",
             f"{gram['failures']} of {n}",
             "the mask leaves only tokens that keep the output valid JSON of the schema",
         ),
         SeedRow(
             "tokens masked to -inf at the first step",
-            "151,934 of 151,936",
+            f"{seed_masked:,} of {SEED_VOCAB:,}",
             f"{grammar['first_step_masked']:,} of {grammar['vocab_size']:,}",
-            f"the vocabularies differ (Qwen3's 151,936); at the first step only what can open the object "
-            f"is legal: {grammar['first_step_allowed']} token(s) here, 2 in the seed",
+            f"the vocabularies differ (Qwen3's {SEED_VOCAB:,}); at the first step only what can open the "
+            f"object is legal: {grammar['first_step_allowed']} token(s) here, {SEED_FIRST_STEP_ALLOWED} in "
+            "the seed",
         ),
     ]
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from onecall import SamplingParams
-from onecall.engine.engine import RequestOutput
+from onecall import RequestOutput, SamplingParams
 from onecall.lab.base import ExperimentResult, LabContext, SeedRow
 from onecall.lab.report import md_cell, md_table
 
@@ -47,7 +46,7 @@ def run(ctx: LabContext) -> ExperimentResult:
         name=NAME,
         title=TITLE,
         results={"fact": FACT, "question": QUESTION, "port": PORT, "max_tokens": max_tokens, "calls": calls},
-        seed_rows=_seed_rows(calls),
+        seed_rows=_seed_rows(calls, ctx.llm.info.model_name),
         markdown=_markdown(calls, max_tokens),
     )
 
@@ -67,13 +66,13 @@ def _yes_no(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def _seed_rows(calls: dict[str, dict[str, Any]]) -> list[SeedRow]:
+def _seed_rows(calls: dict[str, dict[str, Any]], model: str) -> list[SeedRow]:
     iso, hist = calls["isolated"], calls["with_history"]
     note = (
         "" if not iso["contains_port"] else "it cannot know: a lucky guess, or the number is in the question"
     )
     if not hist["contains_port"]:
-        note = "the fact was in the prompt; a 135M model can still fail to copy it out"
+        note = f"the fact was in the prompt; {model} still did not copy it out"
     return [
         SeedRow(
             "isolated second call knows the port",

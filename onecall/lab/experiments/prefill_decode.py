@@ -5,12 +5,13 @@
         prefill tokens/s = trace.num_prefilled_tokens / trace.prefill_time
         decode tokens/s  = decode steps / trace.decode_time
         decode bandwidth = sum over decode steps of (weight bytes + KV bytes read) / their time
-    copy bandwidth: the best of 5 copies of a 256 MB tensor (read + write), measured on the spot
+    copy bandwidth: the best of 5 copies of a 256 MiB tensor (read + write), measured on the spot
 
 Why the gap: prefill pushes all P tokens through every weight matrix at once (one weight read
 shared by P rows, compute-bound), decode reads every weight for one token (bandwidth-bound).
-A decode step at context c reads the weights once plus the K and V of c positions in every layer:
-    bytes(c) = weight_bytes + 2 * layers * kv_heads * head_dim * dtype_bytes * c
+A decode step at context c reads the weights once plus the K and V of c positions in every layer
+(LLM.info: ModelInfo.decode_step_bytes):
+    bytes(c) = weight_bytes + 2 * layers * kv_heads * head_dim * kv_cache_dtype_bytes * c
 
 Prompts are seeded random ids from the non-control vocabulary with a distinct first token per
 request, so the token-level prefix cache never matches (checked: trace.num_cached_tokens).
@@ -25,8 +26,7 @@ from typing import Any
 
 import torch
 
-from onecall import LLM, SamplingParams
-from onecall.engine.engine import RequestOutput
+from onecall import LLM, ModelInfo, RequestOutput, SamplingParams
 from onecall.lab.base import ExperimentResult, LabContext, SeedRow
 from onecall.lab.plots import line_plot
 from onecall.lab.report import md_table
@@ -38,8 +38,9 @@ FULL_LENGTHS = (64, 128, 256, 512, 1024, 2048)
 QUICK_LENGTHS = (64, 256)
 RATIO_LENGTH = 1024  # the seed's ratio is at a 1,024-token prompt
 SEED_PREFILL_TPS, SEED_DECODE_TPS = 7672.0, 15.5
+SEED_RATIO = "494x"  # as the seed states it
 SEED_WEIGHT_GIB = 15.3  # "has to read all 15.3 GiB of weights each time"
-COPY_BYTES = 256 * 2**20
+COPY_BYTES, COPY_REPEATS = 256 * 2**20, 5
 
 
 @dataclass
@@ -64,10 +65,10 @@ def run(ctx: LabContext) -> ExperimentResult:
     lengths = [
         n
         for n in (QUICK_LENGTHS if ctx.quick else FULL_LENGTHS)
-        if n + decode_tokens <= llm.engine.max_model_len
+        if n + decode_tokens <= llm.info.max_model_len
     ]
     if not lengths:
-        lengths = [llm.engine.max_model_len - decode_tokens - 1]
+        lengths = [llm.info.max_model_len - decode_tokens - 1]
     prompts = _PromptSource(llm)
 
     # 1. warm-up: a prompt and a few decode steps, so neither kernel's one-time setup is timed
@@ -75,19 +76,15 @@ def run(ctx: LabContext) -> ExperimentResult:
 
     # 2. one request per length (and repeat), decode tokens fixed, greedy
     params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
-    weight_bytes, kv_bytes_per_token = _bytes_per_step(llm)
     runs: list[LengthRun] = []
     for n in lengths:
         ctx.progress(f"prefill_decode: {n}-token prompt, {decode_tokens} decode steps x{repeats}")
-        measured = [
-            _measure(llm.generate(prompts.next(n), params)[0], weight_bytes, kv_bytes_per_token)
-            for _ in range(repeats)
-        ]
+        measured = [_measure(llm.generate(prompts.next(n), params)[0], llm.info) for _ in range(repeats)]
         runs.append(_best(measured))
 
     # 3. the machine's copy bandwidth, measured now (the same load as the decode steps saw)
     ctx.progress("prefill_decode: copy bandwidth")
-    copy_gb_per_s = copy_bandwidth(llm.engine.device) / 1e9
+    copy_gb_per_s = copy_bandwidth(torch.device(llm.info.device)) / 1e9
 
     # 4. report
     at = max(
@@ -100,12 +97,12 @@ def run(ctx: LabContext) -> ExperimentResult:
         "repeats": repeats,
         "ratio_prompt_tokens": at.prompt_tokens,
         "ratio": ratio,
-        "weight_bytes_per_step": weight_bytes,
-        "kv_bytes_per_token": kv_bytes_per_token,
+        "weight_bytes_per_step": llm.info.weight_bytes_per_step,
+        "kv_bytes_per_token": llm.info.kv_bytes_per_token,
         "copy_gb_per_s": copy_gb_per_s,
         "decode_gb_per_s_at_ratio_length": at.decode_gb_per_s,
         "fraction_of_copy_at_ratio_length": at.decode_gb_per_s / copy_gb_per_s,
-        "max_model_len": llm.engine.max_model_len,
+        "max_model_len": llm.info.max_model_len,
     }
     plot = line_plot(
         ctx.out_dir / "prefill_decode.png",
@@ -114,7 +111,7 @@ def run(ctx: LabContext) -> ExperimentResult:
             "prefill tokens/s": [r.prefill_tokens_per_s for r in runs],
             "decode tokens/s": [r.decode_tokens_per_s for r in runs],
         },
-        title=f"Prefill vs decode, {llm.engine.parts.model_name}",
+        title=f"Prefill vs decode, {llm.info.model_name}",
         xlabel="prompt tokens",
         ylabel="tokens/s (log)",
         logy=True,
@@ -146,24 +143,12 @@ class _PromptSource:
         return [first, *self._rng.choices(self._pool, k=num_tokens - 1)]
 
 
-def _bytes_per_step(llm: LLM) -> tuple[int, int]:
-    """(weight bytes one batch-1 decode step streams, KV bytes per cached position over all layers)."""
-    cfg = llm.engine.model_config
-    weight_bytes = llm.weight_bytes_read(1)
-    kv_per_token = (
-        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * llm.engine.parts.dtype.itemsize
-    )
-    return weight_bytes, kv_per_token
-
-
-def _measure(out: RequestOutput, weight_bytes: int, kv_bytes_per_token: int) -> LengthRun:
+def _measure(out: RequestOutput, info: ModelInfo) -> LengthRun:
     t = out.trace
     decode = [s for s in t.steps if s.kind == "decode"]
     assert decode and t.prefill_time > 0, "ignore_eos with max_tokens > 1 gives a prefill and decode steps"
     # decode step j feeds the token at position P + j: it attends over P + j + 1 positions
-    step_bytes = [
-        weight_bytes + kv_bytes_per_token * (t.num_prompt_tokens + j + 1) for j in range(len(decode))
-    ]
+    step_bytes = [info.decode_step_bytes(t.num_prompt_tokens + j + 1) for j in range(len(decode))]
     decode_s = sum(s.duration for s in decode)
     return LengthRun(
         prompt_tokens=t.num_prompt_tokens,
@@ -189,7 +174,7 @@ def _best(runs: list[LengthRun]) -> LengthRun:
     )
 
 
-def copy_bandwidth(device: torch.device, num_bytes: int = COPY_BYTES, repeats: int = 5) -> float:
+def copy_bandwidth(device: torch.device, num_bytes: int = COPY_BYTES, repeats: int = COPY_REPEATS) -> float:
     """Bytes/s of copying a float32 tensor into a preallocated one, read + write counted, best of
     `repeats` after one warm-up copy. Both buffers are touched first, so no page faults are timed."""
     x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)  # (num_bytes / 4,)
@@ -214,8 +199,12 @@ def _seed_rows(ctx: LabContext, at: LengthRun, ratio: float, copy_gb_per_s: floa
     length = f"{at.prompt_tokens:,}-token prompt"
     seed_gb_per_s = SEED_WEIGHT_GIB * 2**30 * SEED_DECODE_TPS / 1e9
     mb_per_step = at.bytes_per_decode_step / 1e6
-    device = ctx.llm.engine.device
-    compute = "one GPU" if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    device = torch.device(ctx.llm.info.device)
+    compute = (
+        f"one {torch.cuda.get_device_name(device)}"
+        if device.type == "cuda"
+        else f"{torch.get_num_threads()} CPU threads"
+    )
     return [
         SeedRow(
             f"prefill tokens/s, {length}",
@@ -233,14 +222,14 @@ def _seed_rows(ctx: LabContext, at: LengthRun, ratio: float, copy_gb_per_s: floa
         ),
         SeedRow(
             f"prefill / decode per token, {length}",
-            "494x",
+            SEED_RATIO,
             f"{ratio:,.0f}x",
             f"prefill shares each weight read across the prompt's tokens, decode cannot; how much that "
             f"buys depends on the compute available ({compute} here, an A100 in the seed)",
         ),
         SeedRow(
             "decode memory bandwidth achieved",
-            f"~{seed_gb_per_s:,.0f} GB/s (derived: 15.3 GiB x 15.5 steps/s)",
+            f"~{seed_gb_per_s:,.0f} GB/s (derived: {SEED_WEIGHT_GIB} GiB x {SEED_DECODE_TPS} steps/s)",
             f"{at.decode_gb_per_s:,.2f} GB/s ({100 * at.decode_gb_per_s / copy_gb_per_s:.0f}% "
             f"of {copy_gb_per_s:,.1f} GB/s copy)",
             "the seed states no bandwidth; its figure is derived from its weight size and decode rate",
@@ -284,8 +273,8 @@ def _markdown(ctx: LabContext, runs: list[LengthRun], results: dict[str, Any]) -
             md_table(header, rows),
             f"A decode step reads {results['weight_bytes_per_step'] / 1e6:,.1f} MB of weights (as the kernels "
             f"store them) plus {results['kv_bytes_per_token'] / 1e3:,.1f} KB of K and V per cached position. "
-            f"The machine copies memory at {copy:,.1f} GB/s (a {COPY_BYTES // 2**20} MB tensor, read + write, "
-            "best of 5). Step times include sampling and Python dispatch, so the achieved figure is a lower "
-            "bound on what the matmuls alone stream.",
+            f"The machine copies memory at {copy:,.1f} GB/s (a {COPY_BYTES // 2**20} MiB tensor, read + "
+            f"write, best of {COPY_REPEATS}). Step times include sampling and Python dispatch, so the "
+            "achieved figure is a lower bound on what the matmuls alone stream.",
         ]
     )

@@ -10,8 +10,10 @@ The cache keeps the previous call's prompt and reply (all but the last sampled t
 never computed), so turn k+1 should reuse all of it: "new turn appended". The qwen3-style template
 drops the empty <think></think> block that it wrote at the end of turn k's prompt once that reply is
 history, so turn k+1 parts from the cached path just before it: "template rewrote an earlier turn",
-N tokens before the end of the previous prompt (the seed: 4 tokens, on Qwen3). The divergence
-itself comes from the trace: its index and the two differing tokens (decoded here).
+N tokens before the end of the previous prompt (the seed: 4 tokens, on Qwen3; here N is the block's
+length in this model's vocabulary, measured by rendering the generation prompt with and without it).
+The divergence itself comes from the trace: its index and the two differing tokens (decoded here).
+The report's words name what ran: the model, its own template, the think block as it tokenized.
 
 Turn 1 may reuse tokens an earlier call left in the shared cache (the default system prompt): the
 cache is per server, not per conversation.
@@ -22,15 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from onecall import LLM, SamplingParams
-from onecall.engine.engine import RequestOutput
+from onecall import LLM, RequestOutput, SamplingParams, get_named_template
 from onecall.lab.base import ExperimentResult, LabContext, SeedRow
 from onecall.lab.plots import line_plot
 from onecall.lab.report import md_table
-from onecall.text.templates import get_named_template
-
-NAME = "prefix_cache"
-TITLE = "Prefix cache: a 10-turn chat, history re-sent vs cached"
 
 USER_TURNS = (
     "Hi! I'm planning a small web app to track my book collection.",
@@ -44,9 +41,13 @@ USER_TURNS = (
     "Any tips for testing the app?",
     "Thanks! Can you sum up the plan in one sentence?",
 )
+NAME = "prefix_cache"
+TITLE = f"Prefix cache: a {len(USER_TURNS)}-turn chat, history re-sent vs cached"
+
 TEMPLATES = ("own", "qwen3-style")  # "own": the model's template; the others are named templates
 MAX_REPLY_TOKENS, QUICK_MAX_REPLY_TOKENS = 40, 8
 QUICK_TURNS = 4
+SEED_PREFILLED_RESENT, SEED_PREFILLED_CACHED = 5549, 999  # over the seed's 10 turns, on Qwen3-8B
 
 
 @dataclass
@@ -75,10 +76,34 @@ def run(ctx: LabContext) -> ExperimentResult:
         "max_reply_tokens": max_tokens,
         "user_turns": list(USER_TURNS[:num_turns]),
         "templates": chats,
+        "think_block": think_block(ctx.llm, get_named_template("qwen3-style")),
     }
+    model = ctx.llm.info.model_name
     return ExperimentResult(
-        NAME, TITLE, results, _seed_rows(chats, num_turns), _markdown(chats, max_tokens), _plots(ctx, chats)
+        NAME,
+        TITLE,
+        results,
+        _seed_rows(model, results),
+        _markdown(model, results),
+        _plots(ctx, chats),
     )
+
+
+def think_block(llm: LLM, source: str) -> dict[str, Any]:
+    """The empty reasoning block a template adds to the generation prompt (unless enable_thinking),
+    as this model's tokenizer splits it: the tokens by which such a template breaks the cached path."""
+    messages = [{"role": "user", "content": USER_TURNS[0]}]
+    with_block = llm.render(messages, chat_template=source)
+    without = llm.render(messages, chat_template=source, chat_template_kwargs={"enable_thinking": True})
+    assert with_block.text.startswith(without.text) and (
+        with_block.token_ids[: len(without.token_ids)] == without.token_ids
+    ), "the block is appended to the generation prompt"
+    ids = with_block.token_ids[len(without.token_ids) :]
+    return {
+        "text": with_block.text[len(without.text) :],
+        "num_tokens": len(ids),
+        "tokens": [llm.tokenizer.decode([i], skip_special_tokens=False) for i in ids],
+    }
 
 
 def _chat(
@@ -176,7 +201,7 @@ def _plots(ctx: LabContext, chats: dict[str, Any]) -> list[Any]:
             ctx.out_dir / "prefix_cache_prefilled.png",
             x,
             prefilled,
-            title="Tokens prefilled per turn",
+            title=f"Tokens prefilled per turn, {ctx.llm.info.model_name}",
             xlabel="turn",
             ylabel="tokens prefilled",
         ),
@@ -184,23 +209,26 @@ def _plots(ctx: LabContext, chats: dict[str, Any]) -> list[Any]:
             ctx.out_dir / "prefix_cache_ttft.png",
             x,
             ttft,
-            title="Time to first token per turn",
+            title=f"Time to first token per turn, {ctx.llm.info.model_name}",
             xlabel="turn",
             ylabel="TTFT (ms)",
         ),
     ]
 
 
-def _seed_rows(chats: dict[str, Any], num_turns: int) -> list[SeedRow]:
+def _seed_rows(model: str, results: dict[str, Any]) -> list[SeedRow]:
+    chats, num_turns, block = results["templates"], results["num_turns"], results["think_block"]
     own, qwen = chats["own"]["totals"], chats["qwen3-style"]["totals"]
     short = "" if num_turns == len(USER_TURNS) else f"{num_turns} turns (quick form); "
     early = ", ".join(str(e) for e in qwen["tokens_early_after_turn_1"]) or "-"
+    resent = "fewer" if own["prefilled_cache_off"] < SEED_PREFILLED_RESENT else "more"
     return [
         SeedRow(
             f"tokens prefilled over {num_turns} turns, re-sent / cached",
-            "5,549 / 999",
+            f"{SEED_PREFILLED_RESENT:,} / {SEED_PREFILLED_CACHED:,}",
             f"{own['prefilled_cache_off']:,} / {own['prefilled_cache_on']:,}",
-            short + "SmolLM2's template and our replies (greedy, capped) are shorter than Qwen3-8B's",
+            short + f"{model} with its own template, replies greedy and capped at "
+            f"{results['max_reply_tokens']} tokens: {resent} tokens re-sent than in the seed's Qwen3-8B chat",
         ),
         SeedRow(
             f"time to first token at turn {num_turns}, re-sent / cached",
@@ -212,21 +240,28 @@ def _seed_rows(chats: dict[str, Any], num_turns: int) -> list[SeedRow]:
             "Qwen3-style template: the match breaks N tokens early",
             "4 tokens",
             f"{early} tokens (every turn after the first)",
-            "<think> and </think> are single tokens in Qwen3's vocabulary, plain text in SmolLM2's",
+            f"the empty think block is {block['num_tokens']} tokens in {model}'s vocabulary "
+            f"({_pieces(block['tokens'])}); in Qwen3's, <think> and </think> are single tokens",
         ),
     ]
+
+
+def _pieces(tokens: list[str]) -> str:
+    return " + ".join(f"`{t!r}`" for t in tokens)
 
 
 def _fmt_ms(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.1f} ms"
 
 
-def _markdown(chats: dict[str, Any], max_tokens: int) -> str:
+def _markdown(model: str, results: dict[str, Any]) -> str:
+    chats, max_tokens, block = results["templates"], results["max_reply_tokens"], results["think_block"]
     parts = [
-        f"Fixed user messages; each reply is the model's own (greedy, at most {max_tokens} tokens), appended "
-        "to the history as a client would. Cache on: the shared LLM; cache off: a second LLM built with "
-        "`enable_prefix_caching=False`, sent the same prompt. The divergence is where the prompt left "
-        "the cached path (from the trace); none means the cache simply ran out, after the previous reply."
+        f"{model}. Fixed user messages; each reply is the model's own (greedy, at most {max_tokens} "
+        "tokens), appended to the history as a client would. Cache on: the shared LLM; cache off: a "
+        "second LLM built with `enable_prefix_caching=False`, sent the same prompt. The divergence is where "
+        "the prompt left the cached path (from the trace); none means the cache simply ran out, after the "
+        "previous reply."
     ]
     header = ["turn", "prompt", "cached", "prefilled on / off", "TTFT on / off", "divergence", "cause"]
     for template, chat in chats.items():
@@ -250,7 +285,7 @@ def _markdown(chats: dict[str, Any], max_tokens: int) -> str:
                 ]
             )
         tot = chat["totals"]
-        name = "the model's own template" if template == "own" else f"the `{template}` template"
+        name = f"{model}'s own template" if template == "own" else f"the `{template}` template"
         parts += [
             f"### With {name}",
             md_table(header, rows),
@@ -258,22 +293,30 @@ def _markdown(chats: dict[str, Any], max_tokens: int) -> str:
             f"**{tot['prefilled_cache_off']:,}** re-sent ({tot['prompt_tokens_sent']:,} prompt tokens sent).",
         ]
     retokenized = [
-        f"{template} turn {t['turn']}"
+        (f"{template} turn {t['turn']}", t["divergence"])
         for template, chat in chats.items()
         for t in chat["turns"]
         if t["cause"].startswith("the re-sent reply")
     ]
     if retokenized:
+        d = next((d for _, d in retokenized if d is not None), None)
+        example = (
+            ""
+            if d is None
+            else f" (at the first: `{d['cached_token_text']!r}` generated, where encoding the text gives "
+            f"`{d['prompt_token_text']!r}`)"
+        )
         parts.append(
-            f"At {', '.join(retokenized)} the match broke inside the previous reply: the model generated a "
-            "token sequence that its tokenizer does not produce from the same text (e.g. `IN` + `DEX` where "
-            "encoding gives `INDEX`). A client sends text, not tokens, so the reply is re-tokenized and the "
-            "cache cannot match past that point."
+            f"At {', '.join(where for where, _ in retokenized)} the match broke inside the previous reply: "
+            "the model generated a token sequence that its tokenizer does not produce from the same "
+            f"text{example}. A client sends text, not tokens, so the reply is re-tokenized and the cache "
+            "cannot match past that point."
         )
     parts.append(
-        "The qwen3-style template writes an empty `<think>\\n\\n</think>\\n\\n` after the last "
+        f"The qwen3-style template writes an empty think block, `{block['text']!r}`, after the last "
         "`<|im_start|>assistant\\n` but leaves it out of earlier assistant turns, as Qwen3's does with "
-        "thinking off. So each turn's prompt rewrites the end of the one before, and the cached path "
-        "is lost from there: the previous reply is prefilled again every turn."
+        f"thinking off; {model} splits it into {block['num_tokens']} tokens ({_pieces(block['tokens'])}). "
+        "So each turn's prompt rewrites the end of the one before, and the cached path is lost from "
+        "there: the previous reply is prefilled again every turn."
     )
     return "\n\n".join(parts)

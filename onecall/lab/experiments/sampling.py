@@ -19,19 +19,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from onecall import LLM, SamplingParams
-from onecall.engine.engine import RequestOutput
+from onecall import LLM, RequestOutput, SamplingParams
 from onecall.lab.base import ExperimentResult, LabContext, SeedRow
 from onecall.lab.plots import bar_plot
 from onecall.lab.report import md_table
-
-NAME = "sampling"
-TITLE = "Temperature: the next-token distribution at T = 0.2, 0.7, 1.0 and 1.5"
 
 PROMPT = "Write one word that describes the sea."
 TEMPERATURES = (0.2, 0.7, 1.0, 1.5)
 NUM_SHOWN = 10
 FULL_DRAWS, QUICK_DRAWS = 200, 32  # one-token samples per temperature
+
+NAME = "sampling"
+TITLE = (
+    "Temperature: the next-token distribution at T = "
+    f"{', '.join(map(str, TEMPERATURES[:-1]))} and {TEMPERATURES[-1]}"
+)
 
 
 def run(ctx: LabContext) -> ExperimentResult:
@@ -70,7 +72,7 @@ def run(ctx: LabContext) -> ExperimentResult:
         ctx.out_dir / "sampling.png",
         [repr(t) for t in tokens],
         {f"T = {row['temperature']}": row["probs"] for row in per_t},
-        title=f"Next-token probability by temperature, {ctx.llm.engine.parts.model_name}",
+        title=f"Next-token probability by temperature, {ctx.llm.info.model_name}",
         xlabel="token",
         ylabel="probability",
     )
@@ -150,8 +152,9 @@ def _markdown(ctx: LabContext, results: dict[str, Any]) -> str:
         [repr(token), *(f"{row['probs'][k]:.3f} ({row['drawn'][k]:.2f})" for row in per_t)]
         for k, token in enumerate(results["tokens"])
     ]
-    rows.append(["ten tokens' total", *(f"{sum(row['probs']):.3f}" for row in per_t)])
-    rows.append(["drawn outside the ten", *(f"{row['drawn_outside_top10']:.2f}" for row in per_t)])
+    shown = len(results["tokens"])
+    rows.append([f"the {shown} tokens' total", *(f"{sum(row['probs']):.3f}" for row in per_t)])
+    rows.append([f"drawn outside the {shown}", *(f"{row['drawn_outside_top10']:.2f}" for row in per_t)])
     rows.append(
         [
             "entropy, bits (exact)",

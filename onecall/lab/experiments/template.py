@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from onecall import SamplingParams
-from onecall.engine.engine import RequestOutput
+from onecall import RequestOutput, SamplingParams
 from onecall.lab.base import ExperimentResult, LabContext, SeedRow
 from onecall.lab.plots import line_plot
 from onecall.lab.report import md_code, md_table
@@ -62,7 +61,7 @@ def run(ctx: LabContext) -> ExperimentResult:
             "uniform attention (control positions / all)": [attention["control_fraction_of_positions"]]
             * len(attention["control_share_per_layer"]),
         },
-        title="Final position's attention on control tokens, per layer",
+        title=f"Final position's attention on control tokens, {ctx.llm.info.model_name}",
         xlabel="layer",
         ylabel="share of attention",
         markers=False,
@@ -74,7 +73,12 @@ def run(ctx: LabContext) -> ExperimentResult:
         "attention": attention,
     }
     return ExperimentResult(
-        NAME, TITLE, results, _seed_rows(formats, attention), _markdown(formats, attention), [plot]
+        NAME,
+        TITLE,
+        results,
+        _seed_rows(formats, attention),
+        _markdown(ctx.llm.info.model_name, formats, attention),
+        [plot],
     )
 
 
@@ -153,11 +157,11 @@ def _why_not_clean(formats: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _markdown(formats: dict[str, Any], att: dict[str, Any]) -> str:
+def _markdown(model: str, formats: dict[str, Any], att: dict[str, Any]) -> str:
     n = len(QUESTIONS)
     parts = [
-        f"Five short questions, greedy, at most {MAX_TOKENS} tokens. **Clean** means the model stopped by "
-        "itself (an end-of-turn token) with a non-empty answer; running into the cap is not clean.",
+        f"{model}: {n} short questions, greedy, at most {MAX_TOKENS} tokens. **Clean** means the model "
+        "stopped by itself (an end-of-turn token) with a non-empty answer; running into the cap is not clean.",
         md_table(["format", "clean answers"], [[f, f"{formats[f]['num_clean']}/{n}"] for f in FORMATS]),
     ]
     for fmt in FORMATS:
@@ -174,7 +178,7 @@ def _markdown(formats: dict[str, Any], att: dict[str, Any]) -> str:
     shares = att["control_share_per_layer"]
     parts += [
         "### Where the final position looks",
-        "The first question in the model's own format; control-token positions "
+        f"The first question in {model}'s own format; control-token positions "
         f"{att['control_positions']} of {att['num_prompt_tokens']}:",
         md_code(att["prompt"]),
         f"Averaged over heads, the final position puts **{att['control_share_mean']:.1%}** of its attention on "

@@ -12,8 +12,8 @@
                   "auto"); a model that calls the tool again (small ones do) gets a second try with
                   the tools withdrawn (tool_choice "none"), and that reply is the final answer
 
-Only the public text-layer helpers (tool_specs, tool_calls) and LLM.render / LLM.chat are used:
-the same pieces the server composes, without the server.
+Only the text layer's tool helpers (text/tool_specs.py, text/tool_calls.py, exported by `onecall`)
+and LLM.render / LLM.chat are used: the same pieces the server composes, without the server.
 """
 
 from __future__ import annotations
@@ -23,21 +23,24 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from onecall import LLM, SamplingParams
-from onecall.engine.engine import RequestOutput
-from onecall.lab.base import ExperimentResult, LabContext, SeedRow
-from onecall.lab.plots import bar_plot
-from onecall.lab.report import md_code
-from onecall.sampling_params import StructuredOutputsParams
-from onecall.text.chat_template import RenderedPrompt
-from onecall.text.tool_calls import ParsedToolCalls, ToolCall, parse_tool_calls
-from onecall.text.tool_specs import (
+from onecall import (
+    LLM,
     TOOL_CALL_OPEN,
+    ParsedToolCalls,
+    RenderedPrompt,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+    ToolCall,
     ToolFormat,
     messages_for_json_tools,
+    parse_tool_calls,
     tool_call_grammar,
     tool_call_schema,
 )
+from onecall.lab.base import ExperimentResult, LabContext, SeedRow
+from onecall.lab.plots import bar_plot
+from onecall.lab.report import md_code
 
 NAME = "tools"
 TITLE = "One tool round trip: get_weather(city)"
@@ -170,7 +173,7 @@ def run(ctx: LabContext) -> ExperimentResult:
             "from the prefix cache": [c["cached_tokens"] for c in results["calls"]],
             "generated": [c["output_tokens"] for c in results["calls"]],
         },
-        title=f"The round trip's calls, {ctx.llm.engine.parts.model_name}",
+        title=f"The round trip's calls, {ctx.llm.info.model_name}",
         xlabel="call",
         ylabel="tokens",
     )
@@ -262,8 +265,8 @@ def _seed_rows(ctx: LabContext, r: dict[str, Any]) -> list[SeedRow]:
 
 def _markdown(ctx: LabContext, r: dict[str, Any]) -> str:
     fmt_note = (
-        "The template renders the tools itself (hermes format)."
-        if r["format"] == "hermes"
+        f"The template renders the tools itself ({r['format']} format)."
+        if r["format"] == ToolFormat.HERMES
         else "The template has no tool format, so the tools go into the system message as onecall's JSON "
         'convention (text/tool_specs.py) and the model answers `{"tool_calls": [...]}`.'
     )
