@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check -q
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test browser lint typecheck unit bench clean
+.PHONY: run test test-fast browser lint typecheck unit bench clean
 
 run: $(VENV)/.installed-run
 	$(VENV)/bin/onecall run "$(PROMPT)" --trace
@@ -20,6 +20,10 @@ typecheck: $(VENV)/.installed-test
 
 unit: $(VENV)/.installed-test browser
 	$(PY) -m pytest -q
+
+# The quick tier: no embedded-model runs, no server subprocess, no browser (markers: pyproject.toml).
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m "not slow and not server and not browser"
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/bench_engine.py

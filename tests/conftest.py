@@ -4,6 +4,11 @@ Triton's interpreter (TRITON_INTERPRET=1) must be chosen before triton is first 
 module: transformers and torch can import it on their own. Without a CUDA device it is the only
 way Triton kernels run, so the whole session uses it (tests/test_triton_attention.py,
 tests/test_gpu_check.py); with one, kernels run compiled on the device.
+
+Also here: the fixtures many files share (the embedded model's tokenizer, a grammar backend, the
+embedded model itself), built once per session. The markers (pyproject.toml) sort the tests into
+tiers: `slow`, `server` (a real `onecall serve` subprocess) and `browser` (Chromium);
+`make test-fast` runs the rest.
 """
 
 from __future__ import annotations
@@ -11,8 +16,15 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from typing import TYPE_CHECKING
 
+import pytest
 import torch
+
+if TYPE_CHECKING:
+    from onecall import LLM
+    from onecall.sampling.grammar import GrammarBackend
+    from onecall.text.tokenizer import Tokenizer
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -30,3 +42,41 @@ def pytest_unconfigure(config: object) -> None:
     descriptors, before the shutdown report), stderr is closed, only when triton was loaded."""
     if "triton" in sys.modules:
         atexit.register(_silence_stderr)
+
+
+# ---- shared fixtures: built once per session, used read-only --------------------------------------
+# Tests that need another configuration (another dtype, KV budget, thread count) build their own.
+@pytest.fixture(scope="session")
+def tok() -> Tokenizer:
+    """The embedded SmolLM2-135M-Instruct's tokenizer: the object the tiny engines use too."""
+    from tests.helpers.tiny_engine import embedded_tokenizer
+
+    return embedded_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def grammar_backend(tok: Tokenizer) -> GrammarBackend:
+    """A GrammarBackend on that tokenizer (its llguidance tokenizer takes ~0.6 s to build). Sharing it
+    shares its cache of compiled grammars, which only changes a constraint's `trace.cache_hit`: the
+    tests of the cache build backends of their own."""
+    from onecall.sampling.grammar import GrammarBackend
+
+    return GrammarBackend(tok)
+
+
+@pytest.fixture(scope="session")
+def _embedded_llm() -> LLM:
+    from onecall import LLM
+
+    return LLM()  # the embedded SmolLM2-135M-Instruct (Q4_1 GGUF), float32 on CPU
+
+
+@pytest.fixture(scope="module")
+def llm(_embedded_llm: LLM) -> LLM:
+    """The embedded model with the default configuration, loaded once per session. Each module starts it
+    with no request in flight and an empty prefix cache, as a freshly loaded one (a cache hit runs a
+    prompt's last token through the one-query kernel, whose bits can differ from a prefill's: README,
+    "Batch invariance")."""
+    assert not _embedded_llm.engine.has_unfinished_requests(), "a module left requests in flight"
+    _embedded_llm.reset_prefix_cache()
+    return _embedded_llm

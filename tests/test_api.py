@@ -15,13 +15,11 @@ from onecall.config import EngineConfig
 from onecall.errors import InvalidParameterError, ModelNotFoundError
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+# `llm`: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF), float32 on CPU, loaded once per session
+# (tests/conftest.py); the tests that run it are marked slow.
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM()  # the embedded SmolLM2-135M-Instruct (Q4_1 GGUF), float32 on CPU
-
-
+@pytest.mark.slow
 def test_embedded_model_answers_paris(llm: LLM) -> None:
     out = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=32))[0]
     assert "Paris" in out.text
@@ -35,6 +33,7 @@ def test_embedded_model_answers_paris(llm: LLM) -> None:
     assert control == ["<|im_start|>", "<|im_end|>", "<|im_start|>", "<|im_end|>", "<|im_start|>"]
 
 
+@pytest.mark.slow
 def test_second_turn_hits_prefix_cache(llm: LLM) -> None:
     first = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=32))[0]
     conv = PARIS + [
@@ -47,12 +46,14 @@ def test_second_turn_hits_prefix_cache(llm: LLM) -> None:
     assert second.trace.num_prefilled_tokens == second.num_prompt_tokens - second.num_cached_tokens
 
 
+@pytest.mark.slow
 def test_streaming_deltas_add_up(llm: LLM) -> None:
     deltas = list(llm.chat_stream(PARIS, SamplingParams(temperature=0, max_tokens=32)))
     assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
     assert "".join(d.delta_text for d in deltas) == deltas[-1].text
 
 
+@pytest.mark.slow
 def test_generate_accepts_str_ids_and_batches(llm: LLM) -> None:
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     ids = llm.tokenizer.encode("The sky is")
@@ -65,6 +66,7 @@ def test_generate_accepts_str_ids_and_batches(llm: LLM) -> None:
     assert llm.generate(ids, p)[0].token_ids == a.token_ids
 
 
+@pytest.mark.slow
 def test_float16_kv_cache(llm: LLM) -> None:
     """kv_cache_dtype="float16" stores K/V in half precision (the native kernels read it directly):
     the cache is float16, and greedy answers agree with the float32 cache's on these prompts."""
@@ -75,6 +77,7 @@ def test_float16_kv_cache(llm: LLM) -> None:
         assert half.chat(messages, p)[0].text == llm.chat(messages, p)[0].text
 
 
+@pytest.mark.slow
 def test_cli_run_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "What is the capital of France?", "--json", "--max-tokens", "24"]) == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -142,6 +145,7 @@ def test_engine_config_names_the_parameter(kwargs: dict, param: str) -> None:
     assert e.value.param == param
 
 
+@pytest.mark.slow
 def test_model_package_never_imports_engine_text_or_server() -> None:
     code = (
         "import sys, onecall.model.decoder, onecall.model.loader;"
@@ -157,6 +161,7 @@ def test_text_package_never_imports_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+@pytest.mark.slow
 def test_bad_prompt_in_a_batch_leaves_nothing_behind(llm: LLM) -> None:
     engine = llm.engine
     free_before = engine.block_manager.num_free_blocks + engine.block_manager.num_evictable_blocks

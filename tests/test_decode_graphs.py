@@ -31,7 +31,9 @@ def test_buckets() -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("num_requests", [1, 3, 5])
+@pytest.mark.parametrize(
+    "num_requests", [1, pytest.param(3, marks=pytest.mark.slow), pytest.param(5, marks=pytest.mark.slow)]
+)
 def test_static_decode_gives_the_eager_tokens(num_requests: int) -> None:
     prompts = {f"r{i}": f"Count the apples number {i} " + "and pears " * i for i in range(num_requests)}
     # different lengths: requests finish at different steps, so the batch shrinks and re-buckets

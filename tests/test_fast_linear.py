@@ -122,6 +122,7 @@ def test_engine_greedy_tokens_match_the_reference_path() -> None:
         assert max(diffs) < 0.5  # decode rows: bfloat16 activations on logits of magnitude ~50 here
 
 
+@pytest.mark.slow
 def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
     """The streaming load (pack_on_load) of the real 4-bit GGUF: every projection gets the file's own
     int4 groups, no dense projection weight is left in the model, and a prefill (oneDNN, float32,

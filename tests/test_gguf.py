@@ -323,6 +323,7 @@ def test_embedded_smollm2_against_transformers() -> None:
             assert got.shape == expected.shape and (got - expected).abs().max() <= 1e-6, info.name
 
 
+@pytest.mark.slow
 def test_embedded_smollm2_matches_gguf_reader() -> None:
     """Our header parse of a file written by llama.cpp vs gguf's GGUFReader: every metadata
     field (tokens, merges, chat template...) and the tensor directory. GGUFReader's parse

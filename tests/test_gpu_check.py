@@ -23,7 +23,7 @@ def _gpu_check() -> object:
     return module
 
 
-@pytest.mark.parametrize("backend", ["paged", "triton"])
+@pytest.mark.parametrize("backend", ["paged", pytest.param("triton", marks=pytest.mark.slow)])
 def test_tiny_qwen3_greedy_equals_transformers(backend: str) -> None:
     if backend == "triton":
         pytest.importorskip("triton")

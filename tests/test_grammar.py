@@ -37,13 +37,9 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def backend() -> GrammarBackend:
-    return GrammarBackend(embedded_tokenizer())
-
-
 def engine_with(backend: GrammarBackend, **kwargs: Any) -> Engine:
-    """A tiny engine that reuses the module's grammar backend (its llguidance tokenizer takes ~0.6 s)."""
+    """A tiny engine that reuses the session's grammar backend (`grammar_backend`, tests/conftest.py:
+    its llguidance tokenizer takes ~0.6 s)."""
     engine = tiny_engine(**kwargs)
     engine._grammar = backend
     return engine
@@ -76,9 +72,9 @@ def test_eos_is_the_tokenizers() -> None:
     ],
 )
 def test_constraint_forces_valid_output(
-    backend: GrammarBackend, so: StructuredOutputsParams, check: Any
+    grammar_backend: GrammarBackend, so: StructuredOutputsParams, check: Any
 ) -> None:
-    engine = engine_with(backend)
+    engine = engine_with(grammar_backend)
     prompts = {f"r{i}": f"prompt number {i}" for i in range(6)}
     params = {
         rid: SamplingParams(temperature=1.0, seed=i, max_tokens=64, structured_outputs=so)
@@ -96,8 +92,8 @@ def test_constraint_forces_valid_output(
     assert finished >= 4
 
 
-def test_grammar_completion_stops_without_eos(backend: GrammarBackend) -> None:
-    engine = engine_with(backend)
+def test_grammar_completion_stops_without_eos(grammar_backend: GrammarBackend) -> None:
+    engine = engine_with(grammar_backend)
     so = SO(choice=["alpha", "beta"])
     out = run_all(
         engine, {"a": "hello"}, SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=so)
@@ -113,8 +109,8 @@ def test_grammar_completion_stops_without_eos(backend: GrammarBackend) -> None:
     assert d["grammar"]["kind"] == "choice" and d["steps"][0]["num_allowed"] == steps[0].num_allowed
 
 
-def test_eos_allowed_exactly_when_the_grammar_can_end(backend: GrammarBackend) -> None:
-    c = backend.new_constraint(SO(regex="a{2,3}"))
+def test_eos_allowed_exactly_when_the_grammar_can_end(grammar_backend: GrammarBackend) -> None:
+    c = grammar_backend.new_constraint(SO(regex="a{2,3}"))
     a = embedded_tokenizer().encode("a")[0]
     bitmask = torch.full((1, 1536), -1, dtype=torch.int32)
     expect = [(False, False), (False, False), (True, False), (True, True)]  # (EOS allowed, finished)
@@ -129,9 +125,9 @@ def test_eos_allowed_exactly_when_the_grammar_can_end(backend: GrammarBackend) -
 # ---------------------------------------------------------------- the mask itself
 
 
-def test_bitmask_masks_exactly_what_llguidance_disallows(backend: GrammarBackend) -> None:
+def test_bitmask_masks_exactly_what_llguidance_disallows(grammar_backend: GrammarBackend) -> None:
     tok = embedded_tokenizer()
-    c = backend.new_constraint(SO(json=SCHEMA))
+    c = grammar_backend.new_constraint(SO(json=SCHEMA))
     path = tok.encode('{"name": "Bob", "age": 42}')
     g = torch.Generator().manual_seed(0)
     for token in path:
@@ -154,13 +150,13 @@ def test_bitmask_masks_exactly_what_llguidance_disallows(backend: GrammarBackend
 
 
 def test_unconstrained_rows_are_bit_identical(
-    backend: GrammarBackend, monkeypatch: pytest.MonkeyPatch
+    grammar_backend: GrammarBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 49152, generator=g)
 
     def rows(with_grammar: bool) -> list[SamplingRequest]:
-        c = backend.new_constraint(SO(regex="[a-z]+")) if with_grammar else None
+        c = grammar_backend.new_constraint(SO(regex="[a-z]+")) if with_grammar else None
         plain = [
             SamplingParams(temperature=0.0, logprobs=3),
             SamplingParams(temperature=0.9, seed=7, logprobs=3),
@@ -192,7 +188,7 @@ def test_unconstrained_rows_are_bit_identical(
     assert mixed.num_allowed[0] is not None and mixed.num_masked[1] == 0
 
 
-def test_unconstrained_requests_unchanged_in_a_mixed_engine_batch(backend: GrammarBackend) -> None:
+def test_unconstrained_requests_unchanged_in_a_mixed_engine_batch(grammar_backend: GrammarBackend) -> None:
     prompts = {"a": "one two three", "b": "four five", "c": "six seven eight nine"}
     plain = {
         "a": SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
@@ -204,15 +200,16 @@ def test_unconstrained_requests_unchanged_in_a_mixed_engine_batch(backend: Gramm
         {**plain, "c": SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)},
     )
     so = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=SO(regex="[0-9]{4}"))
-    mixed = run_all(engine_with(backend), prompts, {**plain, "c": so})
+    mixed = run_all(engine_with(grammar_backend), prompts, {**plain, "c": so})
     assert re.fullmatch("[0-9]{4}", mixed["c"].text)
     for rid in ("a", "b"):
         assert mixed[rid].token_ids == base[rid].token_ids
         assert all(s.num_allowed is None for s in mixed[rid].trace.steps)
 
 
-def test_preemption_keeps_grammar_state(backend: GrammarBackend) -> None:
-    engine = engine_with(backend, num_blocks=24)  # 96 slots for 6 requests of ~40 tokens: must preempt
+def test_preemption_keeps_grammar_state(grammar_backend: GrammarBackend) -> None:
+    # 96 slots for 6 requests of ~40 tokens: must preempt
+    engine = engine_with(grammar_backend, num_blocks=24)
     prompts = {f"r{i}": "word " * (8 + i) for i in range(6)}
     params = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(regex="([a-z]+ ){5,}x"))
     outs = run_all(engine, prompts, params)
@@ -266,9 +263,9 @@ def test_second_compile_is_a_cache_hit() -> None:
     ],
 )
 def test_bad_input_is_refused_before_any_token(
-    backend: GrammarBackend, kwargs: dict[str, Any], param: str, message: str
+    grammar_backend: GrammarBackend, kwargs: dict[str, Any], param: str, message: str
 ) -> None:
-    engine = engine_with(backend)
+    engine = engine_with(grammar_backend)
     with pytest.raises(InvalidParameterError, match=re.escape(message)) as info:
         engine.add_request("bad", "hello", SamplingParams(structured_outputs=SO.from_dict(kwargs)))
     assert info.value.param == param
@@ -318,9 +315,9 @@ print("compiled", hit)
 # ---------------------------------------------------------------- reasoning: the grammar waits
 
 
-def test_marker_split_across_tokens_activates_the_grammar(backend: GrammarBackend) -> None:
+def test_marker_split_across_tokens_activates_the_grammar(grammar_backend: GrammarBackend) -> None:
     tok = embedded_tokenizer()
-    c = backend.new_constraint(SO(regex="[0-9]+", reasoning_end="</think>"))
+    c = grammar_backend.new_constraint(SO(regex="[0-9]+", reasoning_end="</think>"))
     bitmask = torch.full((1, 1536), -1, dtype=torch.int32)
     thinking = tok.encode("<think>Let me think: </thin k> is not it.</think>")
     # the token that completes "</think>" (it spans several tokens in this vocabulary)
@@ -337,13 +334,13 @@ def test_marker_split_across_tokens_activates_the_grammar(backend: GrammarBacken
     assert allowed and all(tok.decode([t]).isdigit() for t in allowed)
 
 
-def test_engine_defers_the_grammar_until_the_marker(backend: GrammarBackend) -> None:
+def test_engine_defers_the_grammar_until_the_marker(grammar_backend: GrammarBackend) -> None:
     tok = embedded_tokenizer()
     (marker,) = tok.encode(" answer")
     so = SO(regex="[0-9]{3}", reasoning_end=" answer")
     # logit_bias forces the marker at the first (unconstrained) step; after it the grammar masks it out
     params = SamplingParams(temperature=0.0, max_tokens=12, logit_bias={marker: 100.0}, structured_outputs=so)
-    out = run_all(engine_with(backend), {"r": "question"}, params)["r"]
+    out = run_all(engine_with(grammar_backend), {"r": "question"}, params)["r"]
     assert out.token_ids[0] == marker and out.finish_reason == "stop"
     assert re.fullmatch(" answer[0-9]{3}", out.text), out.text
     steps = [s for s in out.trace.steps if s.token_id is not None]
@@ -352,24 +349,24 @@ def test_engine_defers_the_grammar_until_the_marker(backend: GrammarBackend) -> 
     assert out.trace.grammar is not None and out.trace.grammar.activated_at == 1
     # without the marker the grammar never applies, and the request is free text
     free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, structured_outputs=so)
-    out = run_all(engine_with(backend), {"r": "question"}, free)["r"]
+    out = run_all(engine_with(grammar_backend), {"r": "question"}, free)["r"]
     assert all(s.num_allowed is None for s in out.trace.steps) and out.trace.grammar.activated_at is None
 
 
-def test_preamble_mask_is_the_grammars_plus_the_reasoning_start(backend: GrammarBackend) -> None:
+def test_preamble_mask_is_the_grammars_plus_the_reasoning_start(grammar_backend: GrammarBackend) -> None:
     tok = embedded_tokenizer()
     (start,) = tok.encode(" answer")
-    c = backend.new_constraint(SO(regex="[0-9]{3}", reasoning_start=" answer", reasoning_end=" done"))
+    c = grammar_backend.new_constraint(SO(regex="[0-9]{3}", reasoning_start=" answer", reasoning_end=" done"))
     bitmask = torch.full((1, 1536), -1, dtype=torch.int32)
     assert c.state == c.PREAMBLE and c.fill_bitmask(bitmask, 0)
     allowed = set(unpack_bitmask(bitmask, 49152)[0].nonzero().flatten().tolist())
     assert allowed == llguidance_allowed(c) | {start} and start not in llguidance_allowed(c)
     with pytest.raises(InvalidParameterError, match="one token") as info:
-        backend.new_constraint(SO(regex="x", reasoning_start="<think>", reasoning_end="</think>"))
+        grammar_backend.new_constraint(SO(regex="x", reasoning_start="<think>", reasoning_end="</think>"))
     assert info.value.param == "structured_outputs.reasoning_start"  # 3 tokens in this vocabulary
 
 
-def test_engine_reasoning_block_opened_or_skipped(backend: GrammarBackend) -> None:
+def test_engine_reasoning_block_opened_or_skipped(grammar_backend: GrammarBackend) -> None:
     tok = embedded_tokenizer()
     (start,), (end,) = tok.encode(" answer"), tok.encode(" done")
     so = SO(regex="[0-9]{3}", reasoning_start=" answer", reasoning_end=" done")
@@ -377,7 +374,7 @@ def test_engine_reasoning_block_opened_or_skipped(backend: GrammarBackend) -> No
     params = SamplingParams(
         temperature=0.0, max_tokens=16, logit_bias={start: 100.0, end: 100.0}, structured_outputs=so
     )
-    out = run_all(engine_with(backend), {"r": "what is it"}, params)["r"]
+    out = run_all(engine_with(grammar_backend), {"r": "what is it"}, params)["r"]
     assert re.fullmatch("( answer)+ done[0-9]{3}", out.text) and out.finish_reason == "stop", out.text
     n = out.token_ids.index(end) + 1
     assert out.trace.grammar is not None and out.trace.grammar.activated_at == n
@@ -386,5 +383,5 @@ def test_engine_reasoning_block_opened_or_skipped(backend: GrammarBackend) -> No
     assert all(s.num_allowed is None for s in steps[1:n]) and all(s.num_allowed for s in steps[n:])
     # skipped: the first token is the grammar's, and the grammar applies from it on
     params = SamplingParams(temperature=0.0, max_tokens=16, logit_bias={start: -100.0}, structured_outputs=so)
-    out = run_all(engine_with(backend), {"r": "what is it"}, params)["r"]
+    out = run_all(engine_with(grammar_backend), {"r": "what is it"}, params)["r"]
     assert re.fullmatch("[0-9]{3}", out.text) and out.trace.grammar.activated_at == 0

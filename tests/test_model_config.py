@@ -276,6 +276,7 @@ def test_block_manager_bytes_and_copy_slots() -> None:
     assert torch.equal(kv.k[:, 2:], before_k[:, 2:])
 
 
+@pytest.mark.slow
 def test_model_code_imports_only_torch() -> None:
     """onecall.model must not pull in the engine, the server, the text modules or transformers."""
     code = (

@@ -178,11 +178,6 @@ def test_trace_level_is_validated_and_traced() -> None:
 # ---------------------------------------------------------------- the engine
 
 
-@pytest.fixture(scope="module")
-def backend() -> GrammarBackend:
-    return GrammarBackend(embedded_tokenizer())
-
-
 ENGINE_PARAMS = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=8),
     "nucleus": SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.02, seed=11, max_tokens=8),
@@ -212,7 +207,7 @@ FULL = {"nucleus", "grammar", "greedy_grammar"}  # the rest stay basic in the mi
 
 def engine_run(backend: GrammarBackend, full: set[str]) -> dict[str, Any]:
     engine: Engine = tiny_engine()
-    engine._grammar = backend  # share the module's llguidance tokenizer (0.6 s to build)
+    engine._grammar = backend  # share the session's llguidance tokenizer (0.6 s to build; tests/conftest.py)
     prompts = {rid: f"prompt {rid}" for rid in ENGINE_PARAMS}
     params = {
         rid: replace(p, trace_level="full" if rid in full else "basic") for rid, p in ENGINE_PARAMS.items()
@@ -220,9 +215,9 @@ def engine_run(backend: GrammarBackend, full: set[str]) -> dict[str, Any]:
     return run_all(engine, prompts, params)
 
 
-def test_engine_tokens_unchanged_and_provenance_traced(backend: GrammarBackend) -> None:
-    basic = engine_run(backend, set())
-    mixed = engine_run(backend, FULL)
+def test_engine_tokens_unchanged_and_provenance_traced(grammar_backend: GrammarBackend) -> None:
+    basic = engine_run(grammar_backend, set())
+    mixed = engine_run(grammar_backend, FULL)
     for rid in ENGINE_PARAMS:
         assert mixed[rid].token_ids == basic[rid].token_ids, rid
         sampled_steps = [s for s in mixed[rid].trace.steps if s.token_id is not None]

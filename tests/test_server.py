@@ -5,7 +5,7 @@ carries it), a served name and a 512-token window, driven with the official open
 httpx (malformed bodies, disconnects); the last test stops it with SIGTERM while a stream is in
 flight, and it must exit 0. A few tests run the app in-process over the tiny random-weight engine,
 to reach states a healthy subprocess does not show on cue (loading, a full queue, a dead engine,
-a bug).
+a bug). The subprocess tests are marked `server` (`make test-fast` leaves them out); those are not.
 
 What is checked: every endpoint and field; stream invariants (one id, role first, exactly one
 finish_reason per choice, usage last); streamed text == non-streamed text at temperature 0;
@@ -107,6 +107,7 @@ def wait_idle(server: ServerProcess, within: float = 5.0) -> str:
 
 
 # ---- endpoints and fields --------------------------------------------------------------------------
+@pytest.mark.server
 def test_health_loading_then_ready_and_models(server: ServerProcess, client: openai.OpenAI) -> None:
     assert server.health_seen[-1] == (200, {"status": "ok"})
     for status, body in server.health_seen[:-1]:  # the socket is up before the model: "loading"
@@ -122,6 +123,7 @@ def test_health_loading_then_ready_and_models(server: ServerProcess, client: ope
         client.models.retrieve("gpt-4")
 
 
+@pytest.mark.server
 def test_chat_completion_and_usage(server: ServerProcess, client: openai.OpenAI) -> None:
     r = chat(client, temperature=0, max_tokens=10)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == NAME
@@ -157,6 +159,7 @@ def test_chat_completion_and_usage(server: ServerProcess, client: openai.OpenAI)
     assert chat(client, tools, temperature=0, max_tokens=2).usage.prompt_tokens > u.prompt_tokens
 
 
+@pytest.mark.server
 def test_streamed_text_equals_non_streamed_at_temperature_0(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(temperature=0, max_tokens=12)
     whole = chat(client, **kw)
@@ -170,6 +173,7 @@ def test_streamed_text_equals_non_streamed_at_temperature_0(client: openai.OpenA
     assert check_chat_stream(plain, usage=False) == [whole.choices[0].message.content]
 
 
+@pytest.mark.server
 def test_n_choices_use_seed_plus_index_and_seeds_repeat(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(temperature=1.0, max_tokens=6, extra_body={"ignore_eos": True})
     r = chat(client, n=3, seed=11, **kw)
@@ -182,6 +186,7 @@ def test_n_choices_use_seed_plus_index_and_seeds_repeat(client: openai.OpenAI) -
     assert check_chat_stream(chunks, n=2, usage=False) == texts[:2]
 
 
+@pytest.mark.server
 def test_sampling_fields_and_extensions(server: ServerProcess, client: openai.OpenAI) -> None:
     extensions = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True,
                   "chat_template_kwargs": {"enable_thinking": False}, "min_tokens": 2, "a_future_field": [1]}  # fmt: skip
@@ -205,6 +210,7 @@ def test_sampling_fields_and_extensions(server: ServerProcess, client: openai.Op
     )
 
 
+@pytest.mark.server
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(
         temperature=0, max_tokens=5, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
@@ -238,6 +244,7 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     assert chat(client, temperature=0, max_tokens=2).choices[0].logprobs is None
 
 
+@pytest.mark.server
 def test_trace_in_response_and_last_chunk(client: openai.OpenAI) -> None:
     r = chat(client, temperature=0, max_tokens=3, extra_body={"trace": True})
     t = r.model_extra["trace"]  # type: ignore[index]
@@ -255,6 +262,7 @@ def test_trace_in_response_and_last_chunk(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and isinstance(traces, list) and len(traces) == 2
 
 
+@pytest.mark.server
 def test_cached_tokens_on_a_shared_long_prefix(client: openai.OpenAI) -> None:
     system = (
         f"Session {uuid.uuid4().hex}. "
@@ -270,6 +278,7 @@ def test_cached_tokens_on_a_shared_long_prefix(client: openai.OpenAI) -> None:
     assert first.usage.prompt_tokens > 200 and cached > 200 > first.usage.prompt_tokens_details.cached_tokens
 
 
+@pytest.mark.server
 def test_completions(server: ServerProcess, client: openai.OpenAI) -> None:
     prompt = "The capital of France is"
     r = complete(client, prompt=prompt, max_tokens=5, temperature=0)
@@ -299,6 +308,7 @@ def test_completions(server: ServerProcess, client: openai.OpenAI) -> None:
     assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens for completions
 
 
+@pytest.mark.server
 def test_tokenize_and_detokenize(server: ServerProcess) -> None:
     r = post(server, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False}).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == WINDOW
@@ -307,6 +317,7 @@ def test_tokenize_and_detokenize(server: ServerProcess) -> None:
     assert "<|im_start|>" in post(server, "/detokenize", {"tokens": chat_ids}).json()["prompt"]
 
 
+@pytest.mark.server
 def test_metrics_endpoint(server: ServerProcess) -> None:
     assert_still_serves(server)
     text = httpx.get(server.url("/metrics")).text  # no key needed
@@ -364,6 +375,7 @@ ERROR_CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
 ]  # fmt: skip
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     ("path", "body", "status", "param", "code"), [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES]
 )
@@ -374,6 +386,7 @@ def test_error_cases(server: ServerProcess, path: str, body: Any, status: int, p
     assert_still_serves(server)
 
 
+@pytest.mark.server
 def test_openai_client_raises_the_matching_errors(server: ServerProcess, client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         chat(client, temperature=-1)
@@ -385,6 +398,7 @@ def test_openai_client_raises_the_matching_errors(server: ServerProcess, client:
     assert_still_serves(server)
 
 
+@pytest.mark.server
 def test_unknown_route_and_body_limits(server: ServerProcess) -> None:
     assert_error(post(server, "/v1/nothing", {}), 404, type="not_found_error")
     big = b'{"messages": [{"role": "user", "content": "' + b"a" * (5 << 20) + b'"}]}'
@@ -406,6 +420,7 @@ INFERENCE_ROUTES = [
 ]
 
 
+@pytest.mark.server
 def test_api_key_on_every_inference_route(server: ServerProcess) -> None:
     for method, path, body in INFERENCE_ROUTES:
         for headers in (
@@ -425,6 +440,7 @@ def test_api_key_on_every_inference_route(server: ServerProcess) -> None:
 LONG = {"model": NAME, "messages": HI, "max_tokens": 300, "ignore_eos": True}
 
 
+@pytest.mark.server
 def test_disconnect_mid_stream_aborts_the_request(server: ServerProcess) -> None:
     with httpx.stream("POST", server.url(CHAT), json={**LONG, "stream": True}, headers=AUTH, timeout=30) as r:
         lines = r.iter_lines()  # kept: a dropped iterator closes the connection
@@ -435,6 +451,7 @@ def test_disconnect_mid_stream_aborts_the_request(server: ServerProcess) -> None
     assert_still_serves(server)
 
 
+@pytest.mark.server
 def test_non_streaming_client_timeout_aborts_the_request(server: ServerProcess) -> None:
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url(CHAT), json=LONG, headers=AUTH, timeout=httpx.Timeout(30, read=1.5))
@@ -442,6 +459,7 @@ def test_non_streaming_client_timeout_aborts_the_request(server: ServerProcess) 
     assert_still_serves(server)
 
 
+@pytest.mark.server
 def test_abandoned_requests_leave_the_server_responsive(server: ServerProcess) -> None:
     async def abandon(client: httpx.AsyncClient) -> None:
         async with client.stream("POST", CHAT, json={**LONG, "stream": True}) as r:
@@ -460,6 +478,7 @@ def test_abandoned_requests_leave_the_server_responsive(server: ServerProcess) -
     assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.server
 def test_32_concurrent_streams_are_batched(server: ServerProcess) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> list[Any]:
         stream = await client.chat.completions.create(
@@ -614,6 +633,7 @@ def test_queue_full_is_a_429_with_retry_after() -> None:
 
 
 # ---- last: SIGTERM with a request in flight --------------------------------------------------------------
+@pytest.mark.server
 def test_sigterm_with_a_stream_in_flight_exits_0(server: ServerProcess) -> None:
     t0 = time.monotonic()
     with httpx.stream("POST", server.url(CHAT), json={**LONG, "stream": True}, headers=AUTH, timeout=30) as r:

@@ -1,7 +1,8 @@
 """Structured outputs and tool calls over HTTP: a real `onecall serve` with the embedded model.
 
 SmolLM2's template knows no tools, so tools use the JSON convention (text/tool_specs.py); reasoning
-and Hermes calls are tested in-process in test_server_reasoning.py.
+and Hermes calls are tested in-process in test_server_reasoning.py. The tests on the subprocess are
+marked `server` (`make test-fast` leaves them out).
 
 What is checked, with the official openai client (raw httpx for bad bodies): response_format
 json_schema (the content validates with jsonschema; the trace shows the grammar) and json_object, on
@@ -121,6 +122,7 @@ def test_requests_become_structured_outputs_params() -> None:
 
 
 # ---- response_format and structured_outputs --------------------------------------------------------
+@pytest.mark.server
 def test_json_schema_response_validates_and_the_trace_shows_the_grammar(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     r = chat(client, ANN, response_format=fmt, max_tokens=40, extra_body={"trace": True})
@@ -132,6 +134,7 @@ def test_json_schema_response_validates_and_the_trace_shows_the_grammar(client: 
     assert all(s["num_allowed"] is not None and s["num_masked"] > 0 for s in steps)
 
 
+@pytest.mark.server
 def test_json_object_and_completions(client: openai.OpenAI) -> None:
     r = chat(client, ANN, response_format={"type": "json_object"}, max_tokens=40)
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
@@ -151,6 +154,7 @@ def test_json_object_and_completions(client: openai.OpenAI) -> None:
     assert c.choices[0].text in ("yes", "no") and c.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     ("structured_outputs", "pattern"),
     [
@@ -165,6 +169,7 @@ def test_structured_outputs_extension(client: openai.OpenAI, structured_outputs:
     assert r.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.server
 def test_a_streamed_schema_output_validates(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     stream = chat(
@@ -195,6 +200,7 @@ def streamed_calls(client: openai.OpenAI, messages: list[dict[str, Any]], **kw: 
     return calls, finish
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
 def test_enforced_calls_are_valid_whole_and_streamed(client: openai.OpenAI, tool_choice: Any) -> None:
     r = chat(client, PARIS, tools=TOOLS, tool_choice=tool_choice, max_tokens=60)
@@ -207,6 +213,7 @@ def test_enforced_calls_are_valid_whole_and_streamed(client: openai.OpenAI, tool
     assert finish == "tool_calls" and check_calls(streamed) == calls
 
 
+@pytest.mark.server
 def test_parallel_tool_calls_false_gives_one_call(client: openai.OpenAI) -> None:
     ask = [{"role": "user", "content": "What's the weather in Paris and the time in Tokyo?"}]
     r = chat(client, ask, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=60)
@@ -215,6 +222,7 @@ def test_parallel_tool_calls_false_gives_one_call(client: openai.OpenAI) -> None
     )
 
 
+@pytest.mark.server
 def test_a_tool_result_round_trip(client: openai.OpenAI) -> None:
     first = chat(client, PARIS, tools=TOOLS, tool_choice=NAMED, max_tokens=60).choices[0].message
     (call,) = first.tool_calls
@@ -231,6 +239,7 @@ def test_a_tool_result_round_trip(client: openai.OpenAI) -> None:
     assert "# Tools" not in prompt  # tool_choice "none": no tools offered
 
 
+@pytest.mark.server
 def test_auto_gives_content_or_valid_calls(client: openai.OpenAI) -> None:
     for ask in [PARIS, [{"role": "user", "content": "Say hello."}]]:
         r = chat(client, ask, tools=TOOLS, max_tokens=40)
@@ -247,6 +256,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [

@@ -30,13 +30,10 @@ from onecall.errors import InvalidParameterError
 from onecall.lab.experiments import json_exp
 from onecall.sampling_params import StructuredOutputsParams
 
+pytestmark = pytest.mark.slow  # every test runs the embedded model (`llm`, tests/conftest.py)
+
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench-glaiveai2k.jsonl"
 NUM_SCHEMAS = 200
-
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM()
 
 
 def load_schemas() -> list[dict[str, Any]]:

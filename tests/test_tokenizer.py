@@ -50,9 +50,8 @@ def metadata() -> dict[str, Any]:
     return smollm2_metadata()
 
 
-@pytest.fixture(scope="module")
-def tok(metadata: dict[str, Any]) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(metadata)
+# `tok`: the tokenizer built from that file's metadata (the default model's), once per session
+# (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

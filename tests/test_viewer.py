@@ -23,6 +23,8 @@ import pytest
 
 from tests.helpers.server_process import ServerProcess
 
+pytestmark = pytest.mark.server  # every test here takes the `onecall serve` subprocess
+
 KEY = "sk-viewer-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHROMIUM = Path("/usr/bin/chromium")
@@ -75,6 +77,7 @@ def test_trace_has_prompt_token_texts(server: ServerProcess) -> None:
 
 
 # ---- in the browser -----------------------------------------------------------------------------------
+@pytest.mark.browser
 def test_viewer_in_chromium(server: ServerProcess, tmp_path: Path) -> None:
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make test`, which installs Debian's chromium")
