@@ -27,7 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from onecall.engine.engine import Engine
 from onecall.model import native
 from onecall.model.fast_linear import INT4_MAX_ROWS, FastLinear, onednn_available
-from onecall.model.quants import Int4Groups, dequantize, int4_groups
+from onecall.model.quants import Int4Groups, dequantize, int4_groups, int8_groups
 from onecall.sampling_params import SamplingParams
 from tests.helpers.int4 import int4_engine, quantize_int4
 from tests.helpers.tiny_engine import run_all
@@ -62,6 +62,22 @@ def test_int4_groups_expand_to_the_dequantized_weight(ggml_type: T) -> None:
 def test_other_types_have_no_int4_groups() -> None:
     raw = torch.zeros(34 * 4, dtype=torch.uint8)
     assert int4_groups(raw, T.Q8_0, (4, 32)) is None
+
+
+def test_q8_0_int8_groups_are_the_stored_values() -> None:
+    """Int8Groups of Q8_0 blocks: q * scale equals quants.dequantize() exactly (both are the stored
+    int8 times the stored float16 scale in float32); other types have none."""
+    rows, cols = 12, 96
+    rng = np.random.default_rng(3)
+    raw = rng.integers(-127, 128, (rows * cols // 32, 34)).astype(np.int8).view(np.uint8)
+    raw[:, :2] = rng.uniform(-0.05, 0.05, (rows * cols // 32, 1)).astype(np.float16).view(np.uint8)
+    blocks = torch.from_numpy(raw.reshape(-1).copy())
+    groups = int8_groups(blocks, T.Q8_0, (rows, cols))
+    assert groups is not None and groups.q.dtype == torch.int8 and groups.scale.shape == (rows, cols // 32)
+    expanded = (groups.q.view(rows, -1, 32).float() * groups.scale.unsqueeze(-1)).view(rows, cols)
+    assert torch.equal(expanded, dequantize(blocks, T.Q8_0, (rows, cols), torch.float32))
+    assert int8_groups(blocks, T.Q8_0, (rows * cols,)) is None  # 1-D: not a matrix
+    assert int8_groups(_random_blocks(T.Q4_0, 8, rng), T.Q4_0, (8, 32)) is None
 
 
 def _linear(groups: Int4Groups, bias: bool) -> torch.nn.Linear:
@@ -141,6 +157,12 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
         f"{logits_kernel} logits{step}"  # the embedded GGUF's tied embedding is Q8_0: kept as int8
     )
     assert (fast.model.native_step is not None) == bool(step)
+    head = fast.model.fast_lm_head
+    if head is not None and head.q8 is not None:
+        # the file's own Q8_0 groups, taken as stored: re-quantizing the expanded weight finds them again
+        q, scale = native.quantize_q8_groups(fast.model.output_weight())
+        assert torch.equal(head.q8[0], q)
+        torch.testing.assert_close(head.q8[1], scale, rtol=2**-20, atol=0)
     assert not any(name.endswith(("proj.weight",)) for name, _ in fast.model.named_parameters())
     ids = fast.tokenizer.encode("The streaming loader packs each projection as it arrives. " * 3)
     assert len(ids) > INT4_MAX_ROWS

@@ -22,7 +22,7 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.gguf import open_gguf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.loader import ModelFiles, iter_weights, load_hf_config_dict, resolve_model
-from onecall.model.quants import Int4Groups
+from onecall.model.quants import StoredGroups
 from onecall.model.weights import load_weights
 from onecall.text.tokenizer import Tokenizer
 
@@ -102,11 +102,11 @@ def _load_model(
     device: torch.device,
 ) -> DecoderLM:
     """4. Build the module tree and stream the weights in. The fast kernels pack each projection as
-    it arrives, keeping a 4-bit GGUF's own int4 groups (decoded once on the way in); no dense copy
+    it arrives, keeping a GGUF's own 4-bit groups (decoded once on the way in) and its Q8_0 logits weight; no dense copy
     of those weights is ever kept."""
     model = DecoderLM(model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast")
-    int4: dict[str, Int4Groups] | None = {} if model.pack_on_load else None
-    load_weights(model, iter_weights(files, dtype, int4), int4)
+    stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
+    load_weights(model, iter_weights(files, dtype, stored), stored)
     return model.eval()
 
 

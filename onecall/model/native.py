@@ -207,11 +207,14 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Pac
         q = torch.cat((q, q.new_zeros(pad, k)))
         scale = torch.cat((scale, scale.new_zeros(pad, g)))
         offset = torch.cat((offset, offset.new_zeros(pad, g)))
-    # (N8/8, G, 2, 8, 8, 2): block, group, half of the group, column pair, row of the block, column of the
-    # pair; the byte for (pair, row, column) holds the first half's value low and the second half's high
-    halves = q.view(n8 // 8, 8, g, 2, 8, 2).permute(0, 2, 3, 4, 1, 5)
-    qs = torch.empty(n8 // 8, g, 8, 8, 2, dtype=torch.uint8)
-    torch.add(halves[:, :, 0], halves[:, :, 1], alpha=16, out=qs)  # lo | hi << 4 (both <= 15), one pass
+    # byte j of a row's group: column j low, column 16 + j high (both <= 15), in one pass
+    halves = q.view(n8, g, 2, 16)
+    pairs = torch.empty(n8, g, 16, dtype=torch.uint8)
+    torch.add(halves[:, :, 0], halves[:, :, 1], alpha=16, out=pairs)
+    # then by column pair: the two bytes of a pair move together as one int16, (N8/8, 8, G, 8) ->
+    # (N8/8, G, 8, 8): block, group, pair, row of the block
+    qs = pairs.view(torch.int16).view(n8 // 8, 8, g, 8).permute(0, 2, 3, 1).contiguous()
+    qs = qs.view(torch.uint8).view(n8 // 8, g, 8, 8, 2)
 
     def blocked(t: torch.Tensor) -> torch.Tensor:
         return t.view(n8 // 8, 8, g).transpose(1, 2).contiguous()  # (N8/8, G, 8)

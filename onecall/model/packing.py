@@ -20,7 +20,7 @@ from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.fast_linear import FastLinear, PackSlot, StreamingPacker, fast_kernels_supported
 from onecall.model.layers import MLP, Attention, RMSNorm
 from onecall.model.native_step import NativeDecodeStep
-from onecall.model.quants import Int4Groups
+from onecall.model.quants import StoredGroups
 
 
 def pack_slots(model: DecoderLM) -> list[PackSlot]:
@@ -36,15 +36,16 @@ def pack_slots(model: DecoderLM) -> list[PackSlot]:
     return slots
 
 
-def new_packer(model: DecoderLM, int4: Mapping[str, Int4Groups]) -> StreamingPacker:
-    """A packer for the model's projections; `int4` may still be filling (see StreamingPacker)."""
-    return StreamingPacker(pack_slots(model), int4, torch.get_num_threads())
+def new_packer(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> StreamingPacker:
+    """A packer for the model's projections; `stored` may still be filling (see StreamingPacker)."""
+    return StreamingPacker(pack_slots(model), stored, torch.get_num_threads())
 
 
 def install(model: DecoderLM, packer: StreamingPacker) -> None:
     """Wait for the packer, swap in the packed projections, the logits head and the native small ops,
     and record what the model now runs on (DecoderLM.kernels)."""
-    model.fast_lm_head, modules = packer.finish(model.output_weight())
+    output_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    model.fast_lm_head, modules = packer.finish(model.output_weight(), output_name)
     lib = native.load()
     if lib is not None:  # small ops fused into native passes (model/native.py)
         for module in model.modules():
@@ -59,18 +60,18 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
 
 
 @torch.no_grad()
-def enable_fast_kernels(model: DecoderLM, int4_weights: Mapping[str, Int4Groups] | None = None) -> str:
+def enable_fast_kernels(model: DecoderLM, stored_weights: Mapping[str, StoredGroups] | None = None) -> str:
     """Swap every projection for a FastLinear (and the logits for a FastLMHead) after a dense
-    load_weights (a model built with pack_on_load has them already). `int4_weights` (Hugging Face
-    name -> Int4Groups) are the checkpoint's own 4-bit weights; a fused projection gets an int4
-    copy only when all of its parts have one.
+    load_weights (a model built with pack_on_load has them already). `stored_weights` (Hugging Face
+    name -> Int4Groups or Int8Groups) are the checkpoint's own quantized weights; a fused projection
+    gets an int4 copy only when all of its parts have one.
 
     Returns what was enabled, for logs and traces. A no-op ("reference") off float32 CPU.
     """
     weight = model.model.embed_tokens.weight
     if model.kernels != "reference" or not fast_kernels_supported(weight.device, weight.dtype):
         return model.kernels
-    packer = new_packer(model, {} if int4_weights is None else int4_weights)
+    packer = new_packer(model, {} if stored_weights is None else stored_weights)
     try:
         for slot in packer.slots:
             packer.submit(slot, getattr(slot.owner, slot.attr).weight.detach())

@@ -149,6 +149,18 @@ class Int4Groups:
         return Int4Groups(self.q[index], self.scale[index], self.offset[index], self.group_size)
 
 
+@dataclass(frozen=True)
+class Int8Groups:
+    """An 8-bit weight as ggml's Q8_0 stores it: w[r, c] = q[r, c] * scale[r, c // 32]. The logits
+    kernel (FastLMHead) multiplies by these directly."""
+
+    q: torch.Tensor  # (rows, cols) int8
+    scale: torch.Tensor  # (rows, cols // 32) float32 (the stored float16 values, widened)
+
+
+StoredGroups = Int4Groups | Int8Groups  # a checkpoint's own quantized groups, kept for the fast kernels
+
+
 def _groups_q4_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d = _f16(b, 0)
     return _nibbles(b[:, 2:], 16).flatten(1), d, d * -8
@@ -177,6 +189,18 @@ def int4_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int4
     q, scale, offset = _INT4_GROUPS[ggml_type](raw.view(-1, type_size))  # per group of 32
     rows, cols = shape
     return Int4Groups(q.reshape(rows, cols), scale.reshape(rows, -1), offset.reshape(rows, -1))
+
+
+def int8_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int8Groups | None:
+    """Raw data of a 2-D Q8_0 tensor -> its Int8Groups (one copy of the int8 values), or None for
+    other types."""
+    if ggml_type != T.Q8_0 or len(shape) != 2:
+        return None
+    _, type_size = GGML_BLOCK_SIZES[ggml_type]
+    blocks = raw.view(-1, type_size)  # 2 bytes of float16 scale, then 32 int8 values
+    rows, cols = shape
+    q = blocks[:, 2:].contiguous().view(torch.int8).view(rows, cols)
+    return Int8Groups(q, _f16(blocks, 0).view(rows, cols // 32))
 
 
 def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

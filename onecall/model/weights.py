@@ -16,7 +16,7 @@ import torch
 from onecall.errors import UnsupportedModelError
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.packing import install, new_packer
-from onecall.model.quants import Int4Groups
+from onecall.model.quants import StoredGroups
 
 
 def weight_table(model: DecoderLM) -> dict[str, tuple[torch.Tensor, int, int]]:
@@ -38,10 +38,10 @@ def weight_table(model: DecoderLM) -> dict[str, tuple[torch.Tensor, int, int]]:
 def load_weights(
     model: DecoderLM,
     weights: Iterable[tuple[str, torch.Tensor]],
-    int4_weights: Mapping[str, Int4Groups] | None = None,
+    stored_weights: Mapping[str, StoredGroups] | None = None,
 ) -> None:
     """Copy Hugging Face-named tensors into the model's (partly fused) parameters, casting dtype and
-    device. With pack_on_load, projections go to the fast kernels instead (with `int4_weights`, which
+    device. With pack_on_load, projections go to the fast kernels instead (with `stored_weights`, which
     the weight iterator may fill as it goes: see GGUFFile.iter_tensors).
 
     Raises UnsupportedModelError naming the tensor for an unexpected name, a shape mismatch,
@@ -51,8 +51,8 @@ def load_weights(
     tied = model.lm_head is None
     packer = None
     if model.pack_on_load and model.kernels == "reference":
-        # not `int4_weights or {}`: the dict the weight iterator fills is still empty here
-        packer = new_packer(model, {} if int4_weights is None else int4_weights)
+        # not `stored_weights or {}`: the dict the weight iterator fills is still empty here
+        packer = new_packer(model, {} if stored_weights is None else stored_weights)
     loaded: set[str] = set()
     try:
         for name, tensor in weights:
