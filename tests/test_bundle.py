@@ -225,6 +225,7 @@ def test_unreadable_bundles(tmp_path: Path) -> None:
         Bundle.from_dict([1, 2, 3])
 
 
+@pytest.mark.slow
 def test_cli_run_save_bundle_then_replay(tmp_path: Path) -> None:
     bundle = tmp_path / "call.json"
     run = subprocess.run(
