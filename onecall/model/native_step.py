@@ -7,7 +7,7 @@ runs the native 4-bit kernel, `csrc/quant_gemm.c: onecall_decode_layers` runs th
 the same order over the same values from C, so:
 
 - a decode row's bits do not depend on which path ran it (a mixed step takes the per-op path, a
-  pure decode step this one): batch invariance holds across both, and tests/test_native_kernels.py
+  pure decode step this one): batch invariance holds across both, and tests/test_native_step.py
   checks the two paths bitwise;
 - the step's Python cost is the embedding lookup, the RoPE table lookup and one ctypes call.
 
