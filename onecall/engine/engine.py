@@ -432,7 +432,7 @@ class Engine:
                 continue
             if seq.num_output_tokens == 0 and seq.trace.prefill_done_time is None:
                 seq.trace.prefill_done_time = now
-                self.block_manager.commit(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
+                self.scheduler.commit_prompt(seq)
             assert result is not None, "a sampling row always has a sample result"
             delta_text, finish = postprocess_token(
                 seq, result, row[id(seq)], record, self.tokenizer.eos_token_ids

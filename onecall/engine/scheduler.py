@@ -81,6 +81,12 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    def commit_prompt(self, seq: Sequence) -> None:
+        """A prompt now fully computed goes into the prefix cache at once, so requests sharing it hit
+        while this one still decodes; finish() commits the rest. The scheduler is the one place that
+        commits to the prefix cache."""
+        self.block_manager.commit(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
+
     def _release(self, seq: Sequence, keep_in_cache: bool) -> None:
         if not seq.is_admitted:
             return
