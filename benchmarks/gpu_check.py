@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # onecall from 
 
 from onecall.config import EngineConfig  # noqa: E402
 from onecall.engine.engine import Engine  # noqa: E402
-from onecall.engine.loading import LoadedEngineParts  # noqa: E402
+from onecall.engine.engine_parts import LoadedEngineParts  # noqa: E402
+from onecall.model.checkpoint import ModelFiles  # noqa: E402
 from onecall.model.config import ModelConfig  # noqa: E402
 from onecall.model.decoder import DecoderLM  # noqa: E402
 from onecall.model.kv_cache import PagedKVCache  # noqa: E402
-from onecall.model.loader import ModelFiles  # noqa: E402
 from onecall.model.packing import weight_bytes_read  # noqa: E402
 from onecall.model.weights import load_weights  # noqa: E402
 from onecall.sampling_params import SamplingParams  # noqa: E402

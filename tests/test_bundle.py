@@ -34,7 +34,7 @@ from onecall.cli import main
 from onecall.engine.engine import Engine
 from onecall.errors import InvalidParameterError
 from onecall.llm import LLM
-from onecall.model.loader import ModelFiles, resolve_model
+from onecall.model.checkpoint import ModelFiles, resolve_model
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.helpers.tiny_engine import tiny_engine, tiny_model
 

@@ -144,7 +144,7 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
     int4 groups, no dense projection weight is left in the model, and a prefill (oneDNN, float32,
     > INT4_MAX_ROWS rows) matches the reference kernels' logits to float32 summation-order tolerance."""
     from onecall.config import EngineConfig
-    from onecall.engine.loading import load_engine_parts
+    from onecall.engine.engine_parts import load_engine_parts
 
     fast = load_engine_parts(EngineConfig(kernels="fast", kv_cache_gib=0.05))
     ref = load_engine_parts(EngineConfig(kernels="reference", kv_cache_gib=0.05))

@@ -23,9 +23,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from onecall.errors import UnsupportedModelError
+from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.config import ModelConfig
 from onecall.model.gguf import SUPPORTED_QUANT_TYPES, GGUFFile, hf_tensor_name
-from onecall.model.loader import iter_weights, load_hf_config_dict, resolve_model
 from tests.helpers.make_models import gguf_tensor_name, random_state_dict, tiny_hf_config, write_tiny_gguf
 
 T = GGMLQuantizationType

@@ -28,10 +28,10 @@ import torch
 
 from onecall.config import EngineConfig
 from onecall.engine.engine import Engine
-from onecall.engine.loading import LoadedEngineParts
+from onecall.engine.engine_parts import LoadedEngineParts
+from onecall.model.checkpoint import resolve_model
 from onecall.model.gguf import open_gguf
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.loader import resolve_model
 from onecall.server.app import create_app
 from onecall.server.async_engine import AsyncEngine
 from onecall.text.chat_template import render_chat

@@ -6,7 +6,7 @@
 
 The LLM facade, the CLI, the server and the lab all call `step()` in a loop;
 nothing else advances a request. Loading (files -> model + tokenizer + KV pool)
-lives in engine/loading.py; this module is the loop.
+lives in engine/engine_parts.py; this module is the loop.
 
 Faults. A step that raises after scheduling (in the grammar, the model forward, the
 sampler or the detokenizer) fails only the requests of its batch:
@@ -36,7 +36,7 @@ import torch
 from onecall.config import EngineConfig
 from onecall.engine.block_manager import BlockManager
 from onecall.engine.decode_graphs import BUCKETS, DecodeGraphs
-from onecall.engine.loading import LoadedEngineParts, load_engine_parts
+from onecall.engine.engine_parts import LoadedEngineParts, load_engine_parts
 from onecall.engine.model_runner import ModelRunner
 from onecall.engine.postprocess import postprocess_token
 from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput

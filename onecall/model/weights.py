@@ -1,6 +1,6 @@
 """Checkpoint tensors (Hugging Face names) -> a DecoderLM's parameters.
 
-The loaders (model/loader.py: GGUF, safetensors) yield (name, tensor) pairs named like Hugging
+The loaders (model/checkpoint.py: GGUF, safetensors) yield (name, tensor) pairs named like Hugging
 Face's checkpoints; `load_weights` copies each into our parameters, stacking the separate q/k/v and
 gate/up tensors into the fused projections (DecoderLM.PROJECTION_PARTS, part_rows). On the fast path
 (DecoderLM built with pack_on_load) projections go to model/packing.py's packer instead, as they

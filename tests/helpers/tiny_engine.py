@@ -14,12 +14,12 @@ import torch
 
 from onecall.config import EngineConfig
 from onecall.engine.engine import Engine
-from onecall.engine.loading import LoadedEngineParts
+from onecall.engine.engine_parts import LoadedEngineParts
+from onecall.model.checkpoint import resolve_model
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.gguf import open_gguf
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.loader import resolve_model
 from onecall.text.tokenizer import Tokenizer
 
 

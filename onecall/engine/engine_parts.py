@@ -17,11 +17,11 @@ import torch
 
 from onecall.config import DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
 from onecall.errors import InvalidParameterError
+from onecall.model.checkpoint import ModelFiles, iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.gguf import open_gguf
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.loader import ModelFiles, iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.quants import StoredGroups
 from onecall.model.weights import load_weights
 from onecall.text.tokenizer import Tokenizer

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from onecall.errors import ModelNotFoundError, UnsupportedModelError
-from onecall.model.config import ModelConfig
-from onecall.model.loader import (
+from onecall.model.checkpoint import (
     iter_weights,
     load_hf_config_dict,
     read_generation_config,
     resolve_model,
     safetensors_shards,
 )
+from onecall.model.config import ModelConfig
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf, write_tiny_hf_folder
 
 
