@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from onecall.model.checkpoint import ModelFiles, resolve_model
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.helpers.tiny_engine import tiny_engine, tiny_model
 
-ONECALL = "/work/main/.venv/bin/onecall"
+ONECALL = str(Path(sys.executable).with_name("onecall"))  # the console script of the venv running the tests
 HI = [{"role": "user", "content": "Tell me about the sea."}]
 
 
