@@ -102,8 +102,8 @@ def _load_model(
     device: torch.device,
 ) -> DecoderLM:
     """4. Build the module tree and stream the weights in. The fast kernels pack each projection as
-    it arrives, keeping a GGUF's own 4-bit groups (decoded once on the way in) and its Q8_0 logits weight; no dense copy
-    of those weights is ever kept."""
+    it arrives, keeping a GGUF's own 4-bit groups (decoded once on the way in) and its Q8_0 logits
+    weight as int8; no dense copy of the projections is ever kept."""
     model = DecoderLM(model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast")
     stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
     load_weights(model, iter_weights(files, dtype, stored), stored)

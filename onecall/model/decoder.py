@@ -146,6 +146,10 @@ class DecoderLM(nn.Module):
         """The logits projection's (vocab_size, hidden_size) weight: the tied embedding or lm_head."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def output_weight_name(self) -> str:
+        """The checkpoint (Hugging Face) name of output_weight(): the loaders key stored groups by it."""
+        return "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+
     def projections(self) -> Iterator[tuple[int, str, nn.Module, str]]:
         """Every projection of every layer: (layer index, our name like "self_attn.qkv_proj", the module
         that owns it, its attribute name there). What the loader fills and the fast kernels replace."""

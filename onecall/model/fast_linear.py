@@ -290,8 +290,9 @@ class StreamingPacker:
 
     def submit(self, slot: PackSlot, weight: torch.Tensor) -> None:
         """Pack `slot` from its whole (out, in) weight on a worker thread."""
-        groups = [g if isinstance(g := self._stored.get(name), Int4Groups) else None for name in slot.parts]
-        fused = Int4Groups.cat([g for g in groups if g is not None]) if all(groups) else None
+        groups = [self._stored.get(name) for name in slot.parts]
+        int4 = [g for g in groups if isinstance(g, Int4Groups)]
+        fused = Int4Groups.cat(int4) if len(int4) == len(groups) else None
         self._jobs.append((slot, self._pool.submit(FastLinear, weight, slot.bias, fused)))
 
     def finish(self, output_weight: torch.Tensor, output_name: str) -> tuple[FastLMHead, list[FastLinear]]:

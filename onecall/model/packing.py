@@ -44,8 +44,7 @@ def new_packer(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> Streamin
 def install(model: DecoderLM, packer: StreamingPacker) -> None:
     """Wait for the packer, swap in the packed projections, the logits head and the native small ops,
     and record what the model now runs on (DecoderLM.kernels)."""
-    output_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
-    model.fast_lm_head, modules = packer.finish(model.output_weight(), output_name)
+    model.fast_lm_head, modules = packer.finish(model.output_weight(), model.output_weight_name())
     lib = native.load()
     if lib is not None:  # small ops fused into native passes (model/native.py)
         for module in model.modules():
