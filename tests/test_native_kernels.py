@@ -170,9 +170,12 @@ def test_silu_mul_matches_torch() -> None:
     torch.testing.assert_close(native.silu_mul(LIB, y), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_rope_store_matches_the_reference_layers(kv_dtype: torch.dtype) -> None:
-    from onecall.model.layers import RotaryEmbedding, apply_rope
+def test_rope_store_matches_the_reference_layers(kv_dtype: torch.dtype, qk_norm: bool) -> None:
+    """RoPE (and Qwen3's per-head q/k RMSNorm before it) against the torch layers: float32 summation
+    order differs in the norm only, hence 1e-6 (values are O(1))."""
+    from onecall.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 
     assert LIB is not None
     num_heads, num_kv_heads, head_dim, n = 6, 2, 32, 5
@@ -181,12 +184,21 @@ def test_rope_store_matches_the_reference_layers(kv_dtype: torch.dtype) -> None:
     cos, sin = rotary(positions)
     qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim)
     heads = qkv.view(n, -1, head_dim)
-    want_qk = apply_rope(heads[:, : num_heads + num_kv_heads], cos, sin)
+    qk = heads[:, : num_heads + num_kv_heads]
+    norms = None
+    if qk_norm:
+        q_norm = RMSNorm(head_dim, 1e-6, torch.float32, "cpu")
+        k_norm = RMSNorm(head_dim, 1e-6, torch.float32, "cpu")
+        with torch.no_grad():
+            q_norm.weight.normal_(1.0, 0.5), k_norm.weight.normal_(1.0, 0.5)
+            qk = torch.cat((q_norm(qk[:, :num_heads]), k_norm(qk[:, num_heads:])), dim=1)
+        norms = (q_norm.weight.detach(), k_norm.weight.detach(), 1e-6)
+    want_qk = apply_rope(qk, cos, sin)
     want_v = heads[:, num_heads + num_kv_heads :].clone()
     k_cache, v_cache = torch.zeros(40, num_kv_heads, head_dim), torch.zeros(40, num_kv_heads, head_dim)
     slots = torch.tensor([9, 0, 31, 4, 17])
     native.rope_store(
-        LIB, qkv, num_heads, num_kv_heads, cos.squeeze(1), sin.squeeze(1), slots, k_cache, v_cache
+        LIB, qkv, num_heads, num_kv_heads, cos.squeeze(1), sin.squeeze(1), slots, k_cache, v_cache, norms
     )
     torch.testing.assert_close(heads[:, : num_heads + num_kv_heads], want_qk, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k_cache[slots], want_qk[:, num_heads:], rtol=1e-6, atol=1e-6)

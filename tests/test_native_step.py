@@ -55,9 +55,10 @@ def _decode(model: DecoderLM, cache: PagedKVCache, tables: list[list[int]], lens
         return model(ids, positions, cache, meta)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v biases in the 4-bit projections; q/k norms
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_native_step_gives_the_per_op_paths_bits(kv_dtype: torch.dtype) -> None:
-    model = int4_engine("fast").parts.model  # qwen2-shaped: q/k/v biases in the 4-bit projections
+def test_native_step_gives_the_per_op_paths_bits(kv_dtype: torch.dtype, arch: str) -> None:
+    model = int4_engine("fast", arch=arch).parts.model
     step = model.native_step
     assert step is not None, model.kernels
     c = model.config
@@ -101,10 +102,8 @@ def test_native_step_takes_only_all_decode_steps_on_the_4bit_kernel() -> None:
 
 
 def test_models_it_cannot_run_exactly_keep_the_per_op_path() -> None:
-    """No 4-bit copy of the projections (a float checkpoint), or q/k norms (Qwen3): no native step."""
-    dense = copy.deepcopy(tiny_model("llama"))
-    enable_fast_kernels(dense)
-    assert "onednn" in dense.kernels and dense.native_step is None
-    qwen3 = copy.deepcopy(tiny_model("qwen3"))
-    enable_fast_kernels(qwen3)
-    assert qwen3.native_step is None
+    """No 4-bit copy of the projections (a float checkpoint): no native step, for any family."""
+    for arch in ("llama", "qwen3"):
+        dense = copy.deepcopy(tiny_model(arch))
+        enable_fast_kernels(dense)
+        assert "onednn" in dense.kernels and dense.native_step is None

@@ -123,8 +123,15 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
-        # Set by the fast kernels (float32 CPU, no q/k norm): RoPE and the K/V cache write in one pass.
+        # Set by the fast kernels (float32 CPU): q/k norms, RoPE and the K/V cache write in one pass.
         self.native: ctypes.CDLL | None = None
+
+    def native_qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q weight, k weight, eps) for the native RoPE pass, or None without q/k norms."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        assert self.q_norm.eps == self.k_norm.eps
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
     def forward(
         self,
@@ -140,7 +147,7 @@ class Attention(nn.Module):
             qkv_flat = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
             native.rope_store(
                 self.native, qkv_flat, self.num_heads, self.num_kv_heads, cos.squeeze(1), sin.squeeze(1),
-                meta.slot_mapping, kv_cache.k[layer_idx], kv_cache.v[layer_idx],
+                meta.slot_mapping, kv_cache.k[layer_idx], kv_cache.v[layer_idx], self.native_qk_norm(),
             )  # fmt: skip
             q = qkv_flat.view(n, -1, self.head_dim)[:, : self.num_heads]
             o = paged_attention(q, None, None, kv_cache, layer_idx, meta, self.scale)

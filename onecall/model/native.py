@@ -166,7 +166,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_add_rms_norm.restype = None
     lib.onecall_silu_mul.argtypes = [p, i64, i64, p]
     lib.onecall_silu_mul.restype = None
-    lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, c_int]
+    lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_float, p, p, p, p, p, c_int]
     lib.onecall_rope_store.restype = None
     # layers, num_layers, h, M, hidden, H, KVH, D, I, eps, attn_scale, cos, sin, slot_mapping, k_cache,
     # v_cache, layer_stride, kv_f16, block_tables, max_blocks, seq_lens, block_size, final_norm, out,
@@ -345,19 +345,28 @@ def rope_store(
     slot_mapping: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """RoPE on qkv's q and k heads in place, then its k and v heads stored at their cache slots.
 
     qkv (M, (H + 2 KVH) * D) float32 contiguous; cos, sin (M, D / 2) float32 contiguous; slot_mapping
-    (M,) int64; k_cache, v_cache (num_slots, KVH, D) float32 contiguous.
+    (M,) int64; k_cache, v_cache (num_slots, KVH, D) float32 contiguous. qk_norm: (q weight (D,),
+    k weight (D,), eps), Qwen3's per-head RMSNorm, applied to every q / k head before it is rotated.
     """
     m = qkv.shape[0]
     head_dim = k_cache.shape[2]
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
     assert k_cache.dtype in KV_DTYPES and (k_cache.dtype == torch.float32 or num_kv_heads * head_dim % 8 == 0)
+    q_norm = k_norm = None
+    eps = 0.0
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        assert q_w.dtype == k_w.dtype == torch.float32 and q_w.is_contiguous() and k_w.is_contiguous()
+        assert q_w.numel() == k_w.numel() == head_dim
+        q_norm, k_norm = q_w.data_ptr(), k_w.data_ptr()
     lib.onecall_rope_store(
-        qkv.data_ptr(), m, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        qkv.data_ptr(), m, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos.data_ptr(), sin.data_ptr(),
         slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float16),
     )  # fmt: skip
 

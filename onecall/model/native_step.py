@@ -13,7 +13,8 @@ the same order over the same values from C, so:
 
 `NativeDecodeStep.build(model)` returns None (and the per-op path stays the only one) for a model it
 cannot run: a projection without a native 4-bit copy (not stored as Q4_0/Q4_1/Q4_K groups of 32),
-q/k norms (Qwen3: the per-op path runs those in torch), or the native kernels unavailable.
+norms with different eps, or the native kernels unavailable. Qwen3's per-head q/k norms run inside
+the RoPE pass on both paths.
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ class _Q4Weight(ctypes.Structure):
 
 
 class _DecodeLayer(ctypes.Structure):
-    """csrc's DecodeLayer: a layer's two norm weights and four projections."""
+    """csrc's DecodeLayer: a layer's two norm weights, its q/k norm weights (or NULL) and four projections."""
 
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
         ("qkv", _Q4Weight),
         ("o", _Q4Weight),
         ("gate_up", _Q4Weight),
@@ -97,13 +100,17 @@ class NativeDecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if attn.native is None or mlp.native is None or any(n.native is None for n in norms):
-                return None  # e.g. q/k norms: the per-op path runs part of attention in torch
-            if any(n.eps != model.norm.eps for n in norms):
+                return None
+            qk_norm = attn.native_qk_norm()
+            if any(n.eps != model.norm.eps for n in norms) or qk_norm and qk_norm[2] != model.norm.eps:
                 return None  # the step takes one eps
             weights = [_q4_weight(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(w is None for w in weights):
                 return None
-            structs.append(_DecodeLayer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), *weights))
+            q_norm, k_norm = (qk_norm[0].data_ptr(), qk_norm[1].data_ptr()) if qk_norm else (None, None)
+            structs.append(
+                _DecodeLayer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), q_norm, k_norm, *weights)
+            )
         return cls(lib, (_DecodeLayer * len(structs))(*structs), model)
 
     def accepts(self, meta: AttentionMetadata, kv_cache: PagedKVCache, num_rows: int) -> bool:

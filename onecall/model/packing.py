@@ -48,7 +48,7 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
     lib = native.load()
     if lib is not None:  # small ops fused into native passes (model/native.py)
         for module in model.modules():
-            if isinstance(module, (RMSNorm, MLP)) or isinstance(module, Attention) and module.q_norm is None:
+            if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.native = lib
         model.native_step = NativeDecodeStep.build(model.model)
     kinds = sorted({k for m in modules if (k := m.int4_kernel) is not None})

@@ -23,10 +23,18 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Groups:
     return Int4Groups(q.reshape(rows, cols), scale, lo, group_size)
 
 
-def int4_engine(kernels: str, **config: Any) -> Engine:
-    """The tiny engine with its projections rounded to int4 groups (so both paths run the same weights)."""
-    model = copy.deepcopy(tiny_model("qwen2"))  # qwen2: q/k/v biases go through the int4 path too
+def int4_engine(kernels: str, arch: str = "qwen2", **config: Any) -> Engine:
+    """The tiny engine with its projections rounded to int4 groups (so both paths run the same weights).
+    qwen2 (the default): q/k/v biases go through the int4 path too; qwen3: per-head q/k norms, given
+    weights away from 1 so that a path skipping or misapplying them shows."""
+    model = copy.deepcopy(tiny_model(arch))
     c = model.config
+    if c.qk_norm:
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
     q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     splits = {
         "self_attn.qkv_proj": [
@@ -53,4 +61,4 @@ def int4_engine(kernels: str, **config: Any) -> Engine:
                     start += size
     if kernels == "fast":
         assert "int4" in enable_fast_kernels(model, int4)
-    return tiny_engine(arch="qwen2", model=model, kernels=kernels, **config)
+    return tiny_engine(arch=arch, model=model, kernels=kernels, **config)

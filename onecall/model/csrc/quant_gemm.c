@@ -465,15 +465,19 @@ void onecall_silu_mul(const float *y, int64_t M, int64_t I, float *out) {
 /* RoPE (rotate_half layout) on the q and k heads of qkv (M, (H + 2 KVH) * D), in place, then the
  * rotated k heads and the v heads of each row m are stored at slot slot_mapping[m] of the
  * (num_slots, KVH, D) caches (float32, or IEEE half when kv_f16; KVH * D % 8 == 0 then).
- * cos, sin: (M, D / 2), the row's position's tables. */
-void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D, const float *cos,
-                        const float *sin, const int64_t *slot_mapping, void *k_cache, void *v_cache, int kv_f16) {
+ * cos, sin: (M, D / 2), the row's position's tables. q_norm, k_norm (D,) or NULL: Qwen3's per-head
+ * RMSNorm (eps norm_eps), applied to each q / k head before it is rotated. */
+void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D, const float *q_norm,
+                        const float *k_norm, float norm_eps, const float *cos, const float *sin,
+                        const int64_t *slot_mapping, void *k_cache, void *v_cache, int kv_f16) {
     const int64_t half = D / 2, width = (H + 2 * KVH) * D;
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * width;
         const float *c = cos + m * half, *sn = sin + m * half;
         for (int64_t h = 0; h < H + KVH; h++) {
             float *x = row + h * D;
+            const float *w = h < H ? q_norm : k_norm;
+            if (w) onecall_add_rms_norm(x, NULL, w, 1, D, norm_eps, x); /* in place: y[i] reads only x[i] */
             for (int64_t i = 0; i < half; i++) {
                 const float x1 = x[i], x2 = x[i + half];
                 x[i] = x1 * c[i] - x2 * sn[i];
@@ -503,8 +507,8 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  * (tests/test_native_kernels.py checks it bitwise), and the step costs one call into C instead of
  * hundreds of Python-level dispatches.
  *
- * Per layer, as DecoderLayer.forward does it: x = norm(h += r); qkv = x W_qkv (+b); RoPE + K/V
- * store; a = attention(q); h += a W_o and x = norm(h); r = silu(x W_gate) * (x W_up) W_down. After
+ * Per layer, as DecoderLayer.forward does it: x = norm(h += r); qkv = x W_qkv (+b); q/k norms (Qwen3),
+ * RoPE + K/V store; a = attention(q); h += a W_o and x = norm(h); r = silu(x W_gate) * (x W_up) W_down. After
  * the last layer, out = norm(h += r). h (M, hidden) holds the embeddings on entry and the residual
  * stream on return.
  */
@@ -518,6 +522,7 @@ typedef struct {
 
 typedef struct {
     const float *input_norm, *post_norm; /* (hidden,) */
+    const float *q_norm, *k_norm;        /* (D,), or NULL: no per-head q/k norm */
     Q4Weight qkv, o, gate_up, down;
 } DecodeLayer;
 
@@ -545,7 +550,7 @@ int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, float *
         char *kc = (char *)k_cache + l * layer_stride * elem, *vc = (char *)v_cache + l * layer_stride * elem;
         onecall_add_rms_norm(h, l ? r : NULL, L->input_norm, M, hidden, eps, x);
         if ((rc = q4_apply(&L->qkv, x, M, qkv, num_threads))) break;
-        onecall_rope_store(qkv, M, H, KVH, D, cos, sin, slot_mapping, kc, vc, kv_f16);
+        onecall_rope_store(qkv, M, H, KVH, D, L->q_norm, L->k_norm, eps, cos, sin, slot_mapping, kc, vc, kv_f16);
         rc = onecall_paged_decode_attention(qkv, width, kc, vc, block_tables, max_blocks, seq_lens, M, H, KVH, D,
                                             block_size, attn_scale, attn, num_threads, kv_f16);
         if (rc || (rc = q4_apply(&L->o, attn, M, o, num_threads))) break;
