@@ -5,9 +5,10 @@ probabilities: SDPA fuses the softmax away. This module runs the same model a se
 inspection only (the lab's "template" experiment):
 
     ids (seq_len,) -> embed -> for each layer:
-        x = input_layernorm(h); q, k, v = qkv_proj(x)      (bias, q/k norm for Qwen3: the model's modules)
-        rope(q, k); scores = q k^T * scale + causal mask    (plain matmuls, float32 softmax, like
-        p = softmax(scores); o = p v; h += o_proj(o)         transformers' eager attention)
+        x = input_layernorm(h)
+        q, k, v = self_attn.qkv_heads(x)                     (projection, q/k norm, RoPE: the layer's own)
+        scores = q k^T * scale + causal mask                 (plain matmuls, float32 softmax, like
+        p = softmax(scores); o = p v; h += o_proj(o)          transformers' eager attention)
         h += mlp(post_attention_layernorm(h))
     -> p[:, :, -1, :] averaged over heads, per layer: (num_layers, seq_len)
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from onecall.model.decoder import DecoderLayer, DecoderLM
-from onecall.model.layers import Attention, apply_rope
+from onecall.model.layers import Attention
 
 
 @torch.inference_mode()
@@ -50,12 +51,8 @@ def _attention_with_probs(
     """Attention.forward's math without the cache: (seq_len, hidden) -> output (seq_len, hidden) and
     probabilities (num_heads, seq_len, seq_len) float32."""
     n, num_heads, num_kv_heads, head_dim = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
-    # 1. projections, q/k norm and RoPE exactly as Attention.forward does them
-    qkv = attn.qkv_proj(x).view(n, num_heads + 2 * num_kv_heads, head_dim)
-    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    if attn.q_norm is not None and attn.k_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # 1. projections, q/k norm and RoPE: the torch path's own (Attention.qkv_heads)
+    q, k, v = attn.qkv_heads(x, cos, sin)
 
     # 2. GQA: repeat each KV head for its group of query heads -> (num_heads, seq_len, head_dim)
     group = num_heads // num_kv_heads

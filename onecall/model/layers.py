@@ -152,6 +152,19 @@ class Attention(nn.Module):
             q = qkv_flat.view(n, -1, self.head_dim)[:, : self.num_heads]
             o = paged_attention(q, None, None, kv_cache, layer_idx, meta, self.scale)
             return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+        q, k, v = self.qkv_heads(x, cos, sin)
+        o = paged_attention(
+            q, k, v, kv_cache, layer_idx, meta, self.scale
+        )  # (num_tokens, num_heads, head_dim)
+        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+
+    def qkv_heads(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The torch path's q, k, v for (num_tokens, hidden) x: the fused projection, Qwen3's per-head
+        q/k norms, RoPE on q and k. (num_tokens, heads, head_dim) each; also what the attention
+        probe (model/attention_probe.py) attends with."""
+        n = x.shape[0]
         # (num_tokens, num_heads + 2 * num_kv_heads, head_dim)
         qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -160,7 +173,4 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one go
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        o = paged_attention(
-            q, k, v, kv_cache, layer_idx, meta, self.scale
-        )  # (num_tokens, num_heads, head_dim)
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+        return q, k, v
