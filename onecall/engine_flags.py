@@ -1,5 +1,5 @@
 """The command-line flags that choose and configure the engine, shared by every `onecall` command
-(cli.py, cli_run.py) and by the lab (lab/cli.py), which import this module and not each other.
+(onecall/cli/) and by the lab (lab/cli.py), which import this module and not each other.
 
     add_engine_args(parser)   --model, --dtype, --device, --max-model-len, --kv-cache-gib,
                               --kv-cache-dtype, --num-threads, --kernels

@@ -1,6 +1,6 @@
 """`python -m onecall.lab [flags]`: the lab on its own, the same as `onecall lab [flags]`: the same
 flags (lab/cli.py), the same usage line, and errors a user can cause end the same way (one line,
-exit 2). It does not import onecall/cli.py: the CLI imports the lab, never the other way round."""
+exit 2). It does not import onecall/cli/: the CLI imports the lab, never the other way round."""
 
 from __future__ import annotations
 

@@ -1,17 +1,14 @@
-"""`onecall run` and `onecall replay`, and the sampling flags they share with `onecall chat`.
+"""Generating from the terminal: `onecall run` (one call and its anatomy) and `onecall chat` (turn by
+turn), and the sampling flags they share.
 
     onecall run "What is the capital of France?" --trace           # answer + the trace table
     onecall run "..." --trace-level full --trace                   # + each token's logit provenance
     onecall run "..." --temperature 0.8 --save-bundle call.json     # + a replayable bundle
-    onecall replay call.json                                        # re-run it: did every token match?
+    onecall chat                                                   # multi-turn, cached tokens per turn
 
 `--save-bundle` needs a replayable call: sampling (temperature > 0) without --seed would draw
 numbers no one keeps, so run then picks a random seed first (printed on stderr and stored in
-the bundle). `replay` loads the bundle's model (its path if it still exists here, else the
-embedded default, or --model), with the bundle's dtype, kernels, CPU threads (they can change
-how a matmul's sums split) and device unless flags say otherwise, prints one verdict line and
-exits 0 when every token matched, 1 otherwise; what differs from the original run (model hash,
-dtype, ...) is printed as warnings on stderr.
+the bundle; `onecall replay`, cli/replay.py, re-runs it).
 """
 
 from __future__ import annotations
@@ -21,15 +18,10 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from onecall.engine_flags import add_engine_args, engine_kwargs
 from onecall.sampling_params import TRACE_LEVELS, SamplingParams
-
-if TYPE_CHECKING:
-    from onecall.bundle import Bundle
 
 
 # ---- sampling flags (run, chat) ------------------------------------------------------------------
@@ -139,57 +131,43 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
-# ---- replay ----------------------------------------------------------------------------------------
-def add_replay_command(sub: Any) -> None:
-    replay = sub.add_parser("replay", help="re-run a saved bundle and report whether every token matched")
-    replay.add_argument("bundle", metavar="FILE", help="a file written by `onecall run --save-bundle`")
-    add_engine_args(replay)
-    # None: take the bundle's own (see _replay_kwargs)
-    replay.set_defaults(func=cmd_replay, kernels=None, kv_cache_dtype=None)
-    replay.add_argument("--json", action="store_true", help="print the report as one JSON object")
+# ---- chat ----------------------------------------------------------------------------------------
+def add_chat_command(sub: Any) -> None:
+    chat = sub.add_parser("chat", help="interactive multi-turn chat showing cached tokens per turn")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
 
 
-def cmd_replay(a: argparse.Namespace) -> int:
-    from onecall.bundle import load_bundle, replay_bundle
-    from onecall.llm import LLM
-
-    bundle = load_bundle(a.bundle)
-    t0 = time.perf_counter()
-    llm = LLM(**_replay_kwargs(a, bundle))
-    print(f"loaded {llm.info.model_name} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
-    report = replay_bundle(bundle, llm)
-    for warning in report.warnings:
-        print(f"onecall: warning: {warning}", file=sys.stderr)
-    if a.json:
-        print(json.dumps({"exact": report.is_exact, **asdict(report)}))
-    else:
-        print(report.verdict(llm.tokenizer))
-    return 0 if report.is_exact else 1
-
-
-def _replay_kwargs(a: argparse.Namespace, bundle: Bundle) -> dict[str, Any]:
-    """Engine flags, with what the bundle ran on filling in those not given: its model if the
-    file is still here (else the embedded default), dtype, kernels, K/V cache dtype, CPU threads,
-    and its device if that exists here."""
-    kw = engine_kwargs(a)
-    if kw["model"] is None and Path(bundle.model_path).exists():
-        kw["model"] = bundle.model_path
-    kw["dtype"] = kw["dtype"] or bundle.dtype
-    kw["kernels"] = kw["kernels"] or bundle.kernels
-    kw["kv_cache_dtype"] = kw["kv_cache_dtype"] or bundle.kv_cache_dtype
-    kw["num_threads"] = kw["num_threads"] or bundle.num_threads
-    if kw["device"] is None and _device_exists(bundle.device):
-        kw["device"] = bundle.device
-    return kw
-
-
-def _device_exists(device: str) -> bool:
-    import torch
-
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError):
-        return False
-    if d.type == "cuda":
-        return torch.cuda.is_available() and (d.index is None or d.index < torch.cuda.device_count())
-    return d.type == "cpu"
+def cmd_chat(a: argparse.Namespace) -> int:
+    params = sampling_params(a)
+    llm = load_llm(a)
+    messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
+    print(
+        "onecall chat: empty line or Ctrl-D to quit. Each turn re-sends the whole history; "
+        "the prefix cache makes that cheap.",
+        file=sys.stderr,
+    )
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        last = None
+        for out in llm.chat_stream(messages, params):
+            print(out.delta_text, end="", flush=True)
+            last = out
+        assert last is not None
+        t = last.trace
+        print(
+            f"\n  [{t.num_prompt_tokens} prompt tokens, {t.num_cached_tokens} cached, "
+            f"{t.num_prefilled_tokens} prefilled; TTFT {(t.time_to_first_token or 0) * 1e3:.1f} ms; "
+            f"{len(last.token_ids)} new tokens]",
+            file=sys.stderr,
+        )
+        messages.append({"role": "assistant", "content": last.text})
+    return 0

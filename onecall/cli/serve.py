@@ -1,0 +1,104 @@
+"""`onecall serve`: the OpenAI-compatible HTTP server (server/app.py) under uvicorn.
+
+    onecall serve --port 8000 [--model path/to/model.gguf] [--api-key KEY]
+
+The socket is bound before the model loads (/health answers "loading" meanwhile); SIGTERM drains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+from onecall.engine_flags import add_engine_args, engine_kwargs
+from onecall.errors import InvalidParameterError
+
+
+def add_serve_command(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize"
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: the model's own)"
+    )
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
+    serve.add_argument("--max-waiting", type=int, default=256, help="most requests queued; beyond it a 429")
+    serve.add_argument("--no-prefix-caching", action="store_true", help="disable the radix prefix cache")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    """Bind first, load the model in the background (/health is 503 until it is in memory), serve.
+
+    SIGTERM or Ctrl-C: stop accepting, let in-flight requests finish for up to --shutdown-timeout
+    seconds, abort the rest, exit 0. A model that fails to load stops the server with exit code 2.
+    """
+    import uvicorn
+
+    from onecall.config import EngineConfig
+    from onecall.engine.engine import Engine
+    from onecall.model.checkpoint import resolve_model
+    from onecall.server.app import ServerConfig, create_app
+    from onecall.server.async_engine import AsyncEngine
+    from onecall.server.metrics import Metrics
+
+    # 1. everything a flag can get wrong fails here, before the socket is bound
+    engine_config = EngineConfig(
+        **engine_kwargs(a), max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching
+    )
+    resolve_model(a.model)  # a missing file is a clear error now, not a server that never gets ready
+    if a.max_waiting < 1:
+        raise InvalidParameterError("max_waiting", f"must be >= 1, got {a.max_waiting}")
+    _log_to_stderr()
+
+    # 2. the loader runs in a worker thread once the server is up
+    metrics = Metrics()
+    load_failed = False
+
+    def load() -> AsyncEngine:
+        nonlocal load_failed
+        try:
+            return AsyncEngine(Engine(engine_config), max_waiting=a.max_waiting, metrics=metrics)
+        except BaseException:
+            load_failed = True
+            server.should_exit = True
+            raise
+
+    # 3. serve until a signal
+    url = f"http://{a.host}:{a.port}"
+    config = ServerConfig(served_model_name=a.served_model_name, api_key=a.api_key, url=url)
+    app = create_app(load, config, metrics=metrics)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=a.host, port=a.port, timeout_graceful_shutdown=a.shutdown_timeout, lifespan="on"
+        )
+    )
+    # uvicorn re-raises the signal it caught once it has shut down gracefully; with the default
+    # SIGTERM action that would kill the process (exit -15). A no-op handler lets us return 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run()
+    return 2 if load_failed else 0
+
+
+def _log_to_stderr() -> None:
+    """onecall's own log lines ("onecall: serving ...", request errors) on stderr, next to uvicorn's."""
+    logger = logging.getLogger("onecall")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
