@@ -32,7 +32,6 @@ from onecall.bundle import (
     save_bundle,
 )
 from onecall.cli import main
-from onecall.engine.engine import Engine
 from onecall.errors import InvalidParameterError
 from onecall.llm import LLM
 from onecall.model.checkpoint import ModelFiles, resolve_model
@@ -65,8 +64,7 @@ def folder_sha256(files: ModelFiles) -> str:
 
 def tiny_llm(files: ModelFiles) -> LLM:
     """An LLM on the tiny engine, which claims `files` (and not the embedded GGUF) as its model."""
-    engine = tiny_engine()
-    return LLM(engine=Engine(engine.config, parts=dataclasses.replace(engine.parts, files=files)))
+    return LLM(engine=tiny_engine(files=files))
 
 
 def saved(

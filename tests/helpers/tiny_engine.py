@@ -15,7 +15,7 @@ import torch
 from onecall.config import EngineConfig
 from onecall.engine.engine import Engine
 from onecall.engine.engine_parts import LoadedEngineParts
-from onecall.model.checkpoint import resolve_model
+from onecall.model.checkpoint import ModelFiles, resolve_model
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.gguf import open_gguf
@@ -65,8 +65,11 @@ def tiny_engine(
     block_size: int = 4,
     arch: str = "llama",
     model: DecoderLM | None = None,
+    files: ModelFiles | None = None,
     **config: Any,
 ) -> Engine:
+    """The tiny model (or `model`) as an engine. `files`: the model files the engine claims to run
+    (what bundles hash and traces name); the embedded GGUF's when not given."""
     model = model or tiny_model(arch)
     mc = model.config
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=block_size, **config)
@@ -81,7 +84,7 @@ def tiny_engine(
     )
     max_len = min(mc.max_position_embeddings, num_blocks * block_size)
     parts = LoadedEngineParts(
-        files=resolve_model(None),
+        files=files or resolve_model(None),
         model_config=mc,
         model=model,
         tokenizer=embedded_tokenizer(),
