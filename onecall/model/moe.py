@@ -27,9 +27,7 @@ from torch import nn
 from onecall.model.layers import Linear
 
 
-def route(
-    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_tokens, num_experts) logits -> (weights (num_tokens, top_k) in the logits' dtype, expert ids
     (num_tokens, top_k) int64). Softmax over every expert in float32, then the top k, renormalised to
     sum to 1 when `norm_topk_prob`."""
