@@ -17,6 +17,7 @@ from onecall.model.attention import build_attention_metadata
 from onecall.model.decoder import DecoderLM
 from onecall.model.fast_linear import decode_rows
 from onecall.model.kv_cache import PagedKVCache
+from onecall.model.native_step import NativeDecodeStep
 from onecall.model.packing import enable_fast_kernels
 from tests.helpers.int4 import int4_engine
 from tests.helpers.tiny_engine import tiny_model
@@ -55,10 +56,18 @@ def _decode(model: DecoderLM, cache: PagedKVCache, tables: list[list[int]], lens
         return model(ids, positions, cache, meta)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v biases in the 4-bit projections; q/k norms
+@pytest.mark.parametrize(
+    ("arch", "window", "softcap"),
+    [("qwen2", None, None), ("qwen3", None, None), ("qwen2", 3, 2.0)],  # biases; q/k norms; window + cap
+)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_native_step_gives_the_per_op_paths_bits(kv_dtype: torch.dtype, arch: str) -> None:
+def test_native_step_gives_the_per_op_paths_bits(
+    kv_dtype: torch.dtype, arch: str, window: int | None, softcap: float | None
+) -> None:
     model = int4_engine("fast", arch=arch).parts.model
+    for layer in model.model.layers:  # per-layer attention options, as Gemma/Mistral configs set them
+        layer.self_attn.sliding_window, layer.self_attn.logit_softcap = window, softcap  # type: ignore[union-attr]
+    model.native_step = NativeDecodeStep.build(model.model)
     step = model.native_step
     assert step is not None, model.kernels
     c = model.config

@@ -22,6 +22,11 @@ a CPU, SDPA over a view of the cache reads each KV byte once (measured against t
 choices in the README's attention table). "triton" (model/triton_attention.py) is the CUDA
 path; its numerics run on CPU under TRITON_INTERPRET=1 in the tests.
 
+Per-layer options, on every backend: a sliding window (Mistral, Gemma's local layers) and logit
+soft-capping (Gemma 2); see paged_attention. On "paged"/"reference" a sequence they change runs
+through `_attend_windowed` (its keys cut to the window, an explicit band mask); decode rows take the
+native kernel's own window and cap; Triton masks by position and skips tiles before the window.
+
 Batch invariance: on "paged" and "reference" a sequence's attention is computed by a call that
 sees only that sequence (its own query rows, its own KV, its own mask), so its result does not
 depend on what else shares the step.
@@ -240,13 +245,21 @@ def paged_attention(
     layer_idx: int,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Write k_new/v_new into the cache, then attend each sequence causally over its whole KV.
 
     q: (num_tokens, num_heads, head_dim); k_new, v_new: (num_tokens, num_kv_heads, head_dim), or both
     None when the caller has already stored them at meta.slot_mapping (native.rope_store).
     Returns (num_tokens, num_heads, head_dim). GQA: head h reads KV head h // (num_heads // num_kv_heads).
+
+    Per-layer options (transformers' definitions): `sliding_window` W, a query at position t sees
+    keys t - W + 1 .. t only (Mistral, Gemma's local layers); `logit_softcap` c, scores (after the
+    scale) become c * tanh(score / c) before the mask and softmax (Gemma 2).
     """
+    window = Window(sliding_window, logit_softcap)
     assert q.shape[0] == meta.num_tokens == meta.slot_mapping.shape[0], "batch does not match the metadata"
     k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]  # (num_slots, num_kv_heads, head_dim)
     if k_new is not None and v_new is not None:
@@ -255,7 +268,7 @@ def paged_attention(
     if meta.backend == "triton":
         from onecall.model.triton_attention import triton_paged_attention
 
-        return triton_paged_attention(q, k_cache, v_cache, meta, scale)
+        return triton_paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
 
     d = meta.decode if native.decode_attention_fits(q, k_cache) else None
     done: set[int] = set()
@@ -267,7 +280,7 @@ def paged_attention(
         q_dec = q[:n] if d.rows_are_prefix else q.index_select(0, d.rows)
         o_dec = native.paged_decode_attention(
             lib, q_dec, k_cache, v_cache, d.block_tables, d.seq_lens, meta.block_size, scale,
-            torch.get_num_threads(),
+            torch.get_num_threads(), sliding_window, logit_softcap,
         )  # fmt: skip
         if n == len(meta.seqs):
             return o_dec
@@ -278,13 +291,13 @@ def paged_attention(
             out.index_copy_(0, d.rows, o_dec)
         done = set(d.seq_index)
     elif len(meta.seqs) == 1:  # the whole batch is one sequence: no scatter into `out`
-        return _attend(q, k_cache, v_cache, meta.seqs[0], meta.block_size, scale)
+        return _attend(q, k_cache, v_cache, meta.seqs[0], meta.block_size, scale, window)
     if out is None:
         out = torch.empty_like(q)
     for i, s in enumerate(meta.seqs):
         if i not in done:
             out[s.q_start : s.q_end] = _attend(
-                q[s.q_start : s.q_end], k_cache, v_cache, s, meta.block_size, scale
+                q[s.q_start : s.q_end], k_cache, v_cache, s, meta.block_size, scale, window
             )
     return out
 
@@ -300,8 +313,47 @@ def _sequence_kv(cache: torch.Tensor, s: SeqSpan, block_size: int) -> torch.Tens
     return cache.index_select(0, s.slots)
 
 
+@dataclass(frozen=True)
+class Window:
+    """A layer's departures from plain causal attention (paged_attention's keyword options)."""
+
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+    def first_key(self, s: SeqSpan) -> int:
+        """The first position any of the sequence's query rows sees (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, s.seq_len - s.query_len - self.sliding_window + 1)
+
+    def applies_to(self, s: SeqSpan) -> bool:
+        """Whether the sequence's attention differs from plain causal attention this step."""
+        cuts = self.sliding_window is not None and s.seq_len > self.sliding_window
+        return cuts or self.logit_softcap is not None
+
+    def mask(self, s: SeqSpan, first_key: int) -> torch.Tensor | None:
+        """(query_len, seq_len - first_key) bool, True = attend; None when every key is visible (one
+        query: first_key already cut its window). Query i is at position seq_len - query_len + i, key j
+        at first_key + j. Built per call: the prompt path, O(query_len * seq_len) next to the
+        attention's own O(query_len * seq_len * head_dim)."""
+        if s.query_len == 1:
+            return None
+        q_pos = torch.arange(s.seq_len - s.query_len, s.seq_len)[:, None]
+        k_pos = torch.arange(first_key, s.seq_len)[None, :]
+        visible = k_pos <= q_pos
+        if self.sliding_window is not None:
+            visible &= k_pos > q_pos - self.sliding_window
+        return visible
+
+
 def _attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: SeqSpan, block_size: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    s: SeqSpan,
+    block_size: int,
+    scale: float,
+    window: Window,
 ) -> torch.Tensor:
     """One sequence: q (query_len, num_heads, head_dim) over its KV -> (query_len, num_heads, head_dim)."""
     query_len, num_heads, head_dim = q.shape
@@ -310,6 +362,10 @@ def _attend(
     k = _sequence_kv(k_cache, s, block_size).to(q.dtype).transpose(0, 1)[None]
     v = _sequence_kv(v_cache, s, block_size).to(q.dtype).transpose(0, 1)[None]
     num_kv_heads = k.shape[1]
+    if window.applies_to(s):
+        first = window.first_key(s)
+        k, v = k[:, :, first:], v[:, :, first:]  # keys before `first` are outside every row's window
+        return _attend_windowed(q, k, v, window.mask(s, first), scale, window.logit_softcap)
     if query_len == 1:
         # GQA by folding: the `group` query heads that share a KV head become `group` queries of that
         # KV head, (1, num_kv_heads, group, head_dim). One query sees every key, so no mask changes and
@@ -327,4 +383,32 @@ def _attend(
         scale=scale,
         enable_gqa=True,
     )[0]
+    return o.transpose(0, 1)
+
+
+def _attend_windowed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    """q (query_len, num_heads, head_dim) over k, v (1, num_kv_heads, num_keys, head_dim) with an
+    explicit (query_len, num_keys) mask (None: every key visible). SDPA when only the mask differs;
+    soft-capping changes the scores themselves, so it runs as plain matmuls and a float32 softmax
+    (transformers' eager attention), GQA by repeating each KV head for its group."""
+    query_len, num_heads, head_dim = q.shape
+    qh = q.transpose(0, 1)[None]  # (1, num_heads, query_len, head_dim)
+    mask = None if mask is None else mask.to(q.device)
+    if logit_softcap is None:
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[0]
+        return o.transpose(0, 1)
+    group = num_heads // k.shape[1]
+    k, v = k[0].repeat_interleave(group, dim=0), v[0].repeat_interleave(group, dim=0)
+    scores = torch.matmul(qh[0], k.transpose(1, 2)).float() * scale  # (num_heads, query_len, num_keys)
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    o = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)  # (num_heads, query_len, head_dim)
     return o.transpose(0, 1)

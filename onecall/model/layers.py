@@ -11,6 +11,7 @@ by the AttentionMetadata only.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +124,9 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+        # Per-layer departures from plain causal attention (model/attention.py: paged_attention).
+        self.sliding_window: int | None = None
+        self.logit_softcap: float | None = None
         # Set by the fast kernels (float32 CPU): q/k norms, RoPE and the K/V cache write in one pass.
         self.native: ctypes.CDLL | None = None
 
@@ -150,13 +154,16 @@ class Attention(nn.Module):
                 meta.slot_mapping, kv_cache.k[layer_idx], kv_cache.v[layer_idx], self.native_qk_norm(),
             )  # fmt: skip
             q = qkv_flat.view(n, -1, self.head_dim)[:, : self.num_heads]
-            o = paged_attention(q, None, None, kv_cache, layer_idx, meta, self.scale)
+            o = paged_attention(q, None, None, kv_cache, layer_idx, meta, self.scale, **self._options())
             return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
         q, k, v = self.qkv_heads(x, cos, sin)
         o = paged_attention(
-            q, k, v, kv_cache, layer_idx, meta, self.scale
+            q, k, v, kv_cache, layer_idx, meta, self.scale, **self._options()
         )  # (num_tokens, num_heads, head_dim)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+
+    def _options(self) -> dict[str, Any]:
+        return {"sliding_window": self.sliding_window, "logit_softcap": self.logit_softcap}
 
     def qkv_heads(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

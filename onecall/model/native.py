@@ -141,25 +141,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int]
     lib.onecall_q8_gemm.restype = c_int
     # q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D, block_size,
-    # scale, out, num_threads, kv_f16
-    attention_args: list[Any] = [
-        p,
-        i64,
-        p,
-        p,
-        p,
-        i64,
-        p,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        p,
-        c_int,
-        c_int,
-    ]
+    # scale, window, softcap, out, num_threads, kv_f16
+    f32 = ctypes.c_float
+    attention_args: list[Any] = [p, i64, p, p, p, i64, p, i64, i64, i64, i64, i64, f32, i64, f32, p, c_int, c_int]  # fmt: skip
     lib.onecall_paged_decode_attention.argtypes = attention_args
     lib.onecall_paged_decode_attention.restype = c_int
     lib.onecall_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p]
@@ -171,7 +155,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     # layers, num_layers, h, M, hidden, H, KVH, D, I, eps, attn_scale, cos, sin, slot_mapping, k_cache,
     # v_cache, layer_stride, kv_f16, block_tables, max_blocks, seq_lens, block_size, final_norm, out,
     # num_threads (model/native_step.py)
-    f32 = ctypes.c_float
     step_args: list[Any] = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, i64, c_int]
     lib.onecall_decode_layers.argtypes = [*step_args, p, i64, p, i64, p, p, c_int]
     lib.onecall_decode_layers.restype = c_int
@@ -269,12 +252,15 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     num_threads: int,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged KV, read in place (see csrc).
 
     q (S, H, D) float32 with contiguous heads (rows may be strided: a slice of the fused qkv output);
     k_cache, v_cache (num_slots, KVH, D) float32 or float16, contiguous; block_tables (S, max_blocks) int32;
-    seq_lens (S,) int32. Returns (S, H, D) float32.
+    seq_lens (S,) int32. Returns (S, H, D) float32. sliding_window: each query sees only its last
+    that many positions; logit_softcap: scores -> softcap * tanh(scores / softcap) (model/attention.py).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -285,7 +271,8 @@ def paged_decode_attention(
     rc = lib.onecall_paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-        block_size, scale, out.data_ptr(), num_threads, int(k_cache.dtype == torch.float16),
+        block_size, scale, sliding_window or 0, logit_softcap or 0.0, out.data_ptr(), num_threads,
+        int(k_cache.dtype == torch.float16),
     )  # fmt: skip
     if rc == -1:
         raise MemoryError("onecall_paged_decode_attention: out of memory for partial results")

@@ -48,13 +48,16 @@ class _Q4Weight(ctypes.Structure):
 
 
 class _DecodeLayer(ctypes.Structure):
-    """csrc's DecodeLayer: a layer's two norm weights, its q/k norm weights (or NULL) and four projections."""
+    """csrc's DecodeLayer: a layer's two norm weights, its q/k norm weights (or NULL), its attention
+    options (sliding window, logit soft-cap; 0 = none) and four projections."""
 
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
+        ("window", ctypes.c_int64),
+        ("softcap", ctypes.c_float),
         ("qkv", _Q4Weight),
         ("o", _Q4Weight),
         ("gate_up", _Q4Weight),
@@ -108,9 +111,9 @@ class NativeDecodeStep:
             if any(w is None for w in weights):
                 return None
             q_norm, k_norm = (qk_norm[0].data_ptr(), qk_norm[1].data_ptr()) if qk_norm else (None, None)
-            structs.append(
-                _DecodeLayer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), q_norm, k_norm, *weights)
-            )
+            window, softcap = attn.sliding_window or 0, attn.logit_softcap or 0.0
+            norm_ptrs = (norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), q_norm, k_norm)
+            structs.append(_DecodeLayer(*norm_ptrs, window, softcap, *weights))
         return cls(lib, (_DecodeLayer * len(structs))(*structs), model)
 
     def accepts(self, meta: AttentionMetadata, kv_cache: PagedKVCache, num_rows: int) -> bool:

@@ -46,6 +46,9 @@ def _paged_attention_kernel(
     stride_o_tok,
     stride_o_head,
     max_blocks,
+    window,  # sliding window (a query at t sees t - window + 1 .. t); 0: none
+    softcap,  # scores -> softcap * tanh(score / softcap); used when HAS_SOFTCAP
+    HAS_SOFTCAP: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
@@ -74,9 +77,13 @@ def _paged_attention_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    # keys up to the last query position of this block (causal), never past seq_len
+    # keys up to the last query position of this block (causal), never past seq_len; with a window,
+    # from the first key its first row sees (tiles before it are all outside every row's window)
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_M)
-    for start in range(0, kv_end, BLOCK_N):
+    kv_begin = 0
+    if window > 0:
+        kv_begin = tl.maximum(context_len + q_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_begin, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         pos_ok = pos < kv_end
         block = tl.load(block_tables_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=pos_ok, other=0)
@@ -85,7 +92,11 @@ def _paged_attention_kernel(
         k = tl.load(k_ptr + kv_off, mask=pos_ok[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
         v = tl.load(v_ptr + kv_off, mask=pos_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N) float32
+        if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), from exp alone (portable across backends)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :] & row_ok[:, None]
+        if window > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -105,8 +116,11 @@ def triton_paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """q (num_tokens, num_heads, head_dim) over the paged cache -> (num_tokens, num_heads, head_dim)."""
+    """q (num_tokens, num_heads, head_dim) over the paged cache -> (num_tokens, num_heads, head_dim).
+    sliding_window, logit_softcap: as model/attention.py's paged_attention defines them."""
     assert meta.block_tables is not None and meta.seq_lens_t is not None and meta.query_starts_t is not None
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -120,8 +134,8 @@ def triton_paged_attention(
     kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens_t, meta.query_starts_t, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        meta.block_tables.shape[1],
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size,
+        meta.block_tables.shape[1], sliding_window or 0, logit_softcap or 1.0,
+        HAS_SOFTCAP=logit_softcap is not None, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out

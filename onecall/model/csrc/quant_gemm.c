@@ -303,16 +303,23 @@ static inline __attribute__((always_inline)) void dots4(const float *q, const vo
     if (n > 3) out[3] = hsum8(a3);
 }
 
+/* The first position a decode query at position len - 1 sees: len - window with a sliding window
+ * (window > 0: the query and the window - 1 positions before it), else 0. */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 static inline __attribute__((always_inline)) int paged_decode_attention(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
     int64_t max_blocks, const int32_t *seq_lens, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-    float scale, float *out, int num_threads, const int f16) {
+    float scale, int64_t window, float softcap, float *out, int num_threads, const int f16) {
     const int64_t elem = f16 ? 2 : 4; /* bytes per cached value */
     if (H > ATTN_MAX_HEADS || H % KVH || D % 8) return -2;
     const int64_t G = H / KVH;
     int64_t max_chunks = 1;
     for (int64_t s = 0; s < S; s++) {
-        const int64_t c = (seq_lens[s] + ATTN_CHUNK - 1) / ATTN_CHUNK;
+        const int64_t span = seq_lens[s] - window_start(seq_lens[s], window);
+        const int64_t c = (span + ATTN_CHUNK - 1) / ATTN_CHUNK;
         max_chunks = c > max_chunks ? c : max_chunks;
     }
     /* per task and query head: [max, sum, acc (D)] */
@@ -323,7 +330,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t t = 0; t < num_tasks; t++) {
         const int64_t s = t / max_chunks, c = t % max_chunks;
-        const int64_t start = c * ATTN_CHUNK, len = seq_lens[s];
+        const int64_t len = seq_lens[s], start = window_start(len, window) + c * ATTN_CHUNK;
         float *pt = part + t * H * stride;
         if (start >= len) {
             for (int64_t h = 0; h < H; h++) pt[h * stride] = -INFINITY;
@@ -349,6 +356,9 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                     for (int j = 0; j < m; j++) sc[kh * G + g0 + j][i] = d4[j] * scale;
                 }
         }
+        if (softcap > 0.0f) /* Gemma 2's logit soft-capping: softcap * tanh(score / softcap) */
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < n; i++) sc[h][i] = softcap * tanhf(sc[h][i] / softcap);
         /* 2. per query head: max, exp, sum */
         for (int64_t h = 0; h < H; h++) {
             float mx = -INFINITY;
@@ -410,16 +420,19 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     return 0;
 }
 
-/* kv_f16: the caches hold IEEE half values (EngineConfig.kv_cache_dtype "float16"), else float32. */
+/* kv_f16: the caches hold IEEE half values (EngineConfig.kv_cache_dtype "float16"), else float32.
+ * window > 0: a sliding window (each query sees its last `window` positions); softcap > 0: scores
+ * are soft-capped before the softmax. 0 turns either off. */
 int onecall_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                    const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                    int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                                   float scale, float *out, int num_threads, int kv_f16) {
+                                   float scale, int64_t window, float softcap, float *out, int num_threads,
+                                   int kv_f16) {
     if (kv_f16)
         return paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH,
-                                      D, block_size, scale, out, num_threads, 1);
+                                      D, block_size, scale, window, softcap, out, num_threads, 1);
     return paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D,
-                                  block_size, scale, out, num_threads, 0);
+                                  block_size, scale, window, softcap, out, num_threads, 0);
 }
 
 /* h (M, K) += r (M, K) when r is given; then y = h / sqrt(mean(h^2) + eps) * w, row by row
@@ -523,6 +536,8 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm; /* (hidden,) */
     const float *q_norm, *k_norm;        /* (D,), or NULL: no per-head q/k norm */
+    int64_t window;                      /* sliding window, 0: none */
+    float softcap;                       /* attention logit soft-cap, 0: none */
     Q4Weight qkv, o, gate_up, down;
 } DecodeLayer;
 
@@ -552,7 +567,8 @@ int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, float *
         if ((rc = q4_apply(&L->qkv, x, M, qkv, num_threads))) break;
         onecall_rope_store(qkv, M, H, KVH, D, L->q_norm, L->k_norm, eps, cos, sin, slot_mapping, kc, vc, kv_f16);
         rc = onecall_paged_decode_attention(qkv, width, kc, vc, block_tables, max_blocks, seq_lens, M, H, KVH, D,
-                                            block_size, attn_scale, attn, num_threads, kv_f16);
+                                            block_size, attn_scale, L->window, L->softcap, attn, num_threads,
+                                            kv_f16);
         if (rc || (rc = q4_apply(&L->o, attn, M, o, num_threads))) break;
         onecall_add_rms_norm(h, o, L->post_norm, M, hidden, eps, x);
         if ((rc = q4_apply(&L->gate_up, x, M, gu, num_threads))) break;
