@@ -52,7 +52,7 @@ class KVSim:
 
     def assert_tree_content(self) -> None:
         """Every cached path's slots hold KV for exactly that path's tokens."""
-        stack: list[tuple[TreeNode, tuple[int, ...]]] = [(self.mgr.tree.root, ())]
+        stack: list[tuple[TreeNode, tuple[int, ...]]] = [(root, ()) for root in self.mgr.tree.roots()]
         while stack:
             node, prefix = stack.pop()
             for child in node.children.values():
@@ -375,17 +375,20 @@ class Harness:
         self.sim = KVSim(self.mgr)
         self.seqs: dict[int, tuple[list[int], int]] = {}  # seq_id -> (tokens, num_computed)
         self.pending: set[int] = set()  # sequences whose copies are queued, not yet applied
-        self.committed: set[tuple[int, ...]] = set()  # paths committed since the last reset
+        # paths committed since the last reset, by cache_salt (None: no salt)
+        self.committed: dict[str | None, set[tuple[int, ...]]] = {}
+        self.salt_of: dict[int, str | None] = {}
         self.next_id = 0
         self.stats: Counter[str] = Counter()
 
-    def begin(self, tokens: list[int], drain: bool) -> None:
-        """Start a sequence; its copies are applied now or later (several begins per step)."""
+    def begin(self, tokens: list[int], drain: bool, salt: str | None = None) -> None:
+        """Start a sequence; its copies are applied now or later (several begins per step). Only
+        paths committed under the same salt may be reused."""
         mgr, seq_id = self.mgr, self.next_id
         self.next_id += 1
-        before, peeked = snapshot(mgr), mgr.peek(tokens)
+        before, peeked = snapshot(mgr), mgr.peek(tokens, salt)
         assert snapshot(mgr) == before  # peek is read-only
-        match = mgr.begin(seq_id, tokens)
+        match = mgr.begin(seq_id, tokens, salt)
         if match is None:
             assert snapshot(mgr) == before
             self.stats["begin failed"] += 1
@@ -393,14 +396,16 @@ class Harness:
         assert match == peeked
         n, cap = match.num_cached_tokens, len(tokens) - 1
         # bounds: no more than any committed path offers; no less than one still fully cached
-        lcps = [_lcp(c, tokens) for c in self.committed]
-        alive = [_lcp(c, tokens) for c in self.committed if mgr.peek([*c, 9]).num_cached_tokens == len(c)]
+        same_salt = self.committed.get(salt, set())
+        lcps = [_lcp(c, tokens) for c in same_salt]
+        alive = [_lcp(c, tokens) for c in same_salt if mgr.peek([*c, 9], salt).num_cached_tokens == len(c)]
         assert min(max(alive, default=0), cap) <= n <= min(max(lcps, default=0), cap)
         if match.divergence is not None:
             d = match.divergence
             assert d.index >= n and d.prompt_token == tokens[d.index] != d.cached_token
         self.stats["begin hit" if n else "begin miss"] += 1
         self.seqs[seq_id] = (list(tokens), n)
+        self.salt_of[seq_id] = salt
         self.pending.add(seq_id)
         if drain:
             self.drain()
@@ -435,7 +440,7 @@ class Harness:
     def commit(self, seq_id: int) -> None:
         tokens, done = self.seqs[seq_id]
         self.mgr.commit(seq_id, tokens[:done])
-        self.committed.add(tuple(tokens[:done]))
+        self.committed.setdefault(self.salt_of[seq_id], set()).add(tuple(tokens[:done]))
 
     def free(self, seq_id: int, keep: bool) -> None:
         """Finish (commit, then free) or abort (just free)."""
@@ -469,10 +474,12 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _prompt(h: Harness, tail: list[int], pick: int, cut: int) -> list[int]:
-    """A random tail, after a cut of a committed path half of the time (so prompts hit)."""
-    if not h.committed or pick % 2:
+    """A random tail, after a cut of a committed path half of the time (so prompts hit; a path
+    committed under another salt must not)."""
+    paths = sorted(set().union(*h.committed.values()))
+    if not paths or pick % 2:
         return tail
-    base = sorted(h.committed)[pick % len(h.committed)]
+    base = paths[pick % len(paths)]
     return list(base[: cut % (len(base) + 1)]) + tail
 
 
@@ -490,9 +497,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         return sorted(self.h.seqs)[i % len(self.h.seqs)]
 
     @precondition(lambda self: len(self.h.seqs) < 3)
-    @rule(tail=TOKENS, pick=st.integers(0, 63), cut=st.integers(0, 63), drain=st.booleans())
-    def begin(self, tail: list[int], pick: int, cut: int, drain: bool) -> None:
-        self.h.begin(_prompt(self.h, tail, pick, cut), drain)
+    @rule(
+        tail=TOKENS,
+        pick=st.integers(0, 63),
+        cut=st.integers(0, 63),
+        drain=st.booleans(),
+        salt=st.sampled_from([None, None, "a"]),
+    )
+    def begin(self, tail: list[int], pick: int, cut: int, drain: bool, salt: str | None) -> None:
+        self.h.begin(_prompt(self.h, tail, pick, cut), drain, salt)
 
     @precondition(lambda self: self.h.seqs)
     @rule(
@@ -535,7 +548,8 @@ def test_seeded_random_operations(seed: int) -> None:
         op, live = rng.random(), sorted(h.seqs)
         if op < 0.3 and len(live) < 3:
             tail = [rng.randint(0, 2) for _ in range(rng.randint(1, 10))]
-            h.begin(_prompt(h, tail, rng.randint(0, 63), rng.randint(0, 63)), rng.random() < 0.5)
+            salt = rng.choice([None, None, "a"])
+            h.begin(_prompt(h, tail, rng.randint(0, 63), rng.randint(0, 63)), rng.random() < 0.5, salt)
         elif op < 0.75 and live:
             new = [rng.randint(0, 2) for _ in range(rng.randint(0, 3))]
             h.extend(rng.choice(live), new, rng.randint(1, 16), rng.random() < 0.5)
@@ -545,3 +559,40 @@ def test_seeded_random_operations(seed: int) -> None:
             h.reset()
         h.check()
     assert h.stats["begin hit"] > 0 and h.stats["evicted"] + h.stats["extend failed"] > 0, h.stats
+
+
+# ---- cache_salt ---------------------------------------------------------------------------------
+def test_a_salt_only_matches_paths_cached_under_it() -> None:
+    mgr = BlockManager(32, 4)
+    sim = KVSim(mgr)
+    prompt = list(range(100, 118))
+    match = mgr.begin(1, prompt, "tenant-a")
+    assert match is not None and match.num_cached_tokens == 0
+    sim.apply_copies()
+    assert mgr.ensure_capacity(1, len(prompt))
+    sim.write(1, prompt, 0, len(prompt))
+    mgr.commit(1, prompt)  # inserted under the salt the sequence began with
+    mgr.free(1)
+    longer = [*prompt, 7]
+    assert mgr.peek(longer, "tenant-a").num_cached_tokens == len(prompt)
+    assert mgr.peek(longer, "tenant-b") == PrefixMatch(0, None)  # no divergence reported either
+    assert mgr.peek(longer) == PrefixMatch(0, None)
+    mgr.check_invariants()
+    sim.assert_tree_content()
+
+
+def test_an_evicted_salt_leaves_no_root_behind() -> None:
+    mgr = BlockManager(6, 2)
+    sim = KVSim(mgr)
+    cache_path(mgr, sim, 1, [1, 2, 3, 4])  # no salt
+    match = mgr.begin(2, [5, 6, 7, 8], "x")
+    assert match is not None
+    assert mgr.ensure_capacity(2, 4)
+    sim.write(2, [5, 6, 7, 8], 0, 4)
+    mgr.commit(2, [5, 6, 7, 8])
+    mgr.free(2)
+    assert len(mgr.tree.roots()) == 2
+    # a sequence needing every block evicts both paths; the salted root goes with its last path
+    assert mgr.begin(3, [9]) is not None and mgr.ensure_capacity(3, 12)
+    assert len(mgr.tree.roots()) == 1 and mgr.peek([5, 6, 7, 8, 1], "x").num_cached_tokens == 0
+    mgr.check_invariants()

@@ -153,6 +153,7 @@ class BlockManager:
         self.tree = RadixCache(self.pool, block_size)
         self._tables: dict[int, list[int]] = {}  # seq_id -> block ids, logical order
         self._runs: dict[int, int] = {}  # seq_id -> leading blocks known to be consecutive ids
+        self._salts: dict[int, str] = {}  # seq_id -> its cache_salt, for sequences begun with one
         self._copy_ops: list[tuple[int, int]] = []  # pending (src_slot, dst_slot), in order
 
     # ---- accounting ---------------------------------------------------------------------------
@@ -209,15 +210,17 @@ class BlockManager:
         return ops
 
     # ---- prefix matching ----------------------------------------------------------------------
-    def peek(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def peek(self, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch:
         """What begin() would reuse right now (read-only)."""
-        return self._prefix_match(list(token_ids))[0]
+        return self._prefix_match(list(token_ids), salt)[0]
 
-    def _prefix_match(self, tokens: list[int]) -> tuple[PrefixMatch, list[int], list[TreeNode]]:
+    def _prefix_match(
+        self, tokens: list[int], salt: str | None
+    ) -> tuple[PrefixMatch, list[int], list[TreeNode]]:
         """The match, the slots of its num_cached_tokens positions, and the nodes it used."""
         if not self.enable_prefix_caching or not tokens:
             return PrefixMatch(0, None), [], []
-        path = self.tree.match(tokens)
+        path = self.tree.match(tokens, salt)
         num_cached = min(path.num_matched, len(tokens) - 1)
         divergence = None
         if path.next_cached_token is not None:
@@ -226,11 +229,12 @@ class BlockManager:
         match = PrefixMatch(num_cached, divergence, is_capped=path.num_matched == len(tokens))
         return match, path.slots[:num_cached], path.nodes
 
-    def begin(self, seq_id: int, token_ids: Sequence[int]) -> PrefixMatch | None:
-        """Start a sequence on its cached prefix. None (and no change at all) if the blocks to
-        copy into cannot be allocated even after evicting every other cached path."""
+    def begin(self, seq_id: int, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch | None:
+        """Start a sequence on its cached prefix (under its cache_salt: paths cached with another salt,
+        or none, never match). None (and no change at all) if the blocks to copy into cannot be
+        allocated even after evicting every other cached path."""
         assert seq_id not in self._tables, f"sequence {seq_id} already started"
-        match, cached_slots, nodes = self._prefix_match(list(token_ids))
+        match, cached_slots, nodes = self._prefix_match(list(token_ids), salt)
         bs, n = self.block_size, match.num_cached_tokens
 
         # 1. plan: for each logical block of the match, the block to share or None (= copy)
@@ -261,6 +265,8 @@ class BlockManager:
                         self._copy_ops.append((cached_slots[p], block * bs + p % bs))
         self._tables[seq_id] = table
         self._runs[seq_id] = 0
+        if salt is not None:
+            self._salts[seq_id] = salt  # what commit() inserts under
         self.tree.touch(nodes)
         return match
 
@@ -301,11 +307,12 @@ class BlockManager:
                 assert not set(new) & {dst for _, dst in self._copy_ops}, "commit before copies ran"
             return new
 
-        self.tree.insert(tokens, slots_of)
+        self.tree.insert(tokens, slots_of, self._salts.get(seq_id))
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references (finish, abort, preemption). Unknown ids: no-op."""
         self._runs.pop(seq_id, None)
+        self._salts.pop(seq_id, None)
         for block in self._tables.pop(seq_id, ()):
             self.pool.decref(block)
 

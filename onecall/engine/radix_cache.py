@@ -19,6 +19,11 @@ reference on the block. Invariants kept here (checked by BlockManager.check_inva
     | pool.tree_tokens[b]          | number of tree positions whose slot is in block b        |
     | slots along a path           | hold K/V computed for exactly that path's tokens         |
 
+`cache_salt`: each salt has its own root (no salt: the default root), so a path is only ever matched
+by requests with the salt it was inserted under; one tenant's prompts cannot hit (or time) another's.
+The salted roots share the pool, the leaf set and LRU eviction with the default one; a salted root
+is dropped once its last path is evicted.
+
 Splitting an edge after k tokens moves key/slots[:k] into a new parent node: no slot changes
 hands, so the per-block counts stay as they are. Eviction removes whole leaves, least recently used
 first, preferring leaves whose removal frees at least one block.
@@ -87,16 +92,30 @@ class RadixCache:
     def __init__(self, pool: TreeBlockRefs, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.root = TreeNode([], [], None, 0)
+        self.root = TreeNode([], [], None, 0)  # paths inserted without a salt
+        self._salted: dict[str, TreeNode] = {}  # cache_salt -> its own root
+        self._salt_of: dict[TreeNode, str] = {}  # the reverse, to drop a salted root once empty
         self._clock = 0
         # Every non-root node without children, kept as the tree changes, so eviction starts from
         # the leaves instead of walking the whole tree (invariant checked by check_and_count).
         self._leaves: set[TreeNode] = set()
 
     # ---- lookups ------------------------------------------------------------------------------
-    def match(self, tokens: list[int]) -> PathMatch:
-        """Walk the tree along tokens, comparing whole edges at a time. Read-only."""
-        node, pos, n = self.root, 0, len(tokens)
+    def _root(self, salt: str | None, create: bool = False) -> TreeNode | None:
+        if salt is None:
+            return self.root
+        root = self._salted.get(salt)
+        if root is None and create:
+            root = self._salted[salt] = TreeNode([], [], None, 0)
+            self._salt_of[root] = salt
+        return root
+
+    def match(self, tokens: list[int], salt: str | None = None) -> PathMatch:
+        """Walk the salt's tree along tokens, comparing whole edges at a time. Read-only."""
+        root = self._root(salt)
+        if root is None:
+            return PathMatch(0, [], [], None)
+        node, pos, n = root, 0, len(tokens)
         slots: list[int] = []
         nodes: list[TreeNode] = []
         next_cached: int | None = None
@@ -117,6 +136,10 @@ class RadixCache:
             node = child
         return PathMatch(pos, slots, nodes, next_cached)
 
+    def roots(self) -> list[TreeNode]:
+        """The default root, then one per cache_salt that has a cached path."""
+        return [self.root, *self._salted.values()]
+
     def touch(self, nodes: list[TreeNode]) -> None:
         """Mark nodes as just used (for LRU)."""
         self._clock += 1
@@ -124,19 +147,25 @@ class RadixCache:
             node.last_access = self._clock
 
     def iter_nodes(self) -> Iterator[tuple[TreeNode, int]]:
-        """Every non-root node with the position its edge starts at (depth-first)."""
-        stack = [(child, 0) for child in self.root.children.values()]
+        """Every non-root node, under every salt, with the position its edge starts at (depth-first)."""
+        stack = [(child, 0) for root in self.roots() for child in root.children.values()]
         while stack:
             node, start = stack.pop()
             yield node, start
             stack.extend((child, start + len(node.key)) for child in node.children.values())
 
     # ---- insertion ----------------------------------------------------------------------------
-    def insert(self, tokens: list[int], slots_of: Callable[[int, int], list[int]]) -> None:
-        """Make tokens a cached path. Positions already in the tree keep the tree's slots;
-        the new suffix [m, len) takes slots_of(m, len) (the inserting sequence's slots)."""
+    def insert(
+        self, tokens: list[int], slots_of: Callable[[int, int], list[int]], salt: str | None = None
+    ) -> None:
+        """Make tokens a cached path under the salt. Positions already in the tree keep the tree's
+        slots; the new suffix [m, len) takes slots_of(m, len) (the inserting sequence's slots)."""
+        if not tokens:
+            return  # (and no empty salted root is made)
         self._clock += 1
-        node, pos, n = self.root, 0, len(tokens)
+        node = self._root(salt, create=True)
+        assert node is not None
+        pos, n = 0, len(tokens)
         while pos < n:
             child = node.children.get(tokens[pos])
             if child is None:
@@ -194,7 +223,7 @@ class RadixCache:
             parent = node.parent
             self._remove_leaf(node)
             assert parent is not None
-            if parent is not self.root and not parent.children and parent not in protected:
+            if parent.parent is not None and not parent.children and parent not in protected:
                 heapq.heappush(heap, (self._rank(parent), parent.last_access, tie, parent))  # now a leaf
                 tie += 1
 
@@ -213,6 +242,8 @@ class RadixCache:
             for block, count in self._block_counts(node.slots).items():
                 self.pool.remove_tree_tokens(block, count)
         self.root.children.clear()
+        self._salted.clear()
+        self._salt_of.clear()
         self._leaves.clear()
 
     def check_and_count(self, num_blocks: int) -> list[int]:
@@ -221,6 +252,8 @@ class RadixCache:
         assert self._leaves == {node for node, _ in self.iter_nodes() if not node.children}, (
             "leaf set drifted"
         )
+        assert all(root.children for root in self._salted.values()), "an empty salted root was kept"
+        assert self._salt_of == {root: salt for salt, root in self._salted.items()}
         for node, start in self.iter_nodes():
             assert node.key and len(node.key) == len(node.slots)
             assert node.parent is not None and node.parent.children[node.key[0]] is node
@@ -244,10 +277,13 @@ class RadixCache:
 
     def _remove_leaf(self, leaf: TreeNode) -> None:
         assert not leaf.children and leaf.parent is not None
-        del leaf.parent.children[leaf.key[0]]
+        parent = leaf.parent
+        del parent.children[leaf.key[0]]
         self._leaves.discard(leaf)
-        if leaf.parent is not self.root and not leaf.parent.children:
-            self._leaves.add(leaf.parent)
+        if parent.parent is not None and not parent.children:  # an inner node became a leaf
+            self._leaves.add(parent)
+        elif not parent.children and parent in self._salt_of:  # a salted root lost its last path
+            del self._salted[self._salt_of.pop(parent)]
         for block, count in self._block_counts(leaf.slots).items():
             self.pool.remove_tree_tokens(block, count)
         leaf.parent = None
