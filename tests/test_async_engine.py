@@ -239,6 +239,69 @@ def test_a_step_that_raises_kills_the_engine_cleanly(caplog: pytest.LogCaptureFi
     assert logged and "boom" in str(logged[0].exc_info[1])  # type: ignore[index]
 
 
+def test_a_hung_step_is_declared_dead_by_the_watchdog(caplog: pytest.LogCaptureFixture) -> None:
+    """A step that never returns (nothing raises): after step_timeout every open stream and every
+    queued add gets EngineDeadError saying "hung", new requests are refused, and when the step finally
+    returns its outputs are dropped and shutdown still completes."""
+    engine = tiny_engine()
+    real_step = engine.step
+    release, stuck = threading.Event(), threading.Event()
+    calls = 0
+
+    def step() -> list[RequestOutput]:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            stuck.set()
+            release.wait(timeout=30)  # hangs until the test lets it go
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+
+    async def body(ae: AsyncEngine) -> None:
+        stream = await ae.add_request("r", "Hello", LONG)
+        await asyncio.to_thread(stuck.wait, 10)
+        # an add queued behind the stuck step: the engine thread never takes it
+        queued = asyncio.create_task(ae.add_request("queued", "Hello", GREEDY))
+        with pytest.raises(EngineDeadError, match="hung"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError, match="hung"):
+            await queued
+        assert not ae.is_running and ae.dead_reason is not None and "0.3 s" in ae.dead_reason
+        with pytest.raises(EngineDeadError):
+            await ae.add_request("after", "Hello", GREEDY)
+        release.set()  # the step returns late: nothing more reaches the stream
+        await asyncio.sleep(0.2)
+        with pytest.raises(EngineDeadError):
+            await stream.__anext__()
+
+    with caplog.at_level(logging.ERROR, logger="onecall.server"):
+        run(body, engine, step_timeout=0.3)
+    assert any("hung" in r.getMessage() for r in caplog.records if r.name == "onecall.server")
+
+
+def test_the_watchdog_leaves_slow_but_finishing_steps_alone() -> None:
+    engine = tiny_engine()
+    real_step = engine.step
+
+    def step() -> list[RequestOutput]:
+        time.sleep(0.05)  # slow, well under the timeout
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+
+    async def body(ae: AsyncEngine) -> None:
+        outs = await collect(
+            await ae.add_request("r", "Hello", SamplingParams(max_tokens=8, ignore_eos=True))
+        )
+        assert len(outs) == 8 and ae.is_running
+
+    run(body, engine, step_timeout=1.0)
+    with pytest.raises(InvalidParameterError, match="step_timeout"):
+        AsyncEngine(tiny_engine(), step_timeout=0)
+
+
 def test_shutdown_ends_open_streams_and_refuses_new_requests() -> None:
     async def main() -> None:
         ae = AsyncEngine(tiny_engine())

@@ -32,6 +32,13 @@ def add_serve_command(sub: Any) -> None:
     serve.add_argument("--max-waiting", type=int, default=256, help="most requests queued; beyond it a 429")
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable the radix prefix cache")
     serve.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one engine step may run before the server declares the engine hung: every request "
+        "gets an error, /health turns 503 (0 = no watchdog)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -62,6 +69,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     resolve_model(a.model)  # a missing file is a clear error now, not a server that never gets ready
     if a.max_waiting < 1:
         raise InvalidParameterError("max_waiting", f"must be >= 1, got {a.max_waiting}")
+    if a.step_timeout < 0:
+        raise InvalidParameterError(
+            "step_timeout", f"must be >= 0 seconds (0: no watchdog), got {a.step_timeout}"
+        )
     _log_to_stderr()
 
     # 2. the loader runs in a worker thread once the server is up
@@ -71,7 +82,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     def load() -> AsyncEngine:
         nonlocal load_failed
         try:
-            return AsyncEngine(Engine(engine_config), max_waiting=a.max_waiting, metrics=metrics)
+            return AsyncEngine(
+                Engine(engine_config),
+                max_waiting=a.max_waiting,
+                metrics=metrics,
+                step_timeout=a.step_timeout or None,
+            )
         except BaseException:
             load_failed = True
             server.should_exit = True

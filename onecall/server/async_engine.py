@@ -24,6 +24,13 @@ Invariants:
   open stream raises EngineDeadError saying why, every command taken or queued is answered (adds
   with EngineDeadError), later adds are refused with it, and the thread ends. `dead_reason` says why.
 - `max_waiting` counts requests: an add of n (n > 1 choices) needs room for all n.
+- A step that does not return (a hung kernel, a deadlock: nothing raises) is caught by the watchdog
+  thread when `step_timeout` is set: after that many seconds in one step the engine is declared dead
+  exactly as above ("hung" in `dead_reason`, /health 503), except that the stuck thread cannot answer
+  anyone: the watchdog answers the queued commands itself, and every open stream is failed on the
+  event loop through `_open_streams`, the loop's own registry (the stuck thread owns `_streams`).
+  Should the step return after all, its outputs are dropped and the thread ends. shutdown() then
+  does not wait for the thread (a daemon; the process can still exit).
 
 Cleanup is the consumer's job: a consumer that stops iterating (break, cancellation, a client that
 disconnected) must abort its stream, or the request runs on to max_tokens. Either
@@ -45,6 +52,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -115,7 +123,10 @@ class RequestStream:
         await self.abort()
 
     def _deliver(self, item: _Item) -> None:
-        """On the event loop: queue an output or the engine's death."""
+        """On the event loop: queue an output or the engine's death (nothing after the last item: a
+        watchdog's EngineDeadError and a late output from the stuck step may both arrive)."""
+        if self._finished:
+            return
         if isinstance(item, BaseException) or item.finished:
             self._finished = True
         self._queue.put_nowait(item)
@@ -156,12 +167,29 @@ _Command = _Add | _Abort | _Shutdown
 class AsyncEngine:
     """An Engine served to asyncio by its own thread. See the module docstring for the contract."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 256, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_waiting: int = 256,
+        metrics: Metrics | None = None,
+        step_timeout: float | None = None,
+    ) -> None:
+        """`step_timeout`: seconds one step may run before the watchdog declares the engine hung
+        (None: no watchdog)."""
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
             raise InvalidParameterError("max_waiting", f"must be an integer >= 1, got {max_waiting!r}")
+        if step_timeout is not None and not step_timeout > 0:
+            raise InvalidParameterError(
+                "step_timeout", f"must be > 0 seconds (or None), got {step_timeout!r}"
+            )
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics
+        self.step_timeout = step_timeout
+        self._step_started: float | None = None  # time.monotonic() of the step in progress (engine thread)
+        self._hung = False  # the watchdog declared the engine dead
+        self._open_streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()  # event loop only
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _closed and _dead against _commands.put
         self._closed = False
@@ -180,6 +208,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="onecall-engine", daemon=True)
         self._thread.start()
+        if self.step_timeout is not None:
+            threading.Thread(target=self._watch, name="onecall-watchdog", daemon=True).start()
 
     @property
     def is_running(self) -> bool:
@@ -217,10 +247,12 @@ class AsyncEngine:
             if not self._closed:
                 self._closed = True
                 self._commands.put(_Shutdown())
-        await asyncio.to_thread(thread.join)
+        if not self._hung:  # a stuck thread would never join; it is a daemon
+            await asyncio.to_thread(thread.join)
 
     async def _add(self, requests: list[_NewRequest]) -> list[RequestStream]:
         streams = [RequestStream(r.request_id, self) for r in requests]
+        self._open_streams.update(streams)
         future = self._submit(_Add(requests, streams))
         try:
             await asyncio.wrap_future(future)
@@ -356,14 +388,22 @@ class AsyncEngine:
         return [] if output is None else [output]  # None: finished already, or never added
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:
+            if self._hung:
+                return  # the watchdog answered everyone already
+
             reason = (
                 str(e) if isinstance(e, EngineDeadError) else f"engine.step() raised {type(e).__name__}: {e}"
             )
             self._die(reason, e)
             return
+        finally:
+            self._step_started = None
+        if self._hung:
+            return  # a step the watchdog gave up on came back: its streams were failed already
         self._log_faults(outputs)
         self._update_metrics(outputs)  # first, so a consumer that sees an output sees its metrics
         self._publish(outputs)
@@ -410,6 +450,42 @@ class AsyncEngine:
         self._taken.clear()
         for command in unanswered:
             self._answer_dead(command)
+
+    # ---- the watchdog thread ---------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Poll the step in progress; past step_timeout seconds, declare the engine hung."""
+        assert self.step_timeout is not None
+        period = min(1.0, self.step_timeout / 4)
+        while not (self._closed or self._dead):
+            time.sleep(period)
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.step_timeout:
+                self._declare_hung(time.monotonic() - started)
+                return
+
+    def _declare_hung(self, elapsed: float) -> None:
+        """_die for a thread that cannot run it: the watchdog answers the queued commands, the event
+        loop fails the open streams (module docstring)."""
+        reason = (
+            f"a step has not returned after {elapsed:.0f} s (step timeout {self.step_timeout:g} s): "
+            "the engine is hung"
+        )
+        with self._lock:
+            if self._dead or self._closed:
+                return
+            self._hung = True
+            self._dead, self.dead_reason = True, reason
+        logger.error("%s; failing every open request", reason)
+        for command in self._take_commands(block=False):
+            self._answer_dead(command)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
+                self._loop.call_soon_threadsafe(self._fail_open_streams)
+
+    def _fail_open_streams(self) -> None:
+        """On the event loop: every stream not yet finished gets the engine's death."""
+        for stream in list(self._open_streams):
+            stream._deliver(EngineDeadError(self._dead_message()))
 
     def _shutdown_now(self) -> None:
         outputs: list[RequestOutput] = []
