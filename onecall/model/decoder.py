@@ -23,6 +23,7 @@ from onecall.model.config import ModelConfig
 from onecall.model.fast_linear import FastLMHead, fast_kernels_supported
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
+from onecall.model.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from onecall.model.native_step import NativeDecodeStep
@@ -89,10 +90,19 @@ class DecoderLM(nn.Module):
         device: torch.device | str = "cpu",
         *,
         pack_on_load: bool = False,
+        tp: TensorParallel | None = None,
     ) -> None:
         """`pack_on_load`: where the fast kernels exist (float32 CPU), weights.load_weights packs each
-        projection for them as it arrives and no dense projection weight is ever allocated."""
+        projection for them as it arrives and no dense projection weight is ever allocated.
+        `tp`: this rank's slice of a tensor-parallel model (model/parallel.py): the modules are built
+        from tp.shard_config(config) (self.config is that), loaded from tp.shard_weights; the reference
+        kernels only (the fast path's one-call step cannot stop for a collective)."""
         super().__init__()
+        self.vocab_size = config.vocab_size  # the whole vocabulary: what compute_logits returns
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        if self.tp is not None:
+            config = self.tp.shard_config(config)
+            pack_on_load = False
         self.config = config
         # Built on "meta" then materialised uninitialised: no time spent on random init of weights
         # that load_weights overwrites (and refuses to leave unloaded).
@@ -114,6 +124,8 @@ class DecoderLM(nn.Module):
             else set()
         )
         _materialize(self, torch.device(device), skip_weights_of=skip)
+        for layer in self.model.layers:
+            layer.self_attn.tp = layer.mlp.tp = self.tp  # type: ignore[union-attr]
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, device
         )
@@ -126,7 +138,10 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) int64 -> hidden states (num_tokens, hidden_size)."""
-        h = self.model.embed_tokens(input_ids)
+        if self.tp is None:
+            h = self.model.embed_tokens(input_ids)
+        else:
+            h = self.tp.embed(self.model.embed_tokens, input_ids, self.vocab_size)
         cos, sin = self.rotary(positions)
         step = self.native_step
         if step is not None and step.accepts(meta, kv_cache, h.shape[0]):
@@ -137,10 +152,11 @@ class DecoderLM(nn.Module):
         return self.model.norm.add_and_norm(h, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, hidden_size) -> (n, vocab_size) float32."""
+        """(n, hidden_size) -> (n, vocab_size) float32 (the whole vocabulary, under tensor parallel too)."""
         if self.fast_lm_head is not None:
             return self.fast_lm_head(hidden)
-        return torch.nn.functional.linear(hidden, self.output_weight()).float()
+        logits = torch.nn.functional.linear(hidden, self.output_weight()).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.vocab_size)
 
     def output_weight(self) -> torch.Tensor:
         """The logits projection's (vocab_size, hidden_size) weight: the tied embedding or lm_head."""

@@ -21,6 +21,7 @@ from onecall.model import native
 from onecall.model.attention import AttentionMetadata, paged_attention
 from onecall.model.config import ModelConfig
 from onecall.model.kv_cache import PagedKVCache
+from onecall.model.parallel import TensorParallel
 
 
 class Linear(nn.Linear):
@@ -96,12 +97,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=False, dtype=dtype, device=device)
 
         self.native: ctypes.CDLL | None = None  # set by the fast kernels: silu(gate) * up in one pass
+        self.tp: TensorParallel | None = None  # tensor parallel: down_proj's partial sums all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
-            return self.down_proj(native.silu_mul(self.native, self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(native.silu_mul(self.native, self.gate_up_proj(x)))
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Attention(nn.Module):
@@ -129,6 +133,7 @@ class Attention(nn.Module):
         self.logit_softcap: float | None = None
         # Set by the fast kernels (float32 CPU): q/k norms, RoPE and the K/V cache write in one pass.
         self.native: ctypes.CDLL | None = None
+        self.tp: TensorParallel | None = None  # tensor parallel: o_proj's partial sums all-reduced
 
     def native_qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """(q weight, k weight, eps) for the native RoPE pass, or None without q/k norms."""
@@ -155,12 +160,16 @@ class Attention(nn.Module):
             )  # fmt: skip
             q = qkv_flat.view(n, -1, self.head_dim)[:, : self.num_heads]
             o = paged_attention(q, None, None, kv_cache, layer_idx, meta, self.scale, **self._options())
-            return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+            return self._output(o.reshape(n, self.num_heads * self.head_dim))
         q, k, v = self.qkv_heads(x, cos, sin)
         o = paged_attention(
             q, k, v, kv_cache, layer_idx, meta, self.scale, **self._options()
         )  # (num_tokens, num_heads, head_dim)
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+        return self._output(o.reshape(n, self.num_heads * self.head_dim))
+
+    def _output(self, o: torch.Tensor) -> torch.Tensor:
+        out = self.o_proj(o)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _options(self) -> dict[str, Any]:
         return {"sliding_window": self.sliding_window, "logit_softcap": self.logit_softcap}

@@ -1,0 +1,147 @@
+"""Tensor parallelism for the decoder: which slice of each weight a rank holds, and the collectives.
+
+With N ranks (torch.distributed, NCCL on GPUs, gloo on CPU; the caller initialises the group), rank r
+holds 1/N of every layer (Megatron's split, as vLLM and SGLang do it):
+
+    | weight (Hugging Face name)      | split                   | after the matmul                  |
+    |---------------------------------|-------------------------|-----------------------------------|
+    | q_proj, k_proj, v_proj (+ bias) | rows: heads r*H/N ...   | attention runs on the local heads |
+    | o_proj                          | columns: the same heads | all-reduce (sum of partial sums)  |
+    | o_proj bias                     | rank 0 only (else zero) | added once by the all-reduce      |
+    | gate_proj, up_proj              | rows: r*I/N ...         | local activation                  |
+    | down_proj                       | columns: r*I/N ...      | all-reduce                        |
+    | embed_tokens, lm_head           | rows: vocab r*V/N ...   | embedding: all-reduce of the rows |
+    |                                 | (padded to N equal)     | this rank owns; logits: gathered  |
+    | norms, q_norm/k_norm            | replicated              |                                   |
+
+So each rank's model is an ordinary DecoderLM built from `shard_config` (H/N query heads, KVH/N KV
+heads, I/N intermediate, ceil(V/N) vocabulary rows), loaded from `shard_weights` over the checkpoint's
+tensors, and its forward adds three collectives per layer pair at most: after o_proj, after down_proj,
+and once for the embedding; compute_logits gathers the vocabulary shards. Each rank's KV cache holds
+its own KV heads. Models whose heads or intermediate size do not divide by N are refused by name
+(KV heads are not replicated across ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from onecall.errors import UnsupportedModelError
+from onecall.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group that the caller has initialised."""
+
+    rank: int
+    world_size: int
+    group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.world_size, (self.rank, self.world_size)
+
+    # ---- collectives ----------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place; returns x."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """(n, ceil(V / N)) logits of this rank's vocabulary rows -> (n, V), every rank's, in order."""
+        if self.world_size == 1:
+            return local_logits[:, :vocab_size]
+        parts = [torch.empty_like(local_logits) for _ in range(self.world_size)]
+        dist.all_gather(parts, local_logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    # ---- sharding -------------------------------------------------------------------------------
+    def vocab_shard(self, vocab_size: int) -> tuple[int, int]:
+        """[start, start + size) of the vocabulary this rank holds; size = ceil(V / N) on every rank
+        (the last rank's rows past V are zero padding)."""
+        size = -(-vocab_size // self.world_size)
+        return self.rank * size, size
+
+    def check_divides(self, config: ModelConfig) -> None:
+        """Refuse (UnsupportedModelError, naming what) a model this group cannot split evenly."""
+        n = self.world_size
+        bad = [
+            f"{name} ({value})"
+            for name, value in (
+                ("num_attention_heads", config.num_attention_heads),
+                ("num_key_value_heads", config.num_key_value_heads),
+                ("intermediate_size", config.intermediate_size),
+            )
+            if value % n
+        ]
+        if bad:
+            raise UnsupportedModelError(
+                f"tensor_parallel_size {n} does not divide the model's {', '.join(bad)}; "
+                "use a size that divides them"
+            )
+
+    def shard_config(self, config: ModelConfig) -> ModelConfig:
+        """The ModelConfig of this rank's slice of the model (see the module docstring)."""
+        self.check_divides(config)
+        n = self.world_size
+        return dataclasses.replace(
+            config,
+            num_attention_heads=config.num_attention_heads // n,
+            num_key_value_heads=config.num_key_value_heads // n,
+            intermediate_size=config.intermediate_size // n,
+            vocab_size=self.vocab_shard(config.vocab_size)[1],
+        )
+
+    def shard_weights(
+        self, weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor) -> (name, this rank's slice). `config` is the full model's."""
+        for name, tensor in weights:
+            yield name, self.shard(name, tensor, config)
+
+    def shard(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        """This rank's slice of one checkpoint tensor, by its Hugging Face name."""
+        r, n, d = self.rank, self.world_size, config.head_dim
+        if n == 1:
+            return tensor
+        q_rows = config.num_attention_heads // n * d
+        kv_rows = config.num_key_value_heads // n * d
+        inter = config.intermediate_size // n
+        part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        if part == "q_proj":
+            return tensor[r * q_rows : (r + 1) * q_rows].contiguous()
+        if part in ("k_proj", "v_proj"):
+            return tensor[r * kv_rows : (r + 1) * kv_rows].contiguous()
+        if part in ("gate_proj", "up_proj"):
+            return tensor[r * inter : (r + 1) * inter].contiguous()
+        if part == "o_proj":
+            if name.endswith(".bias"):
+                return tensor if r == 0 else torch.zeros_like(tensor)
+            return tensor[:, r * q_rows : (r + 1) * q_rows].contiguous()
+        if part == "down_proj":
+            return tensor[:, r * inter : (r + 1) * inter].contiguous()
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start, size = self.vocab_shard(config.vocab_size)
+            rows = tensor[start : start + size]
+            if rows.shape[0] < size:  # the last rank: pad to the common shard size
+                pad = torch.zeros(size - rows.shape[0], *tensor.shape[1:], dtype=tensor.dtype)
+                rows = torch.cat((rows, pad))
+            return rows.contiguous()
+        return tensor  # norms (incl. q_norm/k_norm): replicated
+
+    def embed(self, embedding: torch.nn.Embedding, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Vocabulary-parallel lookup: each rank looks up the ids it owns (zeros elsewhere), then the
+        all-reduce sums the one non-zero row per token into place."""
+        start, size = self.vocab_shard(vocab_size)
+        local = input_ids - start
+        owned = (local >= 0) & (local < size)
+        h = embedding(torch.where(owned, local, torch.zeros_like(local)))
+        h = h * owned.unsqueeze(-1).to(h.dtype)
+        return self.all_reduce(h)

@@ -1,0 +1,134 @@
+"""Tensor parallelism at the model level (model/parallel.py): two gloo ranks on CPU give the logits of
+one unsplit model.
+
+Each rank builds its slice of a tiny random-weight model (shard_config), loads the checkpoint's
+tensors through shard_weights, keeps its own KV heads in its own paged cache, and runs a prefill and
+three greedy decode steps; rank 0's gathered logits are compared with the same model run whole in
+this process. Tolerance: 1e-5 absolute on logits of magnitude ~1: the two all-reduces per layer sum
+partial matmuls in another order than one matmul does (float32). Greedy tokens must be equal.
+
+What is exercised: row/column splits with biases (q/k/v bias on every rank, o_proj's bias once),
+Qwen3's replicated q/k norms, tied and untied embeddings, and a vocabulary (97) that does not divide
+by 2 (the last rank's padding rows never reach the logits).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from onecall.errors import UnsupportedModelError
+from onecall.model.attention import build_attention_metadata
+from onecall.model.config import ModelConfig
+from onecall.model.decoder import DecoderLM
+from onecall.model.kv_cache import PagedKVCache
+from onecall.model.parallel import TensorParallel
+from onecall.model.weights import load_weights
+from tests.helpers.make_models import random_state_dict, tiny_hf_config
+
+pytestmark = pytest.mark.slow  # two spawned processes per case
+
+CASES = {
+    "llama": dict(attention_bias=True, vocab_size=97),  # o_proj bias; vocabulary padded on rank 1
+    "qwen2": {},  # q/k/v biases, tied embeddings
+    "qwen3": {},  # q/k norms, head_dim != hidden / heads
+}
+PROMPT = [5, 17, 33, 2, 90, 7, 11]
+BLOCK, NUM_BLOCKS = 4, 8
+
+
+def _run(arch: str, tp: TensorParallel | None) -> torch.Tensor:
+    """Prefill PROMPT, then 3 greedy steps: the 4 positions' logits, (4, vocab_size)."""
+    hf = tiny_hf_config(arch, **CASES[arch])
+    config = ModelConfig.from_hf_config(hf)
+    state = random_state_dict(hf, seed=3)
+    model = DecoderLM(config, tp=tp)
+    weights = iter(state.items())
+    load_weights(model, weights if tp is None else tp.shard_weights(weights, config))
+    local = model.config  # this rank's heads
+    cache = PagedKVCache(
+        local.num_hidden_layers,
+        NUM_BLOCKS,
+        BLOCK,
+        local.num_key_value_heads,
+        local.head_dim,
+        torch.float32,
+        "cpu",
+    )
+    table = [list(range(NUM_BLOCKS))]
+    n = len(PROMPT)
+    with torch.inference_mode():
+        meta = build_attention_metadata(table, [n], [n], BLOCK, "cpu", backend="reference")
+        hidden = model(torch.tensor(PROMPT), torch.arange(n), cache, meta)
+        logits = [model.compute_logits(hidden[-1:])]
+        for _ in range(3):
+            n += 1
+            token = logits[-1].argmax(dim=-1)
+            meta = build_attention_metadata(table, [n], [1], BLOCK, "cpu", backend="reference")
+            logits.append(model.compute_logits(model(token, torch.tensor([n - 1]), cache, meta)))
+    return torch.cat(logits)
+
+
+def _rank_main(rank: int, world_size: int, port: int, arch: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        logits = _run(arch, TensorParallel(rank, world_size))
+        if rank == 0:
+            save_file({"logits": logits.contiguous()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_two_ranks_give_the_whole_models_logits(arch: str, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    want = _run(arch, None)
+    out = tmp_path / "rank0.safetensors"
+    mp.start_processes(_rank_main, args=(2, _free_port(), arch, str(out)), nprocs=2, start_method="spawn")
+    got = load_file(out)["logits"]
+    assert got.shape == want.shape == (4, CASES[arch].get("vocab_size", 96))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_by_name() -> None:
+    """The embedded SmolLM2 (9 query heads, 3 KV heads) cannot be split in 2."""
+    smollm2 = ModelConfig.from_hf_config(
+        tiny_hf_config("llama", hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                       intermediate_size=1536)
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=r"num_attention_heads \(9\), num_key_value_heads \(3\)"):
+        TensorParallel(0, 2).shard_config(smollm2)
+    TensorParallel(0, 3).check_divides(smollm2)  # 3 does: no error
+
+
+def test_each_rank_holds_its_slice() -> None:
+    hf = tiny_hf_config("llama", attention_bias=True, vocab_size=97)
+    config = ModelConfig.from_hf_config(hf)
+    state = random_state_dict(hf, seed=1)
+    q = state["model.layers.0.self_attn.q_proj.weight"]  # (4 heads * 8, 32)
+    o_bias = state["model.layers.0.self_attn.o_proj.bias"]
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        got = dict(tp.shard_weights(iter(state.items()), config))
+        assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"], q[rank * 16 : (rank + 1) * 16])
+        down = state["model.layers.0.mlp.down_proj.weight"]
+        assert torch.equal(got["model.layers.0.mlp.down_proj.weight"], down[:, rank * 32 : (rank + 1) * 32])
+        assert torch.equal(got["model.layers.0.self_attn.o_proj.bias"], o_bias if rank == 0 else 0 * o_bias)
+        embed = got["model.embed_tokens.weight"]
+        assert embed.shape == (49, 32)  # ceil(97 / 2) rows on both ranks
+        assert torch.equal(embed[: 97 - 49 * rank], state["model.embed_tokens.weight"][49 * rank :][:49])
+    assert tp.shard_config(config).num_attention_heads == 2
