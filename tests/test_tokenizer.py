@@ -245,8 +245,8 @@ def test_gguf_pre_type_changes_digits() -> None:
 
 
 def test_gguf_unsupported_tokenizers_are_named() -> None:
-    with pytest.raises(UnsupportedModelError, match="'llama'"):
-        Tokenizer.from_gguf_metadata({**tiny_gguf_metadata("qwen2"), "tokenizer.ggml.model": "llama"})
+    with pytest.raises(UnsupportedModelError, match="'bert' is not supported"):  # llama.cpp's WordPiece
+        Tokenizer.from_gguf_metadata({**tiny_gguf_metadata("qwen2"), "tokenizer.ggml.model": "bert"})
     with pytest.raises(UnsupportedModelError, match="'mystery-pre'"):
         Tokenizer.from_gguf_metadata(tiny_gguf_metadata("mystery-pre"))
     with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.merges"):

@@ -5,9 +5,11 @@ Two sources, both read as plain data (JSON or GGUF key/values; nothing from a mo
 - `from_hf_folder`: tokenizer.json, with tokenizer_config.json (BOS/EOS strings, add_bos_token, chat
   template, special flags) and generation_config.json (extra EOS ids).
 - `from_gguf_metadata`: llama.cpp's `tokenizer.ggml.*` keys. A GGUF stores no pipeline, only a vocabulary,
-  merges, per-token types and a pre-tokenizer *name*; we rebuild the byte-level BPE pipeline from them.
-  Each pre-tokenizer name stands for the split regexes the vocabulary was trained with (llama.cpp's
-  llama-vocab.cpp and the models' own tokenizer.json files):
+  merges or scores, per-token types and a pre-tokenizer *name*; we rebuild the pipeline from them.
+  `tokenizer.ggml.model` says which: "llama" is SentencePiece BPE (Llama-2, Mistral; built in
+  onecall.text.sentencepiece), "gpt2" byte-level BPE. For byte-level BPE each pre-tokenizer name stands
+  for the split regexes the vocabulary was trained with (llama.cpp's llama-vocab.cpp and the models' own
+  tokenizer.json files):
 
     pre name                   splits, applied in order (each cuts the pieces of the one before)
     gpt-2, default             GPT-2: contractions, ` ?letters`, ` ?digits`, ` ?punctuation`, spaces
@@ -15,8 +17,9 @@ Two sources, both read as plain data (JSON or GGUF key/values; nothing from a mo
     qwen2, deepseek-r1-qwen    llama-3 shape but every digit alone; case-insensitive contractions
     llama-bpe, llama3          digits in runs of at most 3; a piece that is a whole vocab entry is kept
 
-Control tokens (GGUF type 3) become special added tokens and user-defined ones (type 4, e.g. `<think>`)
-plain added tokens, so both are matched atomically in text, never spelled out of smaller pieces.
+Control tokens (GGUF type 3; for SentencePiece also the unknown token, type 2) become special added
+tokens and user-defined ones (type 4, e.g. `<think>`) plain added tokens, so both are matched atomically
+in text, never spelled out of smaller pieces.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from onecall.errors import InvalidParameterError, ModelNotFoundError, UnsupportedModelError
+from onecall.text.sentencepiece import build_spm_tokenizer, piece_bytes
 
 # How a vocab piece maps to bytes: GPT-2's byte alphabet, sentencepiece's "▁"/"<0xNN>", or neither.
 PieceMode = Literal["byte_level", "sentencepiece", "plain"]
@@ -61,7 +65,9 @@ GGUF_PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
 }  # fmt: skip
 
-_CONTROL, _USER_DEFINED = 3, 4  # GGUF token types (1 normal, 2 unknown, 5 unused, 6 byte)
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # GGUF token types (1 normal, 5 unused, 6 byte)
+# tokenizer.ggml.model values we rebuild, and what they are
+_GGUF_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}
 
 
 def byte_alphabet() -> dict[int, str]:
@@ -155,57 +161,51 @@ class Tokenizer:
                 return bytes(_UNICODE_TO_BYTE[c] for c in piece)
             return piece.encode()
         if self._piece_mode == "sentencepiece":
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                return bytes([int(piece[3:5], 16)])
-            return piece.replace("\u2581", " ").encode()
+            return piece_bytes(piece)
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     # ---- loading ----
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
-        """Rebuild a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata (see the module doc)."""
+        """Rebuild the tokenizer a GGUF's `tokenizer.ggml.*` metadata describes: byte-level BPE ("gpt2",
+        see the module doc) or SentencePiece ("llama", see onecall.text.sentencepiece)."""
         # 1. what kind of tokenizer, and its pieces
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2'")
-        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
-        pre_tokenizer = build_pre_tokenizer(pre)
+        if kind not in _GGUF_TOKENIZER_MODELS:
+            raise UnsupportedModelError(
+                f"GGUF tokenizer model {kind!r} is not supported; supported: "
+                + ", ".join(f"{k!r} ({v})" for k, v in _GGUF_TOKENIZER_MODELS.items())
+            )
         tokens: list[str] = _required(metadata, "tokenizer.ggml.tokens")
-        merges: list[str] = _required(metadata, "tokenizer.ggml.merges")
         types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         if len(types) != len(tokens):
             raise UnsupportedModelError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
 
-        # 2. BPE over the vocab as spelled in the file (a duplicate piece keeps its first id)
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            vocab.setdefault(t, i)
-        pairs = [tuple(m.split(" ")) for m in merges]
-        if any(len(p) != 2 for p in pairs):
-            raise UnsupportedModelError("GGUF merges must be two pieces separated by one space")
-        spec = GGUF_PRE_TOKENIZERS[pre]
-        try:
-            bpe = models.BPE(vocab, pairs, ignore_merges=spec.ignore_merges)  # type: ignore[arg-type]
-        except Exception as e:  # tokenizers raises its own exception type for bad vocab/merges
-            raise UnsupportedModelError(f"GGUF vocabulary/merges do not form a BPE model: {e}") from e
-        hf = HFTokenizer(bpe)
-        hf.pre_tokenizer = pre_tokenizer  # type: ignore[assignment]
-        hf.decoder = decoders.ByteLevel()  # type: ignore[assignment]
-
-        # 3. control and user-defined tokens, matched whole in text (content == vocab key keeps their ids)
-        added = [
-            (t, k == _CONTROL) for t, k in zip(tokens, types, strict=True) if k in (_CONTROL, _USER_DEFINED)
-        ]
-        hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ctl in added if ctl])
-        hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, ctl in added if not ctl])
-        assert hf.get_vocab_size(with_added_tokens=True) == len(vocab), "added tokens must reuse vocab ids"
-
-        # 4. the ids that matter to the engine
         def token_id(key: str) -> int | None:
             value = metadata.get(f"tokenizer.ggml.{key}")
             return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
+        # 2. the pipeline, and the defaults llama.cpp takes for each kind when a flag is absent
+        piece_mode: PieceMode
+        special_types: tuple[int, ...]  # GGUF token types that are control tokens by role
+        if kind == "llama":
+            hf = build_spm_tokenizer(
+                tokens,
+                _required(metadata, "tokenizer.ggml.scores"),
+                types,
+                unk_id=token_id("unknown_token_id"),
+                add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
+            )
+            # <unk> is special too: llama.cpp matches it in text and drops it on decode, as transformers does
+            special_types, default_add_bos, piece_mode = (_CONTROL, _UNKNOWN), True, "sentencepiece"
+        else:
+            pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+            hf = _byte_level_from_gguf(tokens, _required(metadata, "tokenizer.ggml.merges"), types, pre)
+            special_types, piece_mode = (_CONTROL,), "byte_level"
+            default_add_bos = GGUF_PRE_TOKENIZERS[pre].add_bos
+
+        # 3. the ids that matter to the engine
         eos_id = token_id("eos_token_id")
         eos_ids = {i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
         return cls(
@@ -213,10 +213,10 @@ class Tokenizer:
             bos_token_id=token_id("bos_token_id"),
             eos_token_ids=frozenset(eos_ids),
             eos_token_id=eos_id,
-            special_ids=frozenset(i for i, k in enumerate(types) if k == _CONTROL),
-            add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", spec.add_bos)),
+            special_ids=frozenset(i for i, k in enumerate(types) if k in special_types),
+            add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)),
             chat_template=metadata.get("tokenizer.chat_template"),
-            piece_mode="byte_level",
+            piece_mode=piece_mode,
         )
 
     @classmethod
@@ -270,6 +270,31 @@ class Tokenizer:
             chat_template=_hf_chat_template(path, config),
             piece_mode=_piece_mode(spec.get("decoder")),
         )
+
+
+def _byte_level_from_gguf(tokens: list[str], merges: list[str], types: list[int], pre: str) -> HFTokenizer:
+    """Byte-level BPE over the vocab as spelled in the file (a duplicate piece keeps its first id), with
+    control tokens as special added tokens and user-defined ones as plain added tokens."""
+    pre_tokenizer = build_pre_tokenizer(pre)
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    pairs = [tuple(m.split(" ")) for m in merges]
+    if any(len(p) != 2 for p in pairs):
+        raise UnsupportedModelError("GGUF merges must be two pieces separated by one space")
+    try:
+        bpe = models.BPE(vocab, pairs, ignore_merges=GGUF_PRE_TOKENIZERS[pre].ignore_merges)  # type: ignore[arg-type]
+    except Exception as e:  # tokenizers raises its own exception type for bad vocab/merges
+        raise UnsupportedModelError(f"GGUF vocabulary/merges do not form a BPE model: {e}") from e
+    hf = HFTokenizer(bpe)
+    hf.pre_tokenizer = pre_tokenizer  # type: ignore[assignment]
+    hf.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+    # matched whole in text (content == vocab key keeps their ids)
+    added = [(t, k == _CONTROL) for t, k in zip(tokens, types, strict=True) if k in (_CONTROL, _USER_DEFINED)]
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ctl in added if ctl])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, ctl in added if not ctl])
+    assert hf.get_vocab_size(with_added_tokens=True) == len(vocab), "added tokens must reuse vocab ids"
+    return hf
 
 
 def _required(metadata: dict[str, Any], key: str) -> Any:

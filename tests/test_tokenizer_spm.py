@@ -1,0 +1,378 @@
+"""SentencePiece ("llama") GGUF tokenizers: tiny GGUFs written here, read by onecall and by two oracles.
+
+The oracles:
+- transformers' own GGUF tokenizer loading, AutoTokenizer.from_pretrained(folder, gguf_file=...), on the
+  same file: its vocabulary, merges recovered from the scores, byte fallback and decoder;
+- `llama_cpp_tokenize` below, llama.cpp's SPM algorithm (llama-vocab.cpp: tokenizer_st_partition, the
+  space prefix per run, llm_tokenizer_spm's merge-by-score) written out in plain Python.
+
+Where they differ we follow llama.cpp (onecall/text/sentencepiece.py says why): transformers adds no "▁"
+to a run that already starts with a space, nor to text after a matched control/user-defined token.
+On text without either, all three agree; on the rest, transformers' model with the normalizer Llama-2's
+own tokenizer.json uses ("legacy": prepend "▁" to every run) agrees with llama.cpp and with us.
+Decoding follows transformers: with skip_special_tokens, llama.cpp keeps the leading space of text after
+a leading BOS ("<s>▁hi" -> " hi"); transformers and we give "hi".
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGUFValueType, GGUFWriter
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import normalizers
+
+from onecall.errors import UnsupportedModelError
+from onecall.model.gguf import GGUFFile
+from onecall.text.chat_template import render_chat
+from onecall.text.detokenizer import IncrementalDetokenizer
+from onecall.text.sentencepiece import SPACE
+from onecall.text.tokenizer import Tokenizer
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
+    "{% else %} {{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+WORDS = "hello world the quick brown fox jumps over lazy dog tokenizer says hi there INST"
+TEXTS = [
+    "hello world", "Hello World", "the quick brown fox jumps over the lazy dog", "hi",
+    " hello", "  hello", "   ", " ", "hello  world", "hello world  ", "a  b   c    d",
+    "\n", "\n\nthe", "line one\nline two\r\n\tthe end", "hello\n world",
+    "12345", "3.14 and 1,000,000", "x1y22z333",
+    "日本語のテキスト", "café naïve", "emoji 😀👍🏽 flag 🇫🇷", "mixed 日本 text 🎉!",
+    "[INST] hi there [/INST]", "<s>hello</s>", "a<unk>b", "x<think>y", "[INST][/INST]", "</s> trailing",
+    "[ INST] not a control", "",
+]  # fmt: skip
+
+
+# ---- writing tiny GGUFs ----
+
+
+def spm_vocab(seed: int = 0) -> tuple[list[str], list[float], list[int]]:
+    """<unk>, <s>, </s>, the 256 byte pieces, every substring of some "▁"-words with distinct random
+    scores (many overlapping pieces, so the merge order matters), then control and user-defined tokens."""
+    rng = random.Random(seed)
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [UNKNOWN, CONTROL, CONTROL, *[BYTE] * 256]
+    words = [SPACE + w for w in WORDS.split()] + [
+        "123",
+        "45",
+        "3.",
+        SPACE * 2,
+        SPACE * 4,
+        "\n\n",
+        "日本",
+        "é",
+    ]
+    pieces = sorted({w[i:j] for w in words for i in range(len(w)) for j in range(i + 1, len(w) + 1)})
+    rng.shuffle(pieces)
+    tokens += pieces
+    types += [NORMAL] * len(pieces)
+    tokens += ["[INST]", "[/INST]", "<think>"]
+    types += [CONTROL, CONTROL, USER_DEFINED]
+    # SentencePiece scores: 0 for non-normal pieces, distinct negatives (log-probs) for normal ones
+    scores = [-float(i) - rng.random() / 2 if t == NORMAL else 0.0 for i, t in enumerate(types)]
+    return tokens, scores, types
+
+
+def write_spm_gguf(path: Path, vocab: tuple[list[str], list[float], list[int]], **flags: Any) -> Path:
+    """A GGUF with a SentencePiece vocabulary, the llama.* keys transformers needs to make a config
+    from it, and one dummy tensor. `flags`: tokenizer.ggml.<name> booleans or strings."""
+    tokens, scores, types = vocab
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in {
+        "context_length": 64, "embedding_length": 8, "block_count": 1, "feed_forward_length": 16,
+        "attention.head_count": 1, "attention.head_count_kv": 1,
+    }.items():  # fmt: skip
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_string("tokenizer.ggml.model", "llama")
+    writer.add_key_value("tokenizer.ggml.tokens", tokens, GGUFValueType.ARRAY)
+    writer.add_key_value("tokenizer.ggml.scores", scores, GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
+    writer.add_key_value(
+        "tokenizer.ggml.token_type", types, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32
+    )
+    for key, token in (("unknown", "<unk>"), ("bos", "<s>"), ("eos", "</s>")):
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", tokens.index(token))
+    for key, value in flags.items():
+        if isinstance(value, bool):
+            writer.add_bool(f"tokenizer.ggml.{key}", value)
+        else:
+            writer.add_string(f"tokenizer.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# ---- llama.cpp's algorithm, in plain Python ----
+
+
+def llama_cpp_tokenize(
+    text: str, vocab: tuple[list[str], list[float], list[int]], add_space_prefix: bool = True
+) -> list[int]:
+    """llama.cpp's SPM tokenize (parse_special, no BOS): cut out control/user-defined/unknown tokens,
+    longest first; each remaining run gets a " " prefix when first or after a token, " " -> "▁", then
+    join the best-scoring adjacent pair (leftmost on ties) until none is a piece; bytes for the rest."""
+    tokens, scores, types = vocab
+    ids = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id wins
+    specials = sorted(
+        (t for t, k in zip(tokens, types) if k in (UNKNOWN, CONTROL, USER_DEFINED)), key=len, reverse=True
+    )
+    fragments: list[str | int] = [text] if text else []
+    for special in specials:
+        cut: list[str | int] = []
+        for fragment in fragments:
+            if isinstance(fragment, int):
+                cut.append(fragment)
+                continue
+            for k, part in enumerate(fragment.split(special)):
+                cut += ([ids[special]] if k else []) + ([part] if part else [])
+        fragments = cut
+    out: list[int] = []
+    after_token = True
+    for fragment in fragments:
+        if isinstance(fragment, int):
+            out.append(fragment)
+            after_token = True
+            continue
+        symbols = list(((" " if add_space_prefix and after_token else "") + fragment).replace(" ", SPACE))
+        while True:
+            joinable = [
+                (scores[ids[a + b]], -k) for k, (a, b) in enumerate(zip(symbols, symbols[1:])) if a + b in ids
+            ]
+            if not joinable:
+                break
+            k = -max(joinable)[1]
+            symbols[k : k + 2] = [symbols[k] + symbols[k + 1]]
+        for symbol in symbols:
+            out += [ids[symbol]] if symbol in ids else [ids[f"<0x{b:02X}>"] for b in symbol.encode()]
+        after_token = False
+    return out
+
+
+# ---- fixtures ----
+
+
+@pytest.fixture(scope="module")
+def vocab() -> tuple[list[str], list[float], list[int]]:
+    return spm_vocab()
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory, vocab: Any) -> Path:
+    folder = tmp_path_factory.mktemp("spm")
+    return write_spm_gguf(folder / "spm.gguf", vocab, chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def ours(gguf_file: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(GGUFFile(gguf_file).metadata)
+
+
+@pytest.fixture(scope="module")
+def ref(gguf_file: Path) -> Any:
+    """transformers' tokenizer for the same file."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+
+
+@pytest.fixture(scope="module")
+def ref_legacy(ref: Any) -> HFTokenizer:
+    """transformers' model and decoder with the legacy normalizer of Llama-2's own tokenizer.json
+    (prepend "▁" to every run, " " -> "▁"; no pre-tokenizer): llama.cpp's space-prefix rule."""
+    backend = HFTokenizer.from_str(ref.backend_tokenizer.to_str())
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])  # type: ignore[assignment]
+    backend.pre_tokenizer = None  # type: ignore[assignment]
+    return backend
+
+
+def has_token(text: str) -> bool:
+    """Whether the text holds a control, unknown or user-defined token (matched whole)."""
+    return any(t in text for t in ("<s>", "</s>", "<unk>", "[INST]", "[/INST]", "<think>"))
+
+
+def conventions_agree(text: str) -> bool:
+    """transformers and llama.cpp prefix "▁" alike: the text starts with no space and holds no token."""
+    return not text.startswith(" ") and not has_token(text)
+
+
+# ---- encode ----
+
+
+def test_encode_matches_transformers_where_conventions_agree(ours: Tokenizer, ref: Any) -> None:
+    checked = [t for t in TEXTS if conventions_agree(t)]
+    assert len(checked) > 15
+    for text in checked:
+        assert ours.encode(text, add_special_tokens=True) == ref.encode(text), text
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False), text
+
+
+def test_encode_matches_llama_cpp_and_legacy_transformers(
+    ours: Tokenizer, ref_legacy: HFTokenizer, vocab: Any
+) -> None:
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == llama_cpp_tokenize(text, vocab), text
+        assert ids == ref_legacy.encode(text, add_special_tokens=False).ids, text
+
+
+def test_where_transformers_differs(ours: Tokenizer, ref: Any) -> None:
+    """The two documented differences, spelled out as pieces."""
+
+    def pieces(ids: list[int]) -> list[str]:
+        return [ours.id_to_token(i) for i in ids]
+
+    # a leading space: llama.cpp (and sentencepiece) add "▁" anyway, transformers does not
+    assert "".join(pieces(ours.encode(" hello"))) == SPACE * 2 + "hello"
+    assert (
+        "".join(ref.convert_ids_to_tokens(ref.encode(" hello", add_special_tokens=False))) == SPACE + "hello"
+    )
+    # after a control token: llama.cpp prefixes the next run, as Meta's Llama-2 code does for "[INST] "
+    ours_ids = ours.encode("[INST]hi")
+    assert pieces(ours_ids)[0] == "[INST]" and "".join(pieces(ours_ids[1:])) == SPACE + "hi"
+    assert ref.convert_ids_to_tokens(ref.encode("[INST]hi", add_special_tokens=False)) == ["[INST]", "hi"]
+
+
+def test_random_text_matches_llama_cpp(ours: Tokenizer, vocab: Any) -> None:
+    """Random strings over the vocabulary's alphabet, spaces, tokens and byte-fallback characters."""
+    alphabet = sorted(set(WORDS.replace(" ", ""))) + [
+        " ",
+        " ",
+        "  ",
+        "\n",
+        "日",
+        "本",
+        "😀",
+        "é",
+        "1",
+        "5",
+        ".",
+    ]
+    alphabet += ["[INST]", "</s>", "<think>"]
+    rng = random.Random(1)
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        assert ours.encode(text) == llama_cpp_tokenize(text, vocab), text
+
+
+def test_flags_bos_and_space_prefix(tmp_path: Path, vocab: Any) -> None:
+    default = Tokenizer.from_gguf_metadata(GGUFFile(write_spm_gguf(tmp_path / "a.gguf", vocab)).metadata)
+    assert default.add_bos_token and default.encode("hi", add_special_tokens=True) == [
+        1,
+        *default.encode("hi"),
+    ]
+    flagged = write_spm_gguf(tmp_path / "b.gguf", vocab, add_bos_token=False, add_space_prefix=False)
+    tok = Tokenizer.from_gguf_metadata(GGUFFile(flagged).metadata)
+    assert tok.add_bos_token is False and tok.encode("hi", add_special_tokens=True) == tok.encode("hi")
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == llama_cpp_tokenize(text, vocab, add_space_prefix=False), text
+        if not has_token(text):
+            assert tok.decode(ids) == text  # no prefix added, none stripped
+    assert tok.id_to_token(tok.encode("hello")[0]) != SPACE + "hello"
+
+
+# ---- decode, bytes, streaming ----
+
+
+def test_decode_matches_transformers(ours: Tokenizer, ref: Any) -> None:
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=True)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), (
+                text
+            )
+        if conventions_agree(text):
+            assert ours.decode(ids) == text  # the prefix space added on encode is removed on decode
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randint(1, 12))]
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), (
+                ids
+            )
+
+
+def test_control_tokens_and_ids(ours: Tokenizer, ref: Any, vocab: Any) -> None:
+    tokens, _, _ = vocab
+    inst, end_inst, think = (tokens.index(t) for t in ("[INST]", "[/INST]", "<think>"))
+    assert ours.vocab_size == len(tokens) == len(ref)
+    assert (ours.bos_token_id, ours.bos_token, ours.eos_token, ours.eos_token_ids) == (1, "<s>", "</s>", {2})
+    assert ours.special_ids == {0, 1, 2, inst, end_inst}  # <think> is user-defined: text, not control
+    assert ours.special_ids == {i for i, t in ref.added_tokens_decoder.items() if t.special}
+    assert ours.encode("<s>[INST]<think></s>") == [1, inst, think, 2]
+    assert ours.decode([1, inst, think, 2]) == "<think>"
+
+
+def test_token_bytes(ours: Tokenizer, vocab: Any) -> None:
+    tokens, _, types = vocab
+    for i, (piece, kind) in enumerate(zip(tokens, types)):
+        expected = bytes([int(piece[3:5], 16)]) if kind == BYTE else piece.replace(SPACE, " ").encode()
+        assert ours.token_bytes(i) == expected, piece
+    for text in TEXTS:
+        if conventions_agree(text) and text:
+            ids = ours.encode(text)
+            assert b"".join(ours.token_bytes(i) for i in ids) == b" " + text.encode()  # with the prefix space
+
+
+def stream(tok: Tokenizer, ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tok)
+    return [detok.add(i) for i in ids] + [detok.flush()]
+
+
+def test_incremental_detokenizer(ours: Tokenizer) -> None:
+    """Byte-fallback pieces are held until they form a character; deltas add up to the full decode."""
+    emoji = ours.encode("😀")
+    assert [ours.id_to_token(i) for i in emoji] == [SPACE, "<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    assert stream(ours, emoji) == ["", "", "", "", "😀", ""]
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=True)
+        deltas = stream(ours, ids)
+        assert "".join(deltas) == ours.decode(ids), text
+        assert not any("\ufffd" in d for d in deltas), text
+    # spaces between words are kept, the first word's prefix space is dropped as decode() does, and
+    # the three byte pieces of 語 come out as one character
+    ids = ours.encode("hello world 日本語")
+    assert [ours.id_to_token(i) for i in ids][-3:] == ["<0xE8>", "<0xAA>", "<0x9E>"]
+    assert stream(ours, ids) == ["hello", " world", " ", "日本", "", "", "語", ""]
+
+
+# ---- chat template ----
+
+
+def test_chat_template(ours: Tokenizer, ref: Any, vocab: Any) -> None:
+    messages = [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "the fox 😀"},
+    ]
+    assert ours.chat_template == CHAT_TEMPLATE
+    rendered = render_chat(ours, messages, add_generation_prompt=True)
+    assert rendered.text == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.text.startswith("<s>[INST] hi there [/INST] hello</s>[INST]")
+    assert rendered.token_ids == llama_cpp_tokenize(rendered.text, vocab)
+    assert rendered.token_ids.count(1) == 1 and rendered.token_ids[0] == ours.bos_token_id == 1
+    control = [i for i, c in zip(rendered.token_ids, rendered.is_control) if c]
+    assert [ours.id_to_token(i) for i in control] == ["<s>", "[INST]", "[/INST]", "</s>", "[INST]", "[/INST]"]
+
+
+# ---- refusals ----
+
+
+def test_refusals(ours: Tokenizer, gguf_file: Path) -> None:
+    metadata = GGUFFile(gguf_file).metadata
+    with pytest.raises(UnsupportedModelError, match=r"'bert' is not supported; supported: 'gpt2'.*'llama'"):
+        Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "bert"})
+    with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.scores"):
+        Tokenizer.from_gguf_metadata({k: v for k, v in metadata.items() if k != "tokenizer.ggml.scores"})
+    with pytest.raises(UnsupportedModelError, match="scores"):
+        Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.scores": [0.0]})
