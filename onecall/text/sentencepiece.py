@@ -15,8 +15,9 @@ Step 2 is exactly a BPE whose merge list is every split (left, right) of every p
 ranked by the joined piece's score, best first: BPE also joins the best-ranked adjacent pair, leftmost
 first among equals. So, as transformers' GGUF converter does, we hand `tokenizers` a BPE model with
 those merges and byte fallback, which keeps encoding in Rust. The one case where the two can differ is
-two *different* pieces with the same score both joinable at once: SentencePiece takes the leftmost, BPE
-the one ranked first. Real vocabularies give their mergeable pieces distinct scores.
+two *different* pieces with the same score both joinable at once: llama.cpp takes the leftmost pair, BPE
+the one ranked first. There we rank as transformers does (see spm_merges) and so agree with it, not
+with llama.cpp; vocabularies trained by sentencepiece give their normal pieces distinct scores.
 
 Step 1 is a normalizer that prepends "▁" and replaces " " by "▁". `tokenizers` applies it to each run of
 text between added tokens (control and user-defined pieces are added tokens, matched whole), so every
@@ -30,9 +31,13 @@ llama.cpp's choice is the one the models were trained and chat-formatted with: i
 sentencepiece library does to plain text, what Meta's Llama-2 reference code produces for
 `<s>[INST] ...`, and what Llama-2's and Mistral's own tokenizer.json files (legacy normalizers) produce.
 
-Decoding writes "▁" back as a space, joins byte pieces into UTF-8 (invalid bytes become U+FFFD) and, when
-a space prefix is added on encode, removes one leading space of the decoded text (as transformers'
-decoder and llama.cpp's llama_detokenize do), so decode(encode(text)) == text.
+Decoding joins the bytes of the pieces ("▁" is a space, `<0xNN>` its byte), reads them as UTF-8 with
+U+FFFD for invalid bytes, and, when a space prefix is added on encode, removes one leading space (as
+transformers' decoder and llama.cpp's llama_detokenize do), so decode(encode(text)) == text. Invalid
+bytes are where we follow llama.cpp, whose pieces are bytes, over transformers: its ByteFallback decoder
+turns a whole run of byte pieces into one U+FFFD per piece when any of them is invalid ("?" + a lone
+0xE8 -> "\ufffd\ufffd" there, "?\ufffd" here). Decoding bytes keeps decode(a + b) an extension of
+decode(a) wherever a ends on a whole character, which the incremental detokenizer relies on.
 """
 
 from __future__ import annotations
@@ -52,20 +57,20 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 def spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
     """Every split of every piece into two pieces, ranked best first (SentencePiece's step 2 as BPE).
 
-    The rank key is the joined piece's score (higher first), then the ids of its two halves, so the
-    order is a pure function of the vocabulary. Byte pieces are never joined into.
+    Rank key: the joined piece's score, higher first; among equal scores, the longer left half, then the
+    longer right half, then the joined piece's id and the halves' ids. That is the order transformers'
+    generate_merges gives, so the two agree even on a vocabulary with tied scores.
     """
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)  # a duplicate piece keeps its first id, as in llama.cpp's token_to_id
-    ranked: list[tuple[float, int, int, str, str]] = []
+    ranked: list[tuple[float, int, int, int, int, int, str, str]] = []
     for piece, i in vocab.items():
-        if _is_byte_piece(piece):
-            continue
         for cut in range(1, len(piece)):
             left, right = piece[:cut], piece[cut:]
             if left in vocab and right in vocab:
-                ranked.append((-scores[i], vocab[left], vocab[right], left, right))
+                key = (-scores[i], -len(left), -len(right), i, vocab[left], vocab[right])
+                ranked.append((*key, left, right))
     ranked.sort()
     return [(left, right) for *_, left, right in ranked]
 
@@ -107,10 +112,7 @@ def build_spm_tokenizer(
     hf.normalizer = normalizers.Sequence(  # type: ignore[assignment]
         [normalizers.Prepend(SPACE), *spaces] if add_space_prefix else spaces
     )
-    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_space_prefix:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    hf.decoder = decoders.Sequence(steps)  # type: ignore[assignment]
+    hf.decoder = decoders.Decoder.custom(PieceBytesDecoder(strip_space_prefix=add_space_prefix))
 
     # 3. pieces matched whole (content == vocab key, so they keep their ids)
     special = [t for t, k in zip(tokens, types, strict=True) if t and k in (CONTROL, UNKNOWN)]
@@ -119,6 +121,19 @@ def build_spm_tokenizer(
     hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     assert hf.get_vocab_size(with_added_tokens=True) == len(vocab), "added tokens must reuse vocab ids"
     return hf
+
+
+class PieceBytesDecoder:
+    """A `tokenizers` custom decoder: pieces -> their bytes -> text (see the module doc)."""
+
+    def __init__(self, strip_space_prefix: bool) -> None:
+        self.strip_space_prefix = strip_space_prefix
+
+    def decode_chain(self, pieces: list[str]) -> list[str]:
+        text = b"".join(map(piece_bytes, pieces)).decode("utf-8", errors="replace")
+        if self.strip_space_prefix and text.startswith(" "):
+            text = text[1:]
+        return [text]
 
 
 def _is_byte_piece(piece: str) -> bool:
