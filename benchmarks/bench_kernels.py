@@ -86,12 +86,15 @@ def bench_q8(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[s
     head = model.fast_lm_head
     if head is None or head.q8 is None:
         return []
-    q, scale = head.q8
+    q, scale = head.q8.q, head.q8.scale
     nbytes = q.numel() + scale.numel() * 4
     out = []
     for m in rows:
         x = torch.randn(m, q.shape[1])
-        s = timed(functools.partial(native.q8_gemm, lib, x, q, scale, None, torch.get_num_threads()), repeats)
+        gemm = functools.partial(
+            native.q8_gemm, lib, x, q, scale, None, torch.get_num_threads(), head.q8.group_size
+        )
+        s = timed(gemm, repeats)
         out.append({"kernel": f"q8 logits {q.shape[0]}x{q.shape[1]}", "rows": m, "us": s * 1e6,
                     "gb_per_s": nbytes / s / 1e9})  # fmt: skip
     return out
@@ -146,7 +149,7 @@ def bench_step(llm: LLM, rows: list[int], repeats: int) -> list[dict[str, Any]]:
     c = model.config
     cache = PagedKVCache(c.num_hidden_layers, 64, 16, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
     cache.k.zero_(), cache.v.zero_()
-    weight_bytes = llm.weight_bytes_read(1) - sum(t.numel() * t.element_size() for t in model.fast_lm_head.q8)
+    weight_bytes = llm.weight_bytes_read(1) - model.fast_lm_head.weight_bytes_read()
     out = []
     step = model.native_step
     for m in rows:

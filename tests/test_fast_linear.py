@@ -19,6 +19,8 @@ Tolerances, written down:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -26,8 +28,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from onecall.engine.engine import Engine
 from onecall.model import native
-from onecall.model.fast_linear import INT4_MAX_ROWS, FastLinear, onednn_available
-from onecall.model.quants import Int4Groups, dequantize, int4_groups, int8_groups
+from onecall.model.fast_linear import INT4_MAX_ROWS, FastLinear, FastLMHead, onednn_available
+from onecall.model.quants import Int4Groups, StoredGroups, dequantize, int4_groups, int8_groups
 from onecall.sampling_params import SamplingParams
 from tests.helpers.int4 import int4_engine, quantize_int4
 from tests.helpers.tiny_engine import run_all
@@ -80,6 +82,112 @@ def test_q8_0_int8_groups_are_the_stored_values() -> None:
     assert int8_groups(_random_blocks(T.Q4_0, 8, rng), T.Q4_0, (8, 32)) is None
 
 
+def _q6_k_blocks(num_blocks: int, rng: np.random.Generator) -> torch.Tensor:
+    """Random Q6_K blocks (ql, qh, int8 sub-block scales, then the float16 super-block scale)."""
+    raw = rng.integers(0, 256, (num_blocks, 210), dtype=np.uint8)
+    raw[:, 192:208] = rng.integers(-64, 64, (num_blocks, 16)).astype(np.int8).view(np.uint8)
+    raw[:, 208:210] = rng.uniform(1e-4, 1e-3, (num_blocks, 1)).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(-1).copy())
+
+
+def test_q6_k_int8_groups_are_the_dequantized_values() -> None:
+    """Q6_K as int8 groups of 16 (q - 32, d * scale): q * scale is quants.dequantize() exactly."""
+    rows, cols = 6, 512
+    blocks = _q6_k_blocks(rows * cols // 256, np.random.default_rng(4))
+    groups = int8_groups(blocks, T.Q6_K, (rows, cols))
+    assert groups is not None and groups.group_size == 16 and groups.scale.shape == (rows, cols // 16)
+    assert int(groups.q.min()) >= -32 and int(groups.q.max()) <= 31
+    assert torch.equal(groups.dequantize(), dequantize(blocks, T.Q6_K, (rows, cols), torch.float32))
+
+
+@pytest.mark.skipif(native.load() is None, reason="the int8 decode path is the native kernel's")
+@pytest.mark.parametrize("rows", [1, 5, INT4_MAX_ROWS])
+def test_fast_linear_decodes_int8_and_mixed_parts(rows: int) -> None:
+    """A fused projection stored in three types (as Q4_K_M files store q/k/v): an int4 part, a Q8_0
+    part and a Q6_K part. Decode rows run each part's own kernel. The int8 parts take float32
+    activations, so they match the float32 product to summation order (1e-5 of |x| |w|); the int4
+    part gives the same bits as a projection of that part alone."""
+    rng = np.random.default_rng(rows)
+    cols = 256
+    q4 = quantize_int4(torch.randn(32, cols, generator=torch.Generator().manual_seed(rows)))
+    q8 = int8_groups(_q8_0_blocks(24 * cols // 32, rng), T.Q8_0, (24, cols))
+    q6 = int8_groups(_q6_k_blocks(16 * cols // 256, rng), T.Q6_K, (16, cols))
+    assert q8 is not None and q6 is not None
+    weight = torch.cat((q4.dequantize(), q8.dequantize(), q6.dequantize()))
+    bias = torch.randn(72)
+    fast = FastLinear(weight, bias, [(0, 32, q4), (32, 56, q8), (56, 72, q6)])
+    assert fast.decode_kernel == "native int4+int8"
+    x = torch.randn(rows, cols)
+    with torch.no_grad():
+        got = fast(x)
+        alone = FastLinear(q4.dequantize(), bias[:32], q4)(x)
+    want = x @ weight.T + bias
+    bound = 1e-5 * (x.abs() @ weight.abs().T) + 1e-6
+    assert bool(((got[:, 32:] - want[:, 32:]).abs() <= bound[:, 32:]).all())
+    assert torch.equal(got[:, :32], alone)
+    int8_only = FastLinear(weight[32:], bias[32:], [(0, 24, q8), (24, 40, q6)])
+    assert int8_only.decode_kernel == "native int8"
+    assert int8_only.weight_bytes_read(rows) == 40 * cols + (24 * cols // 32 + 16 * cols // 16) * 4
+    with torch.no_grad():
+        assert torch.equal(int8_only(x), got[:, 32:])
+
+
+@pytest.mark.skipif(native.load() is None, reason="the int8 decode path is the native kernel's")
+def test_a_q8_0_gguf_decodes_on_its_own_int8_groups(tmp_path: Path) -> None:
+    """A whole Q8_0 GGUF (Llama: q/k rows permuted in the file): the streaming load stores every
+    projection's int8 groups (un-permuted with the rows), decode rows run them, and each projection
+    gives the reference model's float32 product to summation order."""
+    from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+    from onecall.model.config import ModelConfig
+    from onecall.model.decoder import DecoderLM
+    from onecall.model.weights import load_weights
+    from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
+
+    config = tiny_hf_config("llama")
+    files = resolve_model(
+        write_tiny_gguf(tmp_path / "q8.gguf", random_state_dict(config, 5), config, weight_type=T.Q8_0)
+    )
+    mc = ModelConfig.from_hf_config(load_hf_config_dict(files))
+    stored: dict[str, StoredGroups] = {}
+    fast = DecoderLM(mc, pack_on_load=True)
+    load_weights(fast, iter_weights(files, torch.float32, stored), stored)
+    ref = DecoderLM(mc)
+    load_weights(ref, iter_weights(files, torch.float32))
+    n = 4 * mc.num_hidden_layers
+    assert f"native int8 decode ({n} of {n} projections)" in fast.kernels, fast.kernels
+    x = torch.randn(3, mc.hidden_size)
+    for (_, name, owner, attr), (_, _, ref_owner, _) in zip(
+        fast.projections(), ref.projections(), strict=True
+    ):
+        proj, ref_proj = getattr(owner, attr), getattr(ref_owner, attr)
+        xin = x if proj.in_features == mc.hidden_size else torch.randn(3, proj.in_features)
+        with torch.no_grad():
+            got, want = proj(xin), ref_proj(xin)
+        bound = 1e-5 * (xin.abs() @ ref_proj.weight.abs().T) + 1e-6
+        assert bool(((got - want).abs() <= bound).all()), name
+
+
+@pytest.mark.skipif(native.load() is None, reason="the int8 logits path is the native kernel's")
+def test_a_q6_k_output_weight_runs_the_logits_on_its_groups_of_16() -> None:
+    """Q4_K_M files store output.weight as Q6_K: the logits head takes its int8 groups of 16 as they
+    are (float32 activations: summation order only)."""
+    rows, cols = 40, 256
+    groups = int8_groups(_q6_k_blocks(rows * cols // 256, np.random.default_rng(6)), T.Q6_K, (rows, cols))
+    assert groups is not None
+    weight = groups.dequantize()
+    head = FastLMHead(weight, groups)
+    assert head.kernel == "native q8" and head.q8 is not None and head.q8.group_size == 16
+    x = torch.randn(3, cols)
+    bound = 1e-5 * (x.abs() @ weight.abs().T) + 1e-6
+    assert bool(((head(x) - x @ weight.T).abs() <= bound).all())
+
+
+def _q8_0_blocks(num_blocks: int, rng: np.random.Generator) -> torch.Tensor:
+    raw = rng.integers(-127, 128, (num_blocks, 34)).astype(np.int8).view(np.uint8)
+    raw[:, :2] = rng.uniform(-0.05, 0.05, (num_blocks, 1)).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(-1).copy())
+
+
 def _linear(groups: Int4Groups, bias: bool) -> torch.nn.Linear:
     out_features, in_features = groups.q.shape
     lin = torch.nn.Linear(in_features, out_features, bias=bias)
@@ -95,12 +203,12 @@ def test_fast_linear_within_its_written_tolerance(rows: int, bias: bool) -> None
     groups = quantize_int4(torch.randn(96, 160))
     lin = _linear(groups, bias)
     fast = FastLinear(lin.weight, lin.bias, groups)
-    assert fast.has_int4
+    assert fast.has_decode_kernel
     x = torch.randn(rows, 160)
     with torch.no_grad():
         ref, got = lin(x), fast(x)
     w = groups.dequantize()
-    if rows <= INT4_MAX_ROWS and fast.int4_kernel == "native":
+    if rows <= INT4_MAX_ROWS and fast.decode_kernel == "native int4":
         step = x.view(rows, -1, 32).abs().amax(-1) / 32767
         bound = (step / 2) @ w.abs().view(96, -1, 32).sum(-1).T + 1e-5 * (x.abs() @ w.abs().T) + 1e-6
     elif rows <= INT4_MAX_ROWS:
@@ -120,7 +228,7 @@ def test_fast_linear_without_int4_is_float32_everywhere() -> None:
     # groups of 64 (the native kernel takes 32) and 40 rows (torch's int4 kernel wants a multiple of
     # 16): neither 4-bit kernel fits, so no int4 copy is kept even though one is offered
     fast = FastLinear(lin.weight, lin.bias, quantize_int4(lin.weight.detach(), group_size=64))
-    assert not fast.has_int4
+    assert not fast.has_decode_kernel
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
         torch.testing.assert_close(fast(x), lin(x), rtol=1e-5, atol=1e-5)
@@ -151,10 +259,12 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
     ref = load_engine_parts(EngineConfig(kernels="reference", kv_cache_gib=0.05))
     num_layers = fast.model_config.num_hidden_layers
     kind, logits_kernel, step = (
-        ("native", "native q8", ", native decode step") if native.load() else ("torch", "onednn float32", "")
+        ("native int4", "native q8", ", native decode step")
+        if native.load()
+        else ("torch int4", "onednn float32", "")
     )
     assert fast.kernels == (
-        f"onednn float32 + {kind} int4 decode ({4 * num_layers} of {4 * num_layers} projections), "
+        f"onednn float32 + {kind} decode ({4 * num_layers} of {4 * num_layers} projections), "
         f"{logits_kernel} logits{step}"  # the embedded GGUF's tied embedding is Q8_0: kept as int8
     )
     assert (fast.model.native_step is not None) == bool(step)
@@ -162,8 +272,8 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
     if head is not None and head.q8 is not None:
         # the file's own Q8_0 groups, taken as stored: re-quantizing the expanded weight finds them again
         q, scale = native.quantize_q8_groups(fast.model.output_weight())
-        assert torch.equal(head.q8[0], q)
-        torch.testing.assert_close(head.q8[1], scale, rtol=2**-20, atol=0)
+        assert torch.equal(head.q8.q, q)
+        torch.testing.assert_close(head.q8.scale, scale, rtol=2**-20, atol=0)
     assert not any(name.endswith(("proj.weight",)) for name, _ in fast.model.named_parameters())
     ids = fast.tokenizer.encode("The streaming loader packs each projection as it arrives. " * 3)
     assert len(ids) > INT4_MAX_ROWS

@@ -12,6 +12,11 @@ float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection
   native kernel (model/native.py, csrc/quant_gemm.c: int16 activations per group of 32,
   exact integer dot products) where it builds, else torch's `_weight_int4pack_mm_for_cpu` (bfloat16
   activations, scales and zeros). Both are row-independent too.
+* decode rows of a weight stored in int8 groups (GGUF Q8_0, groups of 32; Q6_K, groups of 16: see
+  quants.Int8Groups): the native int8 kernel, float32 activations (exact products). A fused
+  projection whose parts were stored in different types (Q4_K_M files keep v in Q6_K beside q/k in
+  Q4_K) runs each part on its own kernel; those projections take the per-op path, not the one-call
+  decode step (model/native_step.py takes whole 4-bit projections only).
 
 Which rows are "decode" is the step's, not the call's: the engine runs each forward inside
 `decode_rows(n)` (the batch's first n rows are decode tokens, the rest prompt tokens), so a
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -92,14 +97,28 @@ def _native() -> ctypes.CDLL | None:
     return native.load()
 
 
+@dataclass(frozen=True)
+class _Q8Rows:
+    """Rows [start, end) of a projection in int8 groups (a Q8_0 or Q6_K part), for the native q8 kernel."""
+
+    start: int
+    end: int
+    groups: Int8Groups
+
+
 class FastLinear(nn.Module):
     """A drop-in for a float32 nn.Linear on CPU (see the module docstring for the kernels)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Groups | None = None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        stored: StoredGroups | Sequence[tuple[int, int, StoredGroups]] | None = None,
     ) -> None:
         """`weight` (out, in) float32 is packed and not kept. `bias` is kept by reference, not copied:
-        a bias still being loaded in place (weights.load_weights) is seen once it lands."""
+        a bias still being loaded in place (weights.load_weights) is seen once it lands. `stored`: the
+        checkpoint's own groups for decode rows, whole or as (first row, end row, groups) parts (a
+        fused projection whose parts were stored in different types, as in Q4_K_M files)."""
         super().__init__()
         assert weight.device.type == "cpu" and weight.dtype == torch.float32, (
             "FastLinear is a float32 CPU path"
@@ -115,8 +134,38 @@ class FastLinear(nn.Module):
         # torch's int4 kernel: packed weight and (in / group, out, 2) bfloat16 scales and zeros
         self.int4_weight: torch.Tensor | None = None
         self.int4_scale_zeros: torch.Tensor | None = None
-        if int4 is not None:
-            self._pack_int4(int4)
+        # decode rows by parts (int8 groups, maybe beside int4 ones): native kernels, one call per part
+        self.parts: list[tuple[int, int, native.Q4Packed | Int8Groups]] = []
+        if isinstance(stored, (Int4Groups, Int8Groups)):
+            stored = [(0, self.out_features, stored)]
+        if stored:
+            self._pack_stored(list(stored))
+
+    def _pack_stored(self, parts: list[tuple[int, int, StoredGroups]]) -> None:
+        assert parts[0][0] == 0 and parts[-1][1] == self.out_features, "parts must cover every row"
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False)), "parts must be contiguous"
+        if all(isinstance(g, Int4Groups) for _, _, g in parts):
+            self._pack_int4(Int4Groups.cat([g for _, _, g in parts]))  # type: ignore[misc]
+            return
+        lib = _native()
+        if lib is None or self.in_features % 32:
+            return  # int8 groups run on the native kernel only: oneDNN takes every row
+        packed: list[tuple[int, int, native.Q4Packed | Int8Groups]] = []
+        for start, end, g in parts:
+            assert tuple(g.q.shape) == (end - start, self.in_features), (
+                "stored groups do not match the weight"
+            )
+            if isinstance(g, Int8Groups) and g.group_size in (16, 32):
+                packed.append(
+                    (start, end, Int8Groups(g.q.contiguous(), g.scale.float().contiguous(), g.group_size))
+                )
+            elif isinstance(g, Int4Groups) and g.group_size == 32:
+                packed.append(
+                    (start, end, native.pack_q4(g.q, *_compact_scales(g.scale.float(), g.offset.float())))
+                )
+            else:
+                return
+        self.parts, self._lib = packed, lib
 
     def _pack_int4(self, g: Int4Groups) -> None:
         assert tuple(g.q.shape) == (self.out_features, self.in_features), (
@@ -138,33 +187,53 @@ class FastLinear(nn.Module):
             self.int4_scale_zeros = scale_zeros.contiguous().to(torch.bfloat16)
 
     @property
-    def has_int4(self) -> bool:
-        return self.q4 is not None or self.int4_weight is not None
+    def has_decode_kernel(self) -> bool:
+        """Whether decode rows run on the checkpoint's own groups (else oneDNN float32 like prompt rows)."""
+        return self.q4 is not None or self.int4_weight is not None or bool(self.parts)
 
     @property
-    def int4_kernel(self) -> str | None:
-        """Which 4-bit kernel decode rows run on: "native", "torch", or None (no 4-bit copy)."""
-        return "native" if self.q4 is not None else "torch" if self.int4_weight is not None else None
+    def decode_kernel(self) -> str | None:
+        """What decode rows run on: "native int4", "torch int4", "native int8", "native int4+int8" (a
+        fused projection stored in two types), or None (oneDNN float32)."""
+        if self.q4 is not None:
+            return "native int4"
+        if self.int4_weight is not None:
+            return "torch int4"
+        kinds = {"int8" if isinstance(g, Int8Groups) else "int4" for _, _, g in self.parts}
+        return f"native {'+'.join(sorted(kinds))}" if kinds else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        num_small = num_decode_rows(rows) if self.has_int4 else 0
+        num_small = num_decode_rows(rows) if self.has_decode_kernel else 0
         if num_small == rows:
-            y = self._int4(x2)
+            y = self._decode(x2)
         elif num_small == 0:
             y = self._onednn(x2)
         else:  # a mixed step: decode rows first, prompt rows after
-            y = torch.cat((self._int4(x2[:num_small]), self._onednn(x2[num_small:])))
+            y = torch.cat((self._decode(x2[:num_small]), self._onednn(x2[num_small:])))
         return y.view(*lead, self.out_features)
 
     def _onednn(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
 
-    def _int4(self, x2: torch.Tensor) -> torch.Tensor:
+    def _decode(self, x2: torch.Tensor) -> torch.Tensor:
+        threads = torch.get_num_threads()
         if self.q4 is not None and self._lib is not None:
-            return native.q4_gemm(self._lib, x2.contiguous(), self.q4, self.bias, torch.get_num_threads())
+            return native.q4_gemm(self._lib, x2.contiguous(), self.q4, self.bias, threads)
+        if self.parts:
+            assert self._lib is not None
+            x2 = x2.contiguous()
+            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            for start, end, g in self.parts:
+                if isinstance(g, Int8Groups):
+                    y[:, start:end] = native.q8_gemm(self._lib, x2, g.q, g.scale, None, threads, g.group_size)
+                else:
+                    y[:, start:end] = native.q4_gemm(self._lib, x2, g, None, threads)
+            if self.bias is not None:
+                y += self.bias
+            return y
         assert self.int4_weight is not None and self.int4_scale_zeros is not None
         y = torch._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16), self.int4_weight, self.group_size, self.int4_scale_zeros
@@ -175,14 +244,19 @@ class FastLinear(nn.Module):
 
     def weight_bytes_read(self, rows: int) -> int:
         """Bytes of weights one call over `rows` rows (outside a decode_rows scope) streams."""
-        if self.has_int4 and rows <= INT4_MAX_ROWS:
+        if self.has_decode_kernel and rows <= INT4_MAX_ROWS:
             if self.q4 is not None:
                 return self.q4.nbytes
+            if self.parts:
+                return sum(
+                    _nbytes(g.q) + _nbytes(g.scale) if isinstance(g, Int8Groups) else g.nbytes
+                    for _, _, g in self.parts
+                )
             return sum(_nbytes(t) for t in (self.int4_weight, self.int4_scale_zeros) if t is not None)
         return self.in_features * self.out_features * 4
 
     def extra_repr(self) -> str:
-        kind = f"{self.int4_kernel} int4 g{self.group_size} decode + onednn" if self.has_int4 else "onednn"
+        kind = f"{self.decode_kernel} decode + onednn" if self.has_decode_kernel else "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, kernels={kind}"
 
 
@@ -201,22 +275,23 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class FastLMHead(nn.Module):
     """The logits projection: the native int8 kernel when the (possibly tied) output weight was stored
-    as Q8_0 (`int8`: the file's own groups; without them, checked by re-quantizing the weight), else
-    a oneDNN-prepacked float32 copy."""
+    in int8 groups (`int8`: the file's own Q8_0 or Q6_K groups; without them, a Q8_0 weight is found
+    by re-quantizing the weight), else a oneDNN-prepacked float32 copy."""
 
     def __init__(self, weight: torch.Tensor, int8: Int8Groups | None = None) -> None:
         super().__init__()
         w = weight.detach().float().contiguous()
         self.num_weights = w.numel()
-        self.q8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.q8: Int8Groups | None = None
         self.packed: torch.Tensor | None = None
-        if int8 is not None and tuple(int8.q.shape) == tuple(w.shape) and _native() is not None:
-            self.q8 = (int8.q.contiguous(), int8.scale.contiguous())
+        usable = int8 is not None and tuple(int8.q.shape) == tuple(w.shape) and w.shape[1] % 32 == 0
+        if int8 is not None and usable and _native() is not None:
+            self.q8 = Int8Groups(int8.q.contiguous(), int8.scale.float().contiguous(), int8.group_size)
         elif w.shape[1] % 32 == 0 and _native() is not None:
             q, scale = native.quantize_q8_groups(w)
             err = (q.view(w.shape[0], -1, 32).float() * scale.unsqueeze(-1)).view_as(w).sub_(w).abs_().max()
             if float(err) <= _Q8_EXACT_RTOL * float(w.abs().max()):
-                self.q8 = (q, scale)
+                self.q8 = Int8Groups(q, scale)
         if self.q8 is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _ONEDNN_PACK_ROWS)
 
@@ -226,7 +301,7 @@ class FastLMHead(nn.Module):
 
     def weight_bytes_read(self) -> int:
         if self.q8 is not None:
-            return sum(_nbytes(t) for t in self.q8)
+            return _nbytes(self.q8.q) + _nbytes(self.q8.scale)
         return self.num_weights * 4
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -234,7 +309,8 @@ class FastLMHead(nn.Module):
         if self.q8 is not None:
             lib = _native()
             assert lib is not None
-            return native.q8_gemm(lib, x, *self.q8, None, torch.get_num_threads())
+            q8 = self.q8
+            return native.q8_gemm(lib, x, q8.q, q8.scale, None, torch.get_num_threads(), q8.group_size)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
@@ -290,10 +366,14 @@ class StreamingPacker:
 
     def submit(self, slot: PackSlot, weight: torch.Tensor) -> None:
         """Pack `slot` from its whole (out, in) weight on a worker thread."""
-        groups = [self._stored.get(name) for name in slot.parts]
-        int4 = [g for g in groups if isinstance(g, Int4Groups)]
-        fused = Int4Groups.cat(int4) if len(int4) == len(groups) else None
-        self._jobs.append((slot, self._pool.submit(FastLinear, weight, slot.bias, fused)))
+        parts: list[tuple[int, int, StoredGroups]] = []
+        for name, (start, end) in slot.parts.items():
+            groups = self._stored.get(name)
+            if groups is None:  # a part without stored groups: oneDNN for every row
+                break
+            parts.append((start, end, groups))
+        stored = parts if len(parts) == len(slot.parts) else None
+        self._jobs.append((slot, self._pool.submit(FastLinear, weight, slot.bias, stored)))
 
     def finish(self, output_weight: torch.Tensor, output_name: str) -> tuple[FastLMHead, list[FastLinear]]:
         """Wait for every packing, swap each FastLinear in, and pack the logits projection (from the

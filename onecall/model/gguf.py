@@ -32,6 +32,7 @@ from onecall.model.ggml_types import GGML_BLOCK_SIZES, GGMLType, GGUFValueType, 
 from onecall.model.quants import (
     SUPPORTED_QUANT_TYPES,
     Int4Groups,
+    Int8Groups,
     StoredGroups,
     dequantize,
     int4_groups,
@@ -229,9 +230,9 @@ class GGUFFile:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, dequantized CPU tensor in `dtype`), one tensor at a time.
 
-        With `stored_out`, every 4-bit (Q4_0/Q4_1/Q4_K) 2-D tensor is decoded once into Int4Groups,
-        stored there under its name (the fast kernels' exact int4 copy), and expanded from them; a
-        Q8_0 logits weight (lm_head, or the tied embedding) is stored there as Int8Groups too.
+        With `stored_out`, every 4-bit (Q4_0/Q4_1/Q4_K) 2-D tensor is decoded once into Int4Groups and
+        every Q8_0/Q6_K one into Int8Groups, stored there under its name (the fast kernels' exact
+        copy: decode rows of projections, the logits), and expanded from them.
         """
         plan = self._check_loadable()
         num_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count", 0))
@@ -254,16 +255,16 @@ class GGUFFile:
                 stored_out[hf_name] = groups
                 yield hf_name, groups.dequantize().to(dtype)
                 continue
-            if stored_out is not None and hf_name in _LOGITS_WEIGHTS:
-                int8 = int8_groups(raw, ggml_type, info.shape)
-                if int8 is not None:
-                    stored_out[hf_name] = int8
+            int8 = int8_groups(raw, ggml_type, info.shape) if stored_out is not None else None
+            if int8 is not None and stored_out is not None:
+                if heads:
+                    q, scale = (unpermute_qk_rows(t, heads) for t in (int8.q, int8.scale))
+                    int8 = Int8Groups(q, scale, int8.group_size)
+                stored_out[hf_name] = int8
+                yield hf_name, int8.dequantize().to(dtype)  # bit-exact with dequantize()
+                continue
             tensor = dequantize(raw, ggml_type, info.shape, dtype)
             yield hf_name, unpermute_qk_rows(tensor, heads) if heads else tensor
-
-
-# the tensors a logits projection can come from: its own, or the embedding it is tied to
-_LOGITS_WEIGHTS = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:

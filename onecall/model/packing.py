@@ -51,9 +51,9 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
             if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.native = lib
         model.native_step = NativeDecodeStep.build(model.model)
-    kinds = sorted({k for m in modules if (k := m.int4_kernel) is not None})
-    num_int4 = sum(m.has_int4 for m in modules)
-    decode = f" + {'/'.join(kinds)} int4 decode ({num_int4} of {len(modules)} projections)" if kinds else ""
+    kinds = sorted({k for m in modules if (k := m.decode_kernel) is not None})
+    num_stored = sum(m.has_decode_kernel for m in modules)
+    decode = f" + {'/'.join(kinds)} decode ({num_stored} of {len(modules)} projections)" if kinds else ""
     step = ", native decode step" if model.native_step is not None else ""
     model.kernels = f"onednn float32{decode}, {model.fast_lm_head.kernel} logits{step}"
 
@@ -63,7 +63,7 @@ def enable_fast_kernels(model: DecoderLM, stored_weights: Mapping[str, StoredGro
     """Swap every projection for a FastLinear (and the logits for a FastLMHead) after a dense
     load_weights (a model built with pack_on_load has them already). `stored_weights` (Hugging Face
     name -> Int4Groups or Int8Groups) are the checkpoint's own quantized weights; a fused projection
-    gets an int4 copy only when all of its parts have one.
+    runs decode rows on stored groups only when every one of its parts has them.
 
     Returns what was enabled, for logs and traces. A no-op ("reference") off float32 CPU.
     """

@@ -95,14 +95,8 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:  # d, dmin:f16, scales:u8[12], qh:u8
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:  # ql:u8[128], qh:u8[64], scales:i8[16], d:f16
-    # Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]; element 32k + l of the
-    # half takes nibble (k >= 2) of ql[l + 32 (k % 2)] and 2-bit pair k of qh[l].
-    low4 = _nibbles(b[:, :128].reshape(-1, 64), 32).transpose(1, 2).reshape(-1, 2, 4, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    high2 = (b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
-    q = (low4 | (high2 << 4)).view(-1, 16, 16).float().sub_(32)  # 16 groups of 16 elements
-    scale = _f16(b, 208) * b[:, 192:208].view(torch.int8).float()  # (n, 16)
-    return q.mul_(scale.unsqueeze(-1)).flatten(1)
+    q, scale = _int8_q6_k(b)  # 16 groups of 16 elements, one scale each
+    return q.view(-1, 16, 16).float().mul_(scale.unsqueeze(-1)).flatten(1)
 
 
 _FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
@@ -151,11 +145,20 @@ class Int4Groups:
 
 @dataclass(frozen=True)
 class Int8Groups:
-    """An 8-bit weight as ggml's Q8_0 stores it: w[r, c] = q[r, c] * scale[r, c // 32]. The logits
-    kernel (FastLMHead) multiplies by these directly."""
+    """A weight as signed integer groups with one scale each: w[r, c] = q[r, c] * scale[r, c // group_size].
+    Q8_0 is this with groups of 32 (the stored float16 scales, widened); Q6_K with groups of 16 (q - 32
+    in [-32, 31], scale = the super-block's d times the sub-block's int8 scale: a product exact in
+    float32). The native int8 kernel (FastLMHead, FastLinear's decode rows) multiplies by these directly."""
 
     q: torch.Tensor  # (rows, cols) int8
-    scale: torch.Tensor  # (rows, cols // 32) float32 (the stored float16 values, widened)
+    scale: torch.Tensor  # (rows, cols // group_size) float32
+    group_size: int = 32
+
+    def dequantize(self) -> torch.Tensor:
+        """(rows, cols) float32: the weight these groups stand for (bit-exact with ggml's dequantize)."""
+        rows, cols = self.q.shape
+        w = self.q.view(rows, -1, self.group_size).float()
+        return w.mul_(self.scale.unsqueeze(-1)).view(rows, cols)
 
 
 StoredGroups = Int4Groups | Int8Groups  # a checkpoint's own quantized groups, kept for the fast kernels
@@ -192,15 +195,29 @@ def int4_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int4
 
 
 def int8_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int8Groups | None:
-    """Raw data of a 2-D Q8_0 tensor -> its Int8Groups (one copy of the int8 values), or None for
-    other types."""
-    if ggml_type != T.Q8_0 or len(shape) != 2:
+    """Raw data of a 2-D Q8_0 or Q6_K tensor -> its Int8Groups (one copy of the int8 values), or None
+    for other types."""
+    if ggml_type not in (T.Q8_0, T.Q6_K) or len(shape) != 2:
         return None
     _, type_size = GGML_BLOCK_SIZES[ggml_type]
-    blocks = raw.view(-1, type_size)  # 2 bytes of float16 scale, then 32 int8 values
+    blocks = raw.view(-1, type_size)
     rows, cols = shape
-    q = blocks[:, 2:].contiguous().view(torch.int8).view(rows, cols)
+    if ggml_type == T.Q6_K:
+        q, scale = _int8_q6_k(blocks)
+        return Int8Groups(q.view(rows, cols), scale.view(rows, cols // 16), group_size=16)
+    q = blocks[:, 2:].contiguous().view(torch.int8).view(rows, cols)  # after 2 bytes of float16 scale
     return Int8Groups(q, _f16(blocks, 0).view(rows, cols // 32))
+
+
+def _int8_q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks -> (q (n, 256) int8 in [-32, 31], scale (n, 16) float32), w = q * scale per 16.
+    Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]; element 32k + l of the half
+    takes nibble (k >= 2) of ql[l + 32 (k % 2)] and 2-bit pair k of qh[l]."""
+    low4 = _nibbles(b[:, :128].reshape(-1, 64), 32).transpose(1, 2).reshape(-1, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high2 = (b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
+    q = (low4 | (high2 << 4)).view(-1, 256).view(torch.int8) - 32
+    return q, _f16(b, 208) * b[:, 192:208].view(torch.int8).float()
 
 
 def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
