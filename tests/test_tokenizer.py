@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import regex
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 from onecall.errors import InvalidParameterError, ModelNotFoundError, UnsupportedModelError
@@ -332,3 +332,45 @@ def test_hf_folder_errors(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(UnsupportedModelError):
         Tokenizer.from_hf_folder(tmp_path)
+
+
+@pytest.mark.parametrize("prefix", ["normalizer", "metaspace", "none"])
+def test_hf_folder_encode_continuation(tmp_path: Path, prefix: str) -> None:
+    """A SentencePiece tokenizer.json prefixes "▁" by a Prepend normalizer (Llama-2's) or a Metaspace
+    pre-tokenizer (newer conversions); encode_continuation drops only that prefix."""
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *"▁abdehlnortw", "▁h", "▁w"]
+    merges = [("▁", "h"), ("▁", "w")]
+    hf = HFTokenizer(
+        models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>", byte_fallback=True)
+    )
+    hf.add_special_tokens(["<unk>", "<s>", "</s>"])
+    if prefix == "normalizer":
+        hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])  # type: ignore[assignment]
+    elif prefix == "metaspace":
+        hf.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)  # type: ignore[assignment]
+    else:
+        hf.normalizer = normalizers.Replace(" ", "▁")  # type: ignore[assignment]
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])  # type: ignore[assignment]
+    write_folder(tmp_path, hf, {"bos_token": "<s>", "eos_token": "</s>"}, None)
+    tok = Tokenizer.from_hf_folder(tmp_path)
+    assert tok.encode("hello world") == hf.encode("hello world", add_special_tokens=False).ids
+    pieces_of = lambda ids: [tok.id_to_token(i) for i in ids]  # noqa: E731
+    assert pieces_of(tok.encode_continuation("hello world")) == [
+        "h",
+        "e",
+        "l",
+        "l",
+        "o",
+        "▁w",
+        "o",
+        "r",
+        "l",
+        "d",
+    ]
+    assert pieces_of(tok.encode("hello"))[0] == ("h" if prefix == "none" else "▁h")
+    assert tok.encode_continuation("</s>hello") == [2, *tok.encode_continuation("hello")]
+
+
+def test_byte_level_continuation_is_encode(tok: Tokenizer) -> None:
+    for text in CORPUS:
+        assert tok.encode_continuation(text) == tok.encode(text)

@@ -390,6 +390,70 @@ def test_incremental_detokenizer(ours: Tokenizer) -> None:
         assert "".join(stream(ours, ids)) == ours.decode(ids), ids
 
 
+# ---- text that continues other text (what a grammar engine forces mid-output) ----
+
+
+def test_encode_continuation(ours: Tokenizer, vocab: Any) -> None:
+    """No space prefix at the start; otherwise llama.cpp's tokenization of the same text."""
+    assert [ours.id_to_token(i) for i in ours.encode_continuation("{")] == ["<0x7B>"]
+    assert [ours.id_to_token(i) for i in ours.encode_continuation("hello world")][-1] == SPACE + "world"
+    assert ours.id_to_token(ours.encode_continuation(" hello")[0]) == SPACE + "hello"
+    for text in TEXTS:
+        assert ours.encode_continuation(text) == llama_cpp_tokenize(text, vocab, add_space_prefix=False), text
+    assert ours.encode_continuation("a</s>b") == [
+        *ours.encode_continuation("a"),
+        2,
+        *ours.encode_continuation("b"),
+    ]
+
+
+def test_llguidance_forces_text_without_a_space_prefix(ours: Tokenizer) -> None:
+    """llguidance tokenizes the bytes a grammar forces with the callback it is given. With encode(), "{"
+    comes back as "▁", "{" and the matcher allows a space the grammar forbids; with encode_continuation
+    every step's allowed tokens keep the output valid. (The view mirrors onecall.sampling.grammar's.)"""
+    import json
+
+    import llguidance
+
+    class View:
+        def __init__(self, tokenize: Any) -> None:
+            self.eos_token_id, self.bos_token_id = 2, 1
+            self.tokens = [ours.token_bytes(i) for i in range(ours.vocab_size)]
+            self.special_token_ids = sorted(ours.special_ids)
+            self._tokenize = tokenize
+
+        def __call__(self, text: str) -> list[int]:
+            if not isinstance(text, str):
+                raise TypeError("encode takes str")
+            return list(self._tokenize(text))
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [1, 22, 333]}, "b": {"type": "boolean"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+
+    def sample(tokenize: Any, seed: int) -> tuple[list[int], bool]:
+        ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(View(tokenize)), eos_token=[2])
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        rng = random.Random(seed)
+        out: list[int] = []
+        while not matcher.is_stopped() and not matcher.is_error() and len(out) < 100:
+            mask = matcher.compute_bitmask()  # one bit per id, little-endian 32-bit words
+            allowed = [i for i in range(ours.vocab_size) if mask[i // 8] >> (i % 8) & 1]
+            out.append(rng.choice(allowed))
+            matcher.consume_token(out[-1])
+        return out, matcher.is_error()
+
+    assert sample(ours.encode, 0)[1]  # the space-prefixed tokenization derails the matcher
+    for seed in range(5):
+        ids, failed = sample(ours.encode_continuation, seed)
+        text = ours.decode([i for i in ids if i != 2])
+        assert not failed and json.loads(text)["a"] in (1, 22, 333), text
+
+
 # ---- chat template ----
 
 

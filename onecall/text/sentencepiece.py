@@ -123,6 +123,20 @@ def build_spm_tokenizer(
     return hf
 
 
+def without_space_prefix(hf: HFTokenizer) -> HFTokenizer:
+    """The same model and added tokens, spaces written as "▁" but no "▁" prefixed: for text that
+    continues other text (Tokenizer.encode_continuation). Encoding only: it has no decoder."""
+    continuation = HFTokenizer(hf.model)  # shares the model, merges are not rebuilt
+    continuation.normalizer = normalizers.Replace(" ", SPACE)  # type: ignore[assignment]
+    for token_id, token in sorted(hf.get_added_tokens_decoder().items()):  # in id order: ids are kept
+        if token.special:
+            continuation.add_special_tokens([token])
+        else:
+            continuation.add_tokens([token])
+        assert continuation.token_to_id(token.content) == token_id
+    return continuation
+
+
 class PieceBytesDecoder:
     """A `tokenizers` custom decoder: pieces -> their bytes -> text (see the module doc)."""
 

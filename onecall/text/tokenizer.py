@@ -34,7 +34,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from onecall.errors import InvalidParameterError, ModelNotFoundError, UnsupportedModelError
-from onecall.text.sentencepiece import build_spm_tokenizer, piece_bytes
+from onecall.text.sentencepiece import build_spm_tokenizer, piece_bytes, without_space_prefix
 
 # How a vocab piece maps to bytes: GPT-2's byte alphabet, sentencepiece's "▁"/"<0xNN>", or neither.
 PieceMode = Literal["byte_level", "sentencepiece", "plain"]
@@ -112,8 +112,11 @@ class Tokenizer:
         add_bos_token: bool,
         chat_template: str | None,
         piece_mode: PieceMode,
+        continuation: HFTokenizer | None = None,
     ) -> None:
         self._hf = hf
+        # the same model without a SentencePiece space prefix (None: hf adds none): encode_continuation
+        self._hf_continuation = continuation or hf
         self.vocab_size: int = max(hf.get_vocab(with_added_tokens=True).values()) + 1
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
@@ -136,6 +139,12 @@ class Tokenizer:
             assert self.bos_token_id is not None
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of `text` where it continues other text, as a grammar engine forcing text mid-output
+        asks: like encode(), but without the space a SentencePiece tokenizer prefixes to a text's start
+        ("{" -> "{", not "▁{"). The same as encode() for byte-level tokenizers."""
+        return list(self._hf_continuation.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that are not valid UTF-8 come out as U+FFFD."""
@@ -197,11 +206,13 @@ class Tokenizer:
                 unk_id=token_id("unknown_token_id"),
                 add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
             )
+            continuation = without_space_prefix(hf)
             # <unk> is special too: llama.cpp matches it in text and drops it on decode, as transformers does
             special_types, default_add_bos, piece_mode = (_CONTROL, _UNKNOWN), True, "sentencepiece"
         else:
             pre = str(metadata.get("tokenizer.ggml.pre", "default"))
             hf = _byte_level_from_gguf(tokens, _required(metadata, "tokenizer.ggml.merges"), types, pre)
+            continuation = None
             special_types, piece_mode = (_CONTROL,), "byte_level"
             default_add_bos = GGUF_PRE_TOKENIZERS[pre].add_bos
 
@@ -217,6 +228,7 @@ class Tokenizer:
             add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)),
             chat_template=metadata.get("tokenizer.chat_template"),
             piece_mode=piece_mode,
+            continuation=continuation,
         )
 
     @classmethod
@@ -269,6 +281,7 @@ class Tokenizer:
             add_bos_token=add_bos,
             chat_template=_hf_chat_template(path, config),
             piece_mode=_piece_mode(spec.get("decoder")),
+            continuation=_without_space_prefix(spec),
         )
 
 
@@ -326,6 +339,35 @@ def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
+
+
+def _without_space_prefix(spec: dict[str, Any]) -> HFTokenizer | None:
+    """tokenizer.json's pipeline without its SentencePiece space prefix (a "▁" Prepend normalizer, or a
+    Metaspace pre-tokenizer's prepend scheme), or None when it adds none."""
+    changed = False
+
+    def strip(node: Any) -> Any:
+        nonlocal changed
+        if isinstance(node, list):
+            kept = [strip(n) for n in node if not (isinstance(n, dict) and n.get("type") == "Prepend")]
+            changed |= len(kept) != len(node)
+            return kept
+        if isinstance(node, dict):
+            if node.get("type") == "Prepend":  # the normalizer alone
+                changed = True
+                return None
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme", "always") != "never":
+                changed = True
+                return {**node, "prepend_scheme": "never", "add_prefix_space": False}
+            return {k: strip(v) if k in ("normalizers", "pretokenizers") else v for k, v in node.items()}
+        return node
+
+    stripped = {
+        **spec,
+        "normalizer": strip(spec.get("normalizer")),
+        "pre_tokenizer": strip(spec.get("pre_tokenizer")),
+    }
+    return HFTokenizer.from_str(json.dumps(stripped)) if changed else None
 
 
 def _piece_mode(decoder: Any) -> PieceMode:
