@@ -37,7 +37,12 @@ transformers' decoder and llama.cpp's llama_detokenize do), so decode(encode(tex
 bytes are where we follow llama.cpp, whose pieces are bytes, over transformers: its ByteFallback decoder
 turns a whole run of byte pieces into one U+FFFD per piece when any of them is invalid ("?" + a lone
 0xE8 -> "\ufffd\ufffd" there, "?\ufffd" here). Decoding bytes keeps decode(a + b) an extension of
-decode(a) wherever a ends on a whole character, which the incremental detokenizer relies on.
+decode(a) wherever a ends on a whole character, which the incremental detokenizer relies on. The
+decoder is a Python object (PieceBytesDecoder), so this pipeline cannot be saved as a tokenizer.json.
+
+Text that continues other text (a grammar engine forcing "{" mid-output) must not get the prefix:
+without_space_prefix builds the same model with only the " " -> "▁" normalizer, for
+Tokenizer.encode_continuation.
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from onecall.errors import UnsupportedModelError
 
 SPACE = "\u2581"  # "▁", SentencePiece's visible space
-# GGUF token types (llama.cpp's llama_token_type)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# GGUF token types (llama.cpp's llama_token_type; the others: 1 normal, 5 unused, 6 byte)
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 
 
 def spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
@@ -128,12 +133,10 @@ def without_space_prefix(hf: HFTokenizer) -> HFTokenizer:
     continues other text (Tokenizer.encode_continuation). Encoding only: it has no decoder."""
     continuation = HFTokenizer(hf.model)  # shares the model, merges are not rebuilt
     continuation.normalizer = normalizers.Replace(" ", SPACE)  # type: ignore[assignment]
-    for token_id, token in sorted(hf.get_added_tokens_decoder().items()):  # in id order: ids are kept
-        if token.special:
-            continuation.add_special_tokens([token])
-        else:
-            continuation.add_tokens([token])
-        assert continuation.token_to_id(token.content) == token_id
+    added = hf.get_added_tokens_decoder()  # all are vocab pieces (build_spm_tokenizer), so order is free
+    continuation.add_special_tokens([t for t in added.values() if t.special])
+    continuation.add_tokens([t for t in added.values() if not t.special])
+    assert all(continuation.token_to_id(t.content) == i for i, t in added.items()), "ids must be kept"
     return continuation
 
 
