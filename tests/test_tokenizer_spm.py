@@ -10,8 +10,13 @@ Where they differ we follow llama.cpp (onecall/text/sentencepiece.py says why): 
 to a run that already starts with a space, nor to text after a matched control/user-defined token.
 On text without either, all three agree; on the rest, transformers' model with the normalizer Llama-2's
 own tokenizer.json uses ("legacy": prepend "▁" to every run) agrees with llama.cpp and with us.
-Decoding follows transformers: with skip_special_tokens, llama.cpp keeps the leading space of text after
-a leading BOS ("<s>▁hi" -> " hi"); transformers and we give "hi".
+Scores tied between different pieces: we rank merges as transformers does and equal it; llama.cpp joins
+the leftmost pair and can differ (test_tied_scores_follow_transformers). A file's add_space_prefix=false:
+transformers ignores it, we and llama.cpp do not (test_flags_bos_and_space_prefix).
+
+Decoding follows transformers for valid text: with skip_special_tokens, llama.cpp keeps the leading space
+of text after a leading BOS ("<s>▁hi" -> " hi"); transformers and we give "hi". For invalid bytes we
+follow llama.cpp's bytes (one U+FFFD per invalid sequence, not one per byte piece of the run).
 """
 
 from __future__ import annotations
@@ -231,33 +236,23 @@ def test_where_transformers_differs(ours: Tokenizer, ref: Any) -> None:
     def pieces(ids: list[int]) -> list[str]:
         return [ours.id_to_token(i) for i in ids]
 
+    def ref_pieces(text: str) -> list[str]:
+        return list(ref.convert_ids_to_tokens(ref.encode(text, add_special_tokens=False)))
+
     # a leading space: llama.cpp (and sentencepiece) add "▁" anyway, transformers does not
     assert "".join(pieces(ours.encode(" hello"))) == SPACE * 2 + "hello"
-    assert (
-        "".join(ref.convert_ids_to_tokens(ref.encode(" hello", add_special_tokens=False))) == SPACE + "hello"
-    )
-    # after a control token: llama.cpp prefixes the next run, as Meta's Llama-2 code does for "[INST] "
+    assert "".join(ref_pieces(" hello")) == SPACE + "hello"
+    # after a control token: llama.cpp prefixes the next run, as the reference code of Llama-2 (after BOS)
+    # and Mistral (mistral_common, after [INST]) does by encoding each run with the sentencepiece library
     ours_ids = ours.encode("[INST]hi")
     assert pieces(ours_ids)[0] == "[INST]" and "".join(pieces(ours_ids[1:])) == SPACE + "hi"
-    assert ref.convert_ids_to_tokens(ref.encode("[INST]hi", add_special_tokens=False)) == ["[INST]", "hi"]
+    assert ref_pieces("[INST]hi") == ["[INST]", "hi"]
 
 
 def test_random_text_matches_llama_cpp(ours: Tokenizer, vocab: Any) -> None:
     """Random strings over the vocabulary's alphabet, spaces, tokens and byte-fallback characters."""
-    alphabet = sorted(set(WORDS.replace(" ", ""))) + [
-        " ",
-        " ",
-        "  ",
-        "\n",
-        "日",
-        "本",
-        "😀",
-        "é",
-        "1",
-        "5",
-        ".",
-    ]
-    alphabet += ["[INST]", "</s>", "<think>"]
+    extra = [" ", " ", "  ", "\n", "日", "本", "😀", "é", "1", "5", ".", "[INST]", "</s>", "<think>"]
+    alphabet = [*sorted(set(WORDS.replace(" ", ""))), *extra]
     rng = random.Random(1)
     for _ in range(400):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
@@ -287,11 +282,11 @@ def test_tied_scores_follow_transformers(tmp_path: Path, vocab: Any) -> None:
 
 
 def test_flags_bos_and_space_prefix(tmp_path: Path, vocab: Any) -> None:
+    """No flags: BOS and the space prefix (llama.cpp's SentencePiece defaults). add_bos_token=false and
+    add_space_prefix=false are obeyed (transformers ignores the second and prefixes anyway)."""
     default = Tokenizer.from_gguf_metadata(GGUFFile(write_spm_gguf(tmp_path / "a.gguf", vocab)).metadata)
-    assert default.add_bos_token and default.encode("hi", add_special_tokens=True) == [
-        1,
-        *default.encode("hi"),
-    ]
+    hi = default.encode("hi")
+    assert default.add_bos_token and default.encode("hi", add_special_tokens=True) == [1, *hi]
     flagged = write_spm_gguf(tmp_path / "b.gguf", vocab, add_bos_token=False, add_space_prefix=False)
     tok = Tokenizer.from_gguf_metadata(GGUFFile(flagged).metadata)
     assert tok.add_bos_token is False and tok.encode("hi", add_special_tokens=True) == tok.encode("hi")
@@ -319,9 +314,8 @@ def test_decode_matches_transformers(ours: Tokenizer, ref: Any) -> None:
     for text in TEXTS:
         ids = ours.encode(text, add_special_tokens=True)
         for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), (
-                text
-            )
+            expected = ref.decode(ids, skip_special_tokens=skip)
+            assert ours.decode(ids, skip_special_tokens=skip) == expected, text
         if conventions_agree(text):
             assert ours.decode(ids) == text  # the prefix space added on encode is removed on decode
     rng = random.Random(0)
