@@ -346,14 +346,17 @@ def _without_space_prefix(spec: dict[str, Any]) -> HFTokenizer | None:
     Metaspace pre-tokenizer's prepend scheme), or None when it adds none."""
     changed = False
 
+    def is_prefix(node: Any) -> bool:
+        return isinstance(node, dict) and node.get("type") == "Prepend" and node.get("prepend") == "\u2581"
+
     def strip(node: Any) -> Any:
         nonlocal changed
-        if isinstance(node, list):
-            kept = [strip(n) for n in node if not (isinstance(n, dict) and n.get("type") == "Prepend")]
+        if isinstance(node, list):  # a Sequence's members
+            kept = [strip(n) for n in node if not is_prefix(n)]
             changed |= len(kept) != len(node)
             return kept
         if isinstance(node, dict):
-            if node.get("type") == "Prepend":  # the normalizer alone
+            if is_prefix(node):  # the normalizer alone
                 changed = True
                 return None
             if node.get("type") == "Metaspace" and node.get("prepend_scheme", "always") != "never":
