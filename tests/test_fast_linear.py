@@ -234,12 +234,15 @@ def test_fast_linear_without_int4_is_float32_everywhere() -> None:
         torch.testing.assert_close(fast(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: q/k norms inside the native RoPE pass
-def test_engine_greedy_tokens_match_the_reference_path(arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "int8_group"),
+    [("qwen2", 0), ("qwen3", 0), ("qwen2", 32), ("qwen3", 16)],  # qwen3: q/k norms in the native RoPE pass
+)
+def test_engine_greedy_tokens_match_the_reference_path(arch: str, int8_group: int) -> None:
     prompts = {f"r{i}": f"Tell me about the number {i}, please." for i in range(3)}
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    ref = run_all(int4_engine("reference", arch=arch), prompts, params)
-    fast = run_all(int4_engine("fast", arch=arch), prompts, params)
+    ref = run_all(int4_engine("reference", arch=arch, int8_group=int8_group), prompts, params)
+    fast = run_all(int4_engine("fast", arch=arch, int8_group=int8_group), prompts, params)
     for rid in prompts:
         assert fast[rid].token_ids == ref[rid].token_ids
         diffs = [abs(a - b) for a, b in zip(fast[rid].logprobs, ref[rid].logprobs, strict=True)]

@@ -151,7 +151,7 @@ class FastLinear(nn.Module):
         if lib is None or self.in_features % 32:
             return  # int8 groups run on the native kernel only: oneDNN takes every row
         packed: list[tuple[int, int, native.Q4Packed | Int8Groups]] = []
-        for start, end, g in parts:
+        for start, end, g in _merge_runs(parts):
             assert tuple(g.q.shape) == (end - start, self.in_features), (
                 "stored groups do not match the weight"
             )
@@ -258,6 +258,27 @@ class FastLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = f"{self.decode_kernel} decode + onednn" if self.has_decode_kernel else "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, kernels={kind}"
+
+
+def _merge_runs(parts: list[tuple[int, int, StoredGroups]]) -> list[tuple[int, int, StoredGroups]]:
+    """Adjacent parts of one kind and group size as one (q, k and v all Q8_0: one int8 part), so a
+    projection stored in one type runs one kernel call."""
+    merged: list[tuple[int, int, StoredGroups]] = []
+    for start, end, g in parts:
+        if merged:
+            p_start, _, prev = merged[-1]
+            if isinstance(prev, Int8Groups) and isinstance(g, Int8Groups) and prev.group_size == g.group_size:
+                merged[-1] = (
+                    p_start,
+                    end,
+                    Int8Groups(torch.cat((prev.q, g.q)), torch.cat((prev.scale, g.scale)), g.group_size),
+                )
+                continue
+            if isinstance(prev, Int4Groups) and isinstance(g, Int4Groups) and prev.group_size == g.group_size:
+                merged[-1] = (p_start, end, Int4Groups.cat([prev, g]))
+                continue
+        merged.append((start, end, g))
+    return merged
 
 
 def _compact_scales(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

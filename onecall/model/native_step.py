@@ -3,7 +3,7 @@
 The per-op fast path (model/layers.py with FastLinear) makes about twenty Python-level calls a layer:
 module dispatch, a ctypes call per kernel, a tensor per intermediate. At batch 1 on a 135M model
 that is a third of a decode step. When every row of a step is a decode row and every projection
-runs the native 4-bit kernel, `csrc/quant_gemm.c: onecall_decode_layers` runs the same kernels in
+runs a native kernel (4-bit, or int8 groups), `csrc/quant_gemm.c: onecall_decode_layers` runs the same kernels in
 the same order over the same values from C, so:
 
 - a decode row's bits do not depend on which path ran it (a mixed step takes the per-op path, a
@@ -12,9 +12,9 @@ the same order over the same values from C, so:
 - the step's Python cost is the embedding lookup, the RoPE table lookup and one ctypes call.
 
 `NativeDecodeStep.build(model)` returns None (and the per-op path stays the only one) for a model it
-cannot run: a projection without a native 4-bit copy (not stored as Q4_0/Q4_1/Q4_K groups of 32),
-norms with different eps, or the native kernels unavailable. Qwen3's per-head q/k norms run inside
-the RoPE pass on both paths.
+cannot run: a projection without a native copy (not stored as Q4_0/Q4_1/Q4_K groups of 32 nor as
+Q8_0/Q6_K int8 groups, or stored in mixed types), norms with different eps, or the native kernels
+unavailable. Qwen3's per-head q/k norms run inside the RoPE pass on both paths.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from onecall.model.attention import AttentionMetadata
 from onecall.model.decoder import DecoderLayer, DecoderModel
 from onecall.model.fast_linear import FastLinear, num_decode_rows
 from onecall.model.kv_cache import PagedKVCache
+from onecall.model.quants import Int8Groups
 
 
 class _Q4Weight(ctypes.Structure):
-    """csrc's Q4Weight: one projection in the q4 layout."""
+    """csrc's Q4Weight: one projection, in the q4 layout or in int8 groups (q8_group 32 or 16)."""
 
     _fields_ = [
         ("qs", ctypes.c_void_p),
@@ -44,6 +45,7 @@ class _Q4Weight(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
         ("f16", ctypes.c_int64),
+        ("q8_group", ctypes.c_int64),
     ]
 
 
@@ -66,14 +68,19 @@ class _DecodeLayer(ctypes.Structure):
 
 
 def _q4_weight(linear: nn.Module) -> _Q4Weight | None:
-    if not isinstance(linear, FastLinear) or linear.q4 is None:
+    """The projection's native decode weight: its q4 copy, or its int8 groups when one part covers
+    every row (a projection stored in mixed types has none: the per-op path runs it part by part)."""
+    if not isinstance(linear, FastLinear):
         return None
-    w = linear.q4
     bias = 0 if linear.bias is None else linear.bias.data_ptr()
-    return _Q4Weight(
-        w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias,
-        w.out_features, w.in_features, int(w.scale.dtype == torch.float16),
-    )  # fmt: skip
+    n, k = linear.out_features, linear.in_features
+    if linear.q4 is not None:
+        w = linear.q4
+        f16 = int(w.scale.dtype == torch.float16)
+        return _Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias, n, k, f16, 0)
+    if len(linear.parts) == 1 and isinstance(g := linear.parts[0][2], Int8Groups):
+        return _Q4Weight(g.q.data_ptr(), g.scale.data_ptr(), 0, bias, n, k, 0, g.group_size)
+    return None
 
 
 class NativeDecodeStep:
@@ -118,7 +125,7 @@ class NativeDecodeStep:
 
     def accepts(self, meta: AttentionMetadata, kv_cache: PagedKVCache, num_rows: int) -> bool:
         """Whether this step is one it runs exactly like the per-op path: every row a one-query sequence
-        in row order, every projection call on the 4-bit kernel, a cache the native attention reads."""
+        in row order, every projection call on its native decode kernel, a cache the native attention reads."""
         d = meta.decode
         return (
             d is not None

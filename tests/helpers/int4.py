@@ -9,7 +9,7 @@ import torch
 
 from onecall.engine.engine import Engine
 from onecall.model.packing import enable_fast_kernels
-from onecall.model.quants import Int4Groups
+from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 from tests.helpers.tiny_engine import tiny_engine, tiny_model
 
 
@@ -23,10 +23,20 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Groups:
     return Int4Groups(q.reshape(rows, cols), scale, lo, group_size)
 
 
-def int4_engine(kernels: str, arch: str = "qwen2", **config: Any) -> Engine:
-    """The tiny engine with its projections rounded to int4 groups (so both paths run the same weights).
-    qwen2 (the default): q/k/v biases go through the int4 path too; qwen3: per-head q/k norms, given
-    weights away from 1 so that a path skipping or misapplying them shows."""
+def quantize_int8(w: torch.Tensor, group_size: int = 32) -> Int8Groups:
+    """Symmetric absmax quantization to int8 groups (the Q8_0 recipe; group_size 16: Q6_K's grouping)."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group_size, group_size)
+    scale = (g.abs().amax(-1) / 127).clamp_min(1e-8)
+    q = (g / scale.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return Int8Groups(q.reshape(rows, cols), scale, group_size)
+
+
+def int4_engine(kernels: str, arch: str = "qwen2", int8_group: int = 0, **config: Any) -> Engine:
+    """The tiny engine with its projections rounded to int4 groups (so both paths run the same weights),
+    or with int8_group (32: Q8_0-like, 16: Q6_K-like) to int8 groups. qwen2 (the default): q/k/v biases
+    go through the quantized path too; qwen3: per-head q/k norms, given weights away from 1 so that a
+    path skipping or misapplying them shows."""
     model = copy.deepcopy(tiny_model(arch))
     c = model.config
     if c.qk_norm:
@@ -46,19 +56,23 @@ def int4_engine(kernels: str, arch: str = "qwen2", **config: Any) -> Engine:
         "mlp.gate_up_proj": [("mlp.gate_proj", c.intermediate_size), ("mlp.up_proj", c.intermediate_size)],
         "mlp.down_proj": [("mlp.down_proj", c.hidden_size)],
     }
-    int4: dict[str, Int4Groups] = {}
+    int4: dict[str, StoredGroups] = {}
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             for ours, parts in splits.items():
                 owner, attr = ours.split(".")
                 lin = getattr(getattr(layer, owner), attr)
-                groups = quantize_int4(lin.weight)
+                groups = quantize_int8(lin.weight, int8_group) if int8_group else quantize_int4(lin.weight)
                 lin.weight.copy_(groups.dequantize())
                 start = 0
                 for hf_name, size in parts:
-                    index = torch.arange(start, start + size)
-                    int4[f"model.layers.{i}.{hf_name}.weight"] = groups.select_rows(index)
+                    name = f"model.layers.{i}.{hf_name}.weight"
+                    if isinstance(groups, Int8Groups):
+                        rows = slice(start, start + size)
+                        int4[name] = Int8Groups(groups.q[rows], groups.scale[rows], int8_group)
+                    else:
+                        int4[name] = groups.select_rows(torch.arange(start, start + size))
                     start += size
     if kernels == "fast":
-        assert "int4" in enable_fast_kernels(model, int4)
+        assert ("int8" if int8_group else "int4") in enable_fast_kernels(model, int4)
     return tiny_engine(arch=arch, model=model, kernels=kernels, **config)

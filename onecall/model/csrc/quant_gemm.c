@@ -548,12 +548,13 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  * the last layer, out = norm(h += r). h (M, hidden) holds the embeddings on entry and the residual
  * stream on return.
  */
-typedef struct {
-    const uint8_t *qs;   /* (n, k / 2) q4 layout */
-    const void *scale;   /* (n, k / 32) float32, or IEEE half when f16 */
-    const void *offset;
+typedef struct {         /* one projection: 4-bit (q8_group == 0) or int8 groups */
+    const uint8_t *qs;   /* q4: (n, k / 2) q4 layout; int8: (n, k) int8 */
+    const void *scale;   /* q4: (n, k / 32) float32, or IEEE half when f16; int8: (n, k / q8_group) float32 */
+    const void *offset;  /* q4 only */
     const float *bias;   /* (n,) or NULL */
     int64_t n, k, f16;
+    int64_t q8_group;    /* 0: the q4 kernel; 32 or 16: onecall_q8_gemm with that group size */
 } Q4Weight;
 
 typedef struct {
@@ -565,6 +566,9 @@ typedef struct {
 } DecodeLayer;
 
 static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int num_threads) {
+    if (w->q8_group)
+        return onecall_q8_gemm(x, M, w->k, (const int8_t *)w->qs, (const float *)w->scale, w->n, w->bias, y,
+                               num_threads, (int)w->q8_group);
     return onecall_q4_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
 }
 
