@@ -21,6 +21,7 @@ follow llama.cpp's bytes (one U+FFFD per invalid sequence, not one per byte piec
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -507,3 +508,17 @@ def test_engine_runs_a_sentencepiece_gguf(tmp_path: Path, vocab: Any, ours: Toke
     assert chat.trace is not None
     assert chat.trace.prompt_token_ids == llama_cpp_tokenize("<s>[INST] hi there [/INST]", vocab)
     assert chat.text == ours.decode(chat.token_ids)
+    # structured outputs: the grammar's forced text is tokenized without the space prefix
+    # (sampling/grammar.py uses encode_continuation), so a random model still gives valid output
+    from onecall.sampling_params import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [1, 22]}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    so = SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputsParams(json=schema))
+    structured = llm.generate(["hello"], so)[0]
+    assert structured.finish_reason == "stop", structured.text
+    assert json.loads(structured.text)["a"] in (1, 22)

@@ -173,7 +173,7 @@ class GrammarBackend:
         vocab_size = self.ll_tokenizer.vocab_size  # built once per model, outside the compile time
         start_id = None
         if so.reasoning_start is not None:
-            ids = self.tokenizer.encode(so.reasoning_start)
+            ids = self.tokenizer.encode_continuation(so.reasoning_start)
             if len(ids) != 1:
                 raise InvalidParameterError(
                     "structured_outputs.reasoning_start",
@@ -254,7 +254,8 @@ class _TokenizerView:
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # llguidance probes with bytes once; text is what we encode
             raise TypeError("encode takes str")
-        return self._tokenizer.encode(text)
+        # text the grammar forces mid-output: no SentencePiece space prefix ("{" is "{", not "▁{")
+        return self._tokenizer.encode_continuation(text)
 
 
 def _token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
