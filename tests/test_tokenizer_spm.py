@@ -385,6 +385,20 @@ def test_incremental_detokenizer(ours: Tokenizer) -> None:
         assert "".join(stream(ours, ids)) == ours.decode(ids), ids
 
 
+def test_the_prompt_as_context_keeps_the_first_tokens_space(ours: Tokenizer) -> None:
+    """An output continuing a prompt: with the prompt's last ids as context, "▁world" after "hello"
+    streams as " world" (decoding it alone drops the space), and the deltas are exactly the text the
+    output adds after the prompt; context ending in half a character is not used."""
+    prompt, out = ours.encode("hello"), ours.encode("hello world 日本語")[len(ours.encode("hello")) :]
+    detok = IncrementalDetokenizer(ours, context=prompt)
+    deltas = [detok.add(i) for i in out] + [detok.flush()]
+    assert deltas[0] == " world"
+    assert "".join(deltas) == ours.decode(prompt + out)[len(ours.decode(prompt)) :]
+    half = ours.encode("😀")[:-1]  # the last byte piece of the emoji missing
+    detok = IncrementalDetokenizer(ours, context=half)
+    assert detok.add(out[0]) == ours.decode([out[0]])  # as without context
+
+
 # ---- text that continues other text (what a grammar engine forces mid-output) ----
 
 
