@@ -226,8 +226,9 @@ async def _disconnected(request: Request) -> None:
 
 # ---- logprob pieces ----------------------------------------------------------------------------------
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    """A token as text (a partial UTF-8 character comes out as U+FFFD; `token_bytes` has the bytes)."""
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    """A token as text, from its own bytes: a SentencePiece "▁Paris" is " Paris" (decoding it alone
+    would drop the space), a partial UTF-8 character comes out as U+FFFD (`token_bytes` has the bytes)."""
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
 def token_bytes(tokenizer: Tokenizer, token_id: int) -> list[int]:
