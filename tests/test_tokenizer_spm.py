@@ -394,6 +394,9 @@ def test_the_prompt_as_context_keeps_the_first_tokens_space(ours: Tokenizer) -> 
     deltas = [detok.add(i) for i in out] + [detok.flush()]
     assert deltas[0] == " world"
     assert "".join(deltas) == ours.decode(prompt + out)[len(ours.decode(prompt)) :]
+    from onecall.server.serving_common import token_text  # a logprob's token, as the server writes it
+
+    assert token_text(ours, out[0]) == " world" and ours.decode([out[0]]) == "world"
     half = ours.encode("😀")[:-1]  # the last byte piece of the emoji missing
     detok = IncrementalDetokenizer(ours, context=half)
     assert detok.add(out[0]) == ours.decode([out[0]])  # as without context
