@@ -151,6 +151,13 @@ class SamplingParams:
     sampler record, per generated token, the top candidates and the chosen
     token's rank after each of its stages (sampling/provenance.py); it never
     changes which token is chosen, and "basic" rows pay nothing for it.
+
+    prompt_logprobs=N (vLLM's name) gives every prompt token its logprob and
+    the N likeliest alternatives, from the model's raw logits (the first token
+    gets None: nothing predicts it). Such a request computes its whole prompt:
+    the prefix cache supplies none of it (engine/sequence.py). max_tokens=0
+    ends a request once its prompt is computed, with no token sampled: with
+    prompt_logprobs, a scoring request (what evaluation harnesses send).
     """
 
     max_tokens: int = 256
@@ -164,6 +171,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -188,7 +196,8 @@ class SamplingParams:
                 self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs)
             )
 
-        _check_int("max_tokens", self.max_tokens, 1)
+        # max_tokens 0 only scores a prompt: without prompt_logprobs it would return nothing at all
+        _check_int("max_tokens", self.max_tokens, 0 if self.prompt_logprobs is not None else 1)
         _check_range("temperature", self.temperature, 0.0, 100.0)
         _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _check_int("top_k", self.top_k, 0)
@@ -206,6 +215,8 @@ class SamplingParams:
                 _check_range("logit_bias", bias, -100.0, 100.0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidParameterError("stop", f"each stop string must be a non-empty string, got {s!r}")
@@ -259,6 +270,7 @@ class SamplingParams:
             "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             "trace_level": self.trace_level,
         }
         if self.logit_bias:

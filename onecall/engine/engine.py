@@ -37,7 +37,7 @@ from onecall.config import EngineConfig
 from onecall.engine.block_manager import BlockManager
 from onecall.engine.decode_graphs import BUCKETS, DecodeGraphs
 from onecall.engine.engine_parts import LoadedEngineParts, load_engine_parts
-from onecall.engine.model_runner import ModelRunner
+from onecall.engine.model_runner import ModelRunner, PromptLogprobs
 from onecall.engine.postprocess import postprocess_token
 from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from onecall.engine.sequence import FinishReason, Sequence, TextState
@@ -68,6 +68,10 @@ class RequestOutput:
     `token_ids`, `logprobs` and `top_logprobs` are snapshots taken lazily: the output keeps a
     reference to the sequence's append-only lists and how long they were at this step, so making an
     output costs O(1) per token, and reading it later still gives this step's view.
+
+    `prompt_logprobs` / `prompt_top_logprobs` (SamplingParams.prompt_logprobs): one entry per prompt
+    token, the first None, on every output once the whole prompt is computed (None before, and
+    when not asked for). `cumulative_logprob`: the sum of `logprobs` (None when not asked for).
     """
 
     request_id: str
@@ -84,6 +88,13 @@ class RequestOutput:
     _logprobs: list[float | None] | None = field(default=None, repr=False)  # when asked for
     _top_logprobs: list[list[tuple[int, float]] | None] | None = field(default=None, repr=False)
     error: EngineStepError | None = None  # finish_reason "error": the step that ran it raised
+    prompt_logprobs: list[float | None] | None = None  # complete lists only; never appended to
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._all_token_ids[: self.num_prompt_tokens]
 
     @property
     def token_ids(self) -> list[int]:
@@ -264,7 +275,9 @@ class Engine:
         return ids
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        if num_prompt_tokens >= self.max_model_len:
+        if num_prompt_tokens > self.max_model_len or (
+            max_tokens > 0 and num_prompt_tokens == self.max_model_len
+        ):
             raise ContextLengthExceededError(num_prompt_tokens, self.max_model_len)
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise ContextLengthExceededError(num_prompt_tokens, self.max_model_len, max_tokens)
@@ -321,7 +334,8 @@ class Engine:
         sampling = [s for s in sched.scheduled if s.samples]
         prefetched = self._prefetch_masks(sampling)
         self._stage = "model forward"
-        logits = self.runner.execute(sched.scheduled)
+        ran = self.runner.execute(sched.scheduled)
+        logits = ran.logits
         result = None
         if sampling:  # the logits are this step's own (inference) tensor: masked rows edited in place
             self._stage = "sampler"
@@ -330,7 +344,7 @@ class Engine:
                 result = sample(logits, requests, inplace=True)
         duration = time.perf_counter() - t0
         self._stage = "postprocess"  # postprocess_token names the grammar or the detokenizer itself
-        return self._postprocess(sched, sampling, result, duration)
+        return self._postprocess(sched, sampling, result, ran.prompt_logprobs, duration)
 
     def _step_error(self, e: Exception) -> EngineStepError:
         if isinstance(e, EngineStepError):  # postprocess named the stage
@@ -414,13 +428,14 @@ class Engine:
         sched: SchedulerOutput,
         sampling: list[ScheduledSeq],
         result: SampleResult | None,
+        prompt_logprobs: dict[int, PromptLogprobs],
         duration: float,
     ) -> list[RequestOutput]:
         now = time.perf_counter()
         batch_size, num_batched = len(sched.scheduled), sched.num_batched_tokens
         row = {id(s.seq): i for i, s in enumerate(sampling)}
         outputs: list[RequestOutput] = []
-        for item in sched.scheduled:
+        for index, item in enumerate(sched.scheduled):
             seq = item.seq
             kind = "prefill" if seq.is_prefilling else "decode"
             seq.num_computed_tokens += item.num_new_tokens
@@ -428,6 +443,14 @@ class Engine:
                 self._step_counter, kind, item.num_new_tokens, batch_size, num_batched, duration
             )
             seq.trace.steps.append(record)
+            if index in prompt_logprobs:
+                chunk = prompt_logprobs[index]
+                assert chunk.first_token == len(seq.prompt_logprobs), "prompt logprobs out of order"
+                seq.prompt_logprobs += chunk.logprobs
+                seq.prompt_top_logprobs += chunk.top_logprobs
+            if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_prompt_tokens:
+                outputs.append(self._score_only_done(seq, now))
+                continue
             if id(seq) not in row:
                 continue
             if seq.num_output_tokens == 0 and seq.trace.prefill_done_time is None:
@@ -444,6 +467,13 @@ class Engine:
                 self._retire(seq, finish, now)
             outputs.append(self._output(seq, delta_text, [seq.token_ids[-1]]))
         return outputs
+
+    def _score_only_done(self, seq: Sequence, now: float) -> RequestOutput:
+        """A max_tokens 0 request whose prompt is computed: it ends here, with no token sampled."""
+        seq.trace.prefill_done_time = now
+        self.scheduler.commit_prompt(seq)
+        self._retire(seq, FinishReason.LENGTH, now)
+        return self._output(seq, "", [])
 
     def _retire(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         self.scheduler.finish(seq, reason)
@@ -471,4 +501,7 @@ class Engine:
             _logprobs=seq.output_logprobs if want_lp else None,
             _top_logprobs=seq.output_top_logprobs if want_lp else None,
             error=error,
+            prompt_logprobs=seq.prompt_logprobs if seq.has_prompt_logprobs else None,
+            prompt_top_logprobs=seq.prompt_top_logprobs if seq.has_prompt_logprobs else None,
+            cumulative_logprob=seq.cumulative_logprob if want_lp else None,
         )

@@ -38,8 +38,11 @@ def postprocess_token(
     if provenance is not None:
         record.provenance = provenance.to_dict()
     if seq.params.logprobs is not None:
-        seq.output_logprobs.append(result.logprobs[row])
+        logprob = result.logprobs[row]
+        seq.output_logprobs.append(logprob)
         seq.output_top_logprobs.append(result.top_logprobs[row])
+        if logprob is not None:
+            seq.cumulative_logprob += logprob  # what best_of ranks candidates by
     grammar_done = False
     if seq.constraint is not None:
         try:

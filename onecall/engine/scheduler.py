@@ -10,6 +10,8 @@ Policy (continuous batching with chunked prefill, like vLLM v1):
   2. Then waiting sequences, in arrival order, while the budget, max_num_seqs and
      free blocks allow; a new arrival joins the batch at the very next step. The
      first admission matches the prefix cache; a prompt chunk starts after the hit.
+     A request collecting prompt logprobs matches only what it has logprobs for
+     (Sequence.prefix_cache_tokens: nothing, when fresh): cached positions have no logits.
   3. No admission happens in a step that preempted (the pool is under pressure).
 Abort frees a sequence's blocks at once, whatever its state.
 
@@ -34,8 +36,10 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """Does this step reach the end of the sequence's tokens (so its logits give a token)?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Does this step reach the end of the sequence's tokens (so its logits give a token)?
+        Never for max_tokens 0: such a request ends with its prompt (a scoring request)."""
+        seq = self.seq
+        return seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens and seq.params.max_tokens > 0
 
 
 @dataclass
@@ -126,7 +130,7 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
-        match = self.block_manager.begin(seq.seq_id, seq.token_ids)
+        match = self.block_manager.begin(seq.seq_id, seq.prefix_cache_tokens)
         if match is None:
             return False
         n = min(seq.num_tokens - match.num_cached_tokens, budget)

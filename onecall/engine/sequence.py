@@ -12,6 +12,21 @@ this one rule:
     fresh prompt (P tokens)       P - cached (or a chunk of it)  when chunk reaches P
     decoding                      1 (the last sampled token)     yes
     preempted, re-admitted        everything not cached again    when it catches up
+
+A request with max_tokens 0 (scoring a prompt) never samples: it ends when its prompt is computed.
+
+Prompt logprobs (params.prompt_logprobs). The logits at position p give the logprob of token
+p + 1, so token t's entry needs position t - 1 to run through the model in some step: positions
+the prefix cache supplies have no logits. `prompt_logprobs` holds the entries collected so far
+(token 0's is None: nothing predicts it), in order, each exactly once:
+
+    collected k entries (tokens 0 .. k-1)   next needed: token k, from position k - 1
+    prefix cache may supply                 at most k - 1 positions (none for a fresh request)
+    all P collected                         no limit (a preempted, decoding request reuses freely)
+
+So such a request bypasses the prefix cache for its prompt rather than recomputing what it
+reused; the KV it computes is still committed, for others to reuse. A chunk that recomputes
+positions already collected (after a preemption) adds nothing for them.
 """
 
 from __future__ import annotations
@@ -63,11 +78,17 @@ class Sequence:
     is_admitted: bool = False  # KV manager knows it (begin() done, not freed since)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # sum of output_logprobs (when logprobs are asked for)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # see the module docstring
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     text_state: TextState | None = None  # set by the engine when a tokenizer is attached
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)  # the first token: nothing predicts it
+            self.prompt_top_logprobs.append(None)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,6 +119,25 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """Still catching up on tokens it did not sample itself (prompt, or recompute)."""
         return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and some prompt token still has none."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def has_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and every prompt token has its entry."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) == self.num_prompt_tokens
+
+    @property
+    def prefix_cache_tokens(self) -> list[int]:
+        """The tokens the prefix cache may match at admission (it reuses at most len - 1 of them):
+        all of token_ids, or at most k - 1 positions while prompt logprobs are being collected."""
+        if not self.needs_prompt_logprobs:
+            return self.token_ids
+        k = len(self.prompt_logprobs)
+        return self.token_ids[:k] if k > 1 else []  # reuse <= k - 1; [] matches nothing at all
 
     @property
     def is_finished(self) -> bool:

@@ -1,10 +1,16 @@
 """Wire requests -> engine inputs: SamplingParams (one function), template messages, prompts.
 
 `to_sampling_params` is the only place a request becomes SamplingParams. It first refuses what
-the protocol allows but we do not serve (stream_options without stream, a chat_template in the
-request, top_logprobs without logprobs, echo with logprobs, suffix, best_of != n), then builds
-one SamplingParams per choice, all with the same `structured_outputs` (the caller's: it may add
-what only the rendered prompt and the request's tools decide, see serving_structured.py).
+the protocol allows but we do not serve (stream_options without stream, a chat_template or echo
+in a chat request, top_logprobs without logprobs, suffix, best_of < n, best_of > n when
+streaming, max_tokens 0 without echo), then builds one SamplingParams per candidate (n, or
+best_of for completions), all with the same `structured_outputs` (the caller's: it may add what
+only the rendered prompt and the request's tools decide, see serving_structured.py).
+
+Completions: echo with logprobs asks the engine for prompt_logprobs (the same N alternatives);
+max_tokens 0 with echo is a scoring request (prompt_logprobs 0 when logprobs are not asked for,
+so the engine has something to return); best_of > n turns on logprobs (0 alternatives) for the
+cumulative logprob the server ranks candidates by, whether or not the response shows them.
 
 `requested_structured_outputs` reads what the request itself asks the output to match:
 
@@ -17,8 +23,9 @@ what only the rendered prompt and the request's tools decide, see serving_struct
 SamplingParams' own range checks raise the same error, so the server maps both to a 400 with
 `param` set.
 
-Seeds and n: choice i gets `seed + i` (choices are separate engine requests, and equal seeds
-would give n copies of one answer); without a seed every choice samples freshly.
+Seeds and n: candidate i gets `seed + i` (candidates are separate engine requests, and equal
+seeds would give n copies of one answer); without a seed every candidate samples freshly. Every
+prompt of a batch gets the same list.
 
 Imports neither torch nor the web framework: only the protocol, SamplingParams and the errors.
 """
@@ -42,14 +49,23 @@ def to_sampling_params(
     default_max_tokens: int,
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> list[SamplingParams]:
-    """One SamplingParams per choice (len == req.n). `default_max_tokens` applies when the request
-    names none (chat: what is left of the context window)."""
+    """One SamplingParams per candidate (len == req.n, or best_of for completions).
+    `default_max_tokens` applies when the request names none (chat: what is left of the context
+    window)."""
     _refuse_unsupported(req)
+    num_candidates, prompt_logprobs = req.n, None
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
+        num_candidates = req.best_of or req.n
+        if num_candidates > req.n and logprobs is None:
+            logprobs = 0  # the cumulative logprob ranks the candidates
+        if req.echo and req.logprobs is not None:
+            prompt_logprobs = req.logprobs
+        elif max_tokens == 0:
+            prompt_logprobs = 0  # echo only: a score-only request still needs its prompt computed
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     common: dict[str, Any] = dict(
         max_tokens=max_tokens,
@@ -62,6 +78,7 @@ def to_sampling_params(
         frequency_penalty=req.frequency_penalty,
         logit_bias=_logit_bias(req.logit_bias),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop=stop,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
@@ -70,7 +87,10 @@ def to_sampling_params(
         structured_outputs=structured_outputs,
         trace_level=req.trace_level,
     )
-    return [SamplingParams(seed=None if req.seed is None else req.seed + i, **common) for i in range(req.n)]
+    return [
+        SamplingParams(seed=None if req.seed is None else req.seed + i, **common)
+        for i in range(num_candidates)
+    ]
 
 
 def _refuse_unsupported(req: AnyCompletionRequest) -> None:
@@ -83,13 +103,19 @@ def _refuse_unsupported(req: AnyCompletionRequest) -> None:
             )
         if req.top_logprobs and not req.logprobs:
             raise InvalidParameterError("top_logprobs", "requires logprobs to be true")
+        if req.echo:
+            raise InvalidParameterError("echo", "is a /v1/completions field; chat completions do not echo")
         return
-    if req.echo and req.logprobs is not None:
-        raise InvalidParameterError("echo", "echo with logprobs is not supported (no prompt logprobs)")
     if req.suffix is not None:
         raise InvalidParameterError("suffix", "is not supported")
-    if req.best_of is not None and req.best_of != req.n:
-        raise InvalidParameterError("best_of", f"must equal n ({req.n}) or be left out; got {req.best_of}")
+    if req.best_of is not None and req.best_of < req.n:
+        raise InvalidParameterError("best_of", f"must be >= n ({req.n}); got {req.best_of}")
+    if req.best_of is not None and req.best_of > req.n and req.stream:
+        raise InvalidParameterError(
+            "best_of", f"cannot be streamed when greater than n ({req.best_of} > {req.n}): drop stream"
+        )
+    if req.max_tokens == 0 and not req.echo:
+        raise InvalidParameterError("max_tokens", "0 is only accepted with echo (scoring the prompt)")
 
 
 def requested_structured_outputs(req: AnyCompletionRequest) -> tuple[StructuredOutputsParams, str] | None:
@@ -143,17 +169,15 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request; a batch of prompts is refused."""
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request, in order: a string or a list of token ids is one
+    prompt; a list of strings or of token-id lists is a batch. The protocol already refused lists
+    that mix kinds; an empty list is refused here (an empty prompt inside one, by the engine)."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        return prompt
-    if prompt and not isinstance(prompt[0], int):  # a list of prompts
-        if len(prompt) != 1:
-            raise InvalidParameterError(
-                "prompt", f"batches are not supported: send one prompt per request (got {len(prompt)})"
-            )
-        one = prompt[0]
-        assert isinstance(one, (str, list))
-        return one
-    return [t for t in prompt if isinstance(t, int)]
+        return [prompt]
+    if not prompt:
+        raise InvalidParameterError("prompt", "is an empty list: send a prompt, or a list of prompts")
+    if isinstance(prompt[0], int):
+        return [[t for t in prompt if isinstance(t, int)]]
+    return [p for p in prompt if isinstance(p, (str, list))]

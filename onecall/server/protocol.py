@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from onecall.server.protocol_base import RequestModel as _Request
 from onecall.server.protocol_base import ResponseModel as _Response
@@ -108,18 +108,33 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template: Any = None  # refused when set: templates come from the model only
+    echo: bool = False  # refused when true: echo is a text-completions field
 
 
 class CompletionRequest(_SamplingFields):
-    # A batch (several prompts) is refused with a 400; a one-item list is taken as that prompt.
+    # One prompt (text or token ids) or a batch (a list of texts, or of token-id lists): choice
+    # index = prompt index * n + i, as OpenAI and vLLM number them.
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(default=16, ge=1)  # OpenAI's default for completions
-    echo: bool = False
+    max_tokens: int = Field(default=16, ge=0)  # OpenAI's default; 0 only with echo (score the prompt)
+    echo: bool = False  # the prompt leads each choice's text (and its logprobs, with logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    best_of: int | None = None  # only None or n is accepted
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # >= n; the n likeliest are returned
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     suffix: str | None = None  # refused when set
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind_of_prompt(cls, value: Any) -> Any:
+        """A list holds one kind of item: the union's own error would list every branch."""
+        if isinstance(value, list) and value:
+            kinds = {"token id" if isinstance(v, int) else type(v).__name__ for v in value}
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"a list of prompts holds one kind of item (strings, token ids, or token-id lists); "
+                    f"got {', '.join(sorted(kinds))}"
+                )
+        return value
 
 
 class TokenizeRequest(_Request):
