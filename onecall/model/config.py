@@ -1,18 +1,23 @@
-"""ModelConfig: the hyperparameters of a dense decoder (Llama, Qwen2, Qwen3).
+"""ModelConfig: the hyperparameters of a dense decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3).
 
 Built from a Hugging Face config.json dict by `ModelConfig.from_hf_config`,
 which refuses (UnsupportedModelError) anything our model code would run
-silently wrong: other architectures, scaled or partial RoPE, sliding windows,
-activations other than SiLU, MLP biases. Names follow Hugging Face
-(`hidden_size`, `num_key_value_heads`, ...) so no translation table is needed.
+silently wrong: other architectures, RoPE scalings we do not implement, sliding
+windows that would bite, activations other than SiLU, MLP biases. Names follow
+Hugging Face (`hidden_size`, `num_key_value_heads`, ...) so no translation table is needed.
 
-The three families differ only by two flags:
+The families differ only by flags:
 
-| family | attention_bias (q/k/v bias) | o_proj bias      | qk_norm |
-|--------|-----------------------------|------------------|---------|
-| llama  | config `attention_bias`     | = attention_bias | no      |
-| qwen2  | always True                 | never            | no      |
-| qwen3  | config `attention_bias`     | = attention_bias | yes     |
+| family  | attention_bias (q/k/v bias) | o_proj bias      | qk_norm | partial rotary | checkpoint q/k/v, gate/up |
+|---------|-----------------------------|------------------|---------|----------------|---------------------------|
+| llama   | config `attention_bias`     | = attention_bias | no      | no             | separate                  |
+| mistral | never                       | never            | no      | no             | separate                  |
+| qwen2   | always True                 | never            | no      | no             | separate                  |
+| qwen3   | config `attention_bias`     | = attention_bias | yes     | no             | separate                  |
+| phi3    | never                       | never            | no      | yes            | fused (qkv_proj, gate_up) |
+
+RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) is parsed into a
+RopeScaling; model/rope.py turns it into the cos/sin tables.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from onecall.errors import UnsupportedModelError
 # Hugging Face class name -> our architecture name.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 SUPPORTED = tuple(ARCHITECTURES.values())
 
@@ -39,16 +46,48 @@ _REQUIRED_KEYS = (
     "num_attention_heads",
 )
 # transformers' defaults for the keys a config.json may leave out.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
+# transformers' default sliding_window where a family honours one (MistralConfig: 4096).
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "phi3": None}
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling, as config.json's `rope_scaling` / `rope_parameters` give it (model/rope.py has
+    the formulas). Every field a type does not use keeps its default; `factor` is always resolved
+    (yarn and longrope derive it from max_position_embeddings / original when the config omits it)."""
+
+    rope_type: str  # one of ROPE_TYPES
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None  # llama3, yarn, longrope: the pretraining length
+    # llama3: the smooth band between low and high frequencies, in units of the original context.
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # llama3 as a GGUF stores it (tensor rope_freqs.weight): one divisor per frequency, which
+    # replaces the four numbers above. onecall's own key, not transformers'.
+    freq_factors: tuple[float, ...] | None = None
+    # yarn: the ramp between extrapolated and interpolated frequencies (in rotations), and whether
+    # its ends are rounded to whole dimensions.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    # yarn, longrope: the cos/sin multiplier; None: derived from factor as transformers does.
+    attention_factor: float | None = None
+    # longrope: per-frequency divisors for contexts within / beyond the original length.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of one decoder-only model; validated when built."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # one of SUPPORTED
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,8 +101,13 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (qwen3)
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    partial_rotary_factor: float = 1.0  # phi3 (Phi-4-mini: 0.75): RoPE on the first rotary_dim of each head
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # from to_dict(): asdict flattens the nested dataclass
+            fields = {k: tuple(v) if isinstance(v, list) else v for k, v in self.rope_scaling.items()}
+            object.__setattr__(self, "rope_scaling", RopeScaling(**fields))
         if self.architecture not in SUPPORTED:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED)}"
@@ -92,6 +136,17 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        rotary_dim = self.rotary_dim
+        if not 0 < rotary_dim <= self.head_dim or rotary_dim % 2:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor {self.partial_rotary_factor!r} gives {rotary_dim} rotary dims of "
+                f"head_dim {self.head_dim}; need an even number in 2..head_dim"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def o_proj_bias(self) -> bool:
@@ -128,9 +183,13 @@ class ModelConfig:
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim")
         if head_dim is None:
-            # transformers' Qwen3Config defaults head_dim to 128; Llama/Qwen2 derive it.
+            # transformers' Qwen3Config defaults head_dim to 128; the others derive it.
             head_dim = 128 if arch == "qwen3" else _int_div(d["hidden_size"], num_heads)
         num_kv_heads = d.get("num_key_value_heads")
+        max_positions = d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
+        _check_sliding_window(d, arch, max_positions)
+        partial_rotary_factor = _partial_rotary_factor(d, arch)
+        rotary_dim = int(head_dim * partial_rotary_factor) if isinstance(head_dim, int) else 0
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -142,10 +201,12 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=_number(d, "rms_norm_eps", _DEFAULT_RMS_NORM_EPS),
             rope_theta=_rope_theta(d),
-            max_position_embeddings=d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch]),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=True if arch == "qwen2" else bool(d.get("attention_bias", False)),
+            attention_bias=_attention_bias(d, arch),
             qk_norm=arch == "qwen3",
+            rope_scaling=_rope_scaling(d, arch, max_positions, rotary_dim),
+            partial_rotary_factor=partial_rotary_factor,
         )
 
 
@@ -170,29 +231,18 @@ def _architecture(d: dict[str, Any]) -> str:
     return str(model_type)
 
 
+def _attention_bias(d: dict[str, Any], arch: str) -> bool:
+    if arch == "qwen2":
+        return True
+    if arch in ("mistral", "phi3"):  # their modules have no bias, whatever the config says
+        return False
+    return bool(d.get("attention_bias", False))
+
+
 def _check_unsupported_features(d: dict[str, Any], arch: str) -> None:
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only 'silu' is")
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = d.get(key)
-        if rope is None:
-            continue
-        if not isinstance(rope, dict):
-            raise UnsupportedModelError(f"{key} must be a dict or null, got {rope!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise UnsupportedModelError(
-                f"{key} with rope_type {rope_type!r} is not supported; only default (unscaled) RoPE is"
-            )
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedModelError(
-                f"{key} partial_rotary_factor {rope['partial_rotary_factor']!r} is not supported; only 1.0 is"
-            )
-    if d.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError(
-            f"partial_rotary_factor {d['partial_rotary_factor']!r} is not supported; only 1.0 is"
-        )
     if d.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias true is not supported; only bias-free MLPs are")
     if arch in ("qwen2", "qwen3"):
@@ -204,6 +254,141 @@ def _check_unsupported_features(d: dict[str, Any], arch: str) -> None:
         other = sorted({t for t in d.get("layer_types") or () if t != "full_attention"})
         if other:
             raise UnsupportedModelError(f"layer_types {other!r} are not supported; only 'full_attention' is")
+
+
+def _check_sliding_window(d: dict[str, Any], arch: str, max_positions: int) -> None:
+    """Mistral and Phi-3 attend within `sliding_window` tokens; a window at least as long as the context
+    never excludes a key, so it is plain causal attention. Shorter windows are refused (not yet wired
+    to the attention's per-layer sliding_window)."""
+    if arch not in _DEFAULT_SLIDING_WINDOW:
+        return
+    window = d.get("sliding_window", _DEFAULT_SLIDING_WINDOW[arch])
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise UnsupportedModelError(f"sliding_window must be a positive integer or null, got {window!r}")
+    if isinstance(max_positions, int) and window < max_positions:
+        raise UnsupportedModelError(
+            f"sliding_window {window} < max_position_embeddings {max_positions} is not supported; "
+            "only windows that cover the whole context (or null) are"
+        )
+
+
+def _rope_dict(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(key, dict) of the RoPE parameters: `rope_scaling` (older files) wins over `rope_parameters`
+    (transformers 5), as transformers' convert_rope_params_to_dict reads them; ("", {}) if neither."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = d.get(key)
+        if rope is None or rope == {}:
+            continue
+        if not isinstance(rope, dict):
+            raise UnsupportedModelError(f"{key} must be a dict or null, got {rope!r}")
+        if any(isinstance(v, dict) for v in rope.values()):
+            raise UnsupportedModelError(
+                f"{key} per layer type ({', '.join(k for k, v in rope.items() if isinstance(v, dict))}) "
+                "is not supported; only one RoPE for every layer is"
+            )
+        return key, rope
+    return "", {}
+
+
+def _partial_rotary_factor(d: dict[str, Any], arch: str) -> float:
+    _, rope = _rope_dict(d)
+    value = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    if value is None or value == 1.0:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise UnsupportedModelError(f"partial_rotary_factor must be a number in (0, 1], got {value!r}")
+    if arch != "phi3":
+        raise UnsupportedModelError(
+            f"partial_rotary_factor {value!r} is not supported for {arch}; only phi3 rotates part of a head"
+        )
+    return float(value)
+
+
+def _rope_scaling(d: dict[str, Any], arch: str, max_positions: int, rotary_dim: int) -> RopeScaling | None:
+    """Phases: 1. the type (phi3's old names), 2. the numbers each type needs, checked and named."""
+    key, rope = _rope_dict(d)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if arch == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # transformers' Phi3Config reads both old names as longrope
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{key} rope_type {rope_type!r} is not supported; supported: default, {', '.join(ROPE_TYPES)}"
+        )
+    if arch == "phi3" and rope_type != "longrope":
+        raise UnsupportedModelError(
+            f"{key} rope_type {rope_type!r} is not supported for phi3; only longrope is"
+        )
+
+    def number(name: str, default: float | None = None, minimum: float = 0.0) -> float | None:
+        value = rope.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > minimum:
+            raise UnsupportedModelError(f"{key} {name} must be a number > {minimum:g}, got {value!r}")
+        return float(value)
+
+    def required(name: str) -> float:
+        value = number(name)
+        if value is None:
+            raise UnsupportedModelError(f"{key} with rope_type {rope_type!r} needs {name}")
+        return value
+
+    def factors(name: str) -> tuple[float, ...]:
+        value = rope.get(name)
+        if (
+            not isinstance(value, list)
+            or len(value) != rotary_dim // 2
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value)
+        ):
+            raise UnsupportedModelError(
+                f"{key} {name} must be a list of {rotary_dim // 2} positive numbers, got {value!r}"
+            )
+        return tuple(float(x) for x in value)
+
+    # transformers: a top-level original_max_position_embeddings (Phi-3) wins over the dict's,
+    # and the dict's defaults to max_position_embeddings.
+    original = d.get("original_max_position_embeddings", rope.get("original_max_position_embeddings"))
+    if original is None:
+        original = max_positions
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise UnsupportedModelError(
+            f"original_max_position_embeddings must be a positive integer, got {original!r}"
+        )
+    if rope_type in ("linear", "dynamic"):
+        return RopeScaling(rope_type, factor=required("factor"))
+    if rope_type == "llama3":
+        if "freq_factors" in rope:  # a GGUF's rope_freqs tensor (model/checkpoint.py)
+            return RopeScaling(rope_type, freq_factors=factors("freq_factors"))
+        low, high = required("low_freq_factor"), required("high_freq_factor")
+        if high <= low:
+            raise UnsupportedModelError(
+                f"{key} high_freq_factor ({high}) must exceed low_freq_factor ({low})"
+            )
+        return RopeScaling(
+            rope_type, factor=required("factor"), original_max_position_embeddings=original,
+            low_freq_factor=low, high_freq_factor=high,
+        )  # fmt: skip
+    derived = max_positions / original if isinstance(max_positions, int) else 1.0
+    if rope_type == "yarn":
+        truncate = rope.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise UnsupportedModelError(f"{key} truncate must be true or false, got {truncate!r}")
+        return RopeScaling(
+            rope_type, factor=number("factor", derived) or derived, original_max_position_embeddings=original,
+            beta_fast=number("beta_fast", 32.0) or 32.0, beta_slow=number("beta_slow", 1.0) or 1.0,
+            truncate=truncate, mscale=number("mscale", minimum=-1),
+            mscale_all_dim=number("mscale_all_dim", minimum=-1),
+            attention_factor=number("attention_factor"),
+        )  # fmt: skip
+    return RopeScaling(  # longrope
+        rope_type, factor=number("factor", derived) or derived, original_max_position_embeddings=original,
+        attention_factor=number("attention_factor"),
+        short_factor=factors("short_factor"), long_factor=factors("long_factor"),
+    )  # fmt: skip
 
 
 def _rope_theta(d: dict[str, Any]) -> float:

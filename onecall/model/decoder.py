@@ -126,9 +126,7 @@ class DecoderLM(nn.Module):
         _materialize(self, torch.device(device), skip_weights_of=skip)
         for layer in self.model.layers:
             layer.self_attn.tp = layer.mlp.tp = self.tp  # type: ignore[union-attr]
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, device
-        )
+        self.rotary = RotaryEmbedding.from_config(config, dtype, device)
 
     def forward(
         self,

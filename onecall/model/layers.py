@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecall.model import native
+from onecall.model import native, rope
 from onecall.model.attention import AttentionMetadata, paged_attention
-from onecall.model.config import ModelConfig
+from onecall.model.config import ModelConfig, RopeScaling
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel
 
@@ -61,20 +61,43 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions 0..max_positions-1, in the non-interleaved (rotate_half) layout."""
+    """cos/sin tables for positions 0..max_positions-1, in the non-interleaved (rotate_half) layout.
+
+    Plain or scaled RoPE (model/rope.py: the formulas, and how a partial rotary head is laid out);
+    `rotary_dim` < head_dim leaves the last pairs unrotated (cos 1, sin 0)."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype, device: torch.device | str
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        scaling: RopeScaling | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        # Same float32 arithmetic as transformers' default RoPE, then cast to the model dtype.
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # Same float32 arithmetic as transformers' RoPE, then cast to the model dtype.
+        inv_freq, attention_factor = rope.inv_freq_and_attention_factor(
+            theta, rotary_dim or head_dim, scaling, max_positions
+        )
         # (max_positions, head_dim // 2): the two halves of transformers' cat((freqs, freqs)) are equal.
+        cos, sin = rope.cos_sin_tables(inv_freq, attention_factor, max_positions, head_dim)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", freqs.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("cos", cos.to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str
+    ) -> RotaryEmbedding:
+        """The tables of `config`: every position up to max_position_embeddings, its scaling and rotary_dim."""
+        return cls(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, device,
+            scaling=config.rope_scaling, rotary_dim=config.rotary_dim,
+        )  # fmt: skip
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (num_tokens,) -> cos, sin each (num_tokens, 1, head_dim // 2), broadcast over heads."""

@@ -5,18 +5,27 @@ Face's checkpoints; `load_weights` copies each into our parameters, stacking the
 gate/up tensors into the fused projections (DecoderLM.PROJECTION_PARTS, part_rows). On the fast path
 (DecoderLM built with pack_on_load) projections go to model/packing.py's packer instead, as they
 arrive, and no dense projection weight is ever allocated.
+
+Two rewrites happen on the way in, both to Hugging Face-named tensors, before anything else sees them:
+| checkpoint tensor                          | becomes                                  | why                     |
+|--------------------------------------------|------------------------------------------|-------------------------|
+| self_attn.qkv_proj, mlp.gate_up_proj (Phi-3)| its q/k/v, gate/up row slices            | one naming downstream   |
+| q_proj / k_proj rows, q_norm / k_norm      | each head permuted (rope.partial_rotary_ | partial rotary runs as  |
+| (partial rotary models only)               | permutation)                             | full-width RoPE         |
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from onecall.errors import UnsupportedModelError
+from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.packing import install, new_packer
 from onecall.model.quants import StoredGroups
+from onecall.model.rope import partial_rotary_permutation
 
 
 def weight_table(model: DecoderLM) -> dict[str, tuple[torch.Tensor, int, int]]:
@@ -48,6 +57,9 @@ def load_weights(
     or (at the end) any parameter left unloaded.
     """
     table = weight_table(model)
+    weights = split_fused_weights(weights, model.config)
+    if model.config.rotary_dim != model.config.head_dim:
+        weights = _partial_rotary_layout(weights, model.config, stored_weights)
     tied = model.lm_head is None
     packer = None
     if model.pack_on_load and model.kernels == "reference":
@@ -80,6 +92,63 @@ def load_weights(
     finally:
         if packer is not None:
             packer.close()
+
+
+def split_fused_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint that stores fused projections (Phi-3: `self_attn.qkv_proj` rows [q; k; v],
+    `mlp.gate_up_proj` rows [gate; up], as ours) yields each part under its separate Hugging Face name
+    (row views, no copy); every other tensor passes through. Sizes from `config` (the full model's:
+    tensor parallel shards after this)."""
+    c = config
+    q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    sizes = {
+        "self_attn.qkv_proj": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+        "mlp.gate_up_proj": (("mlp.gate_proj", inter), ("mlp.up_proj", inter)),
+    }
+    for name, tensor in weights:
+        fused = next((f for f in sizes if f".{f}." in name), None)
+        if fused is None:
+            yield name, tensor
+            continue
+        total = sum(rows for _, rows in sizes[fused])
+        if tensor.shape[0] != total:
+            raise UnsupportedModelError(
+                f"tensor {name!r} has {tensor.shape[0]} rows, expected {total} ({' + '.join(p for p, _ in sizes[fused])})"
+            )
+        start = 0
+        for part, rows in sizes[fused]:
+            yield name.replace(fused, part), tensor[start : start + rows]
+            start += rows
+
+
+_ROTATED = (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.q_norm.", ".self_attn.k_norm.")
+
+
+def _partial_rotary_layout(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    config: ModelConfig,
+    stored_weights: Mapping[str, StoredGroups] | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Permute every head of q and k (weights, biases, q/k norms) into the layout under which the
+    partial rotary head is plain full-width RoPE (rope.partial_rotary_permutation)."""
+    perm = partial_rotary_permutation(config.head_dim, config.rotary_dim)
+    for name, tensor in weights:
+        if any(part in name for part in _ROTATED):
+            if stored_weights is not None and name in stored_weights:
+                # Never reached today (only phi3 has partial rotary, and phi3 GGUFs are refused), but a
+                # stored copy of these rows would escape the permutation: refuse rather than run it.
+                raise UnsupportedModelError(
+                    f"partial rotary with stored quantized groups ({name}) is not supported"
+                )
+            if tensor.shape[0] % config.head_dim:
+                raise UnsupportedModelError(
+                    f"tensor {name!r} has {tensor.shape[0]} rows, not whole heads of {config.head_dim}"
+                )
+            heads = tensor.reshape(-1, config.head_dim, *tensor.shape[1:])
+            tensor = heads[:, perm].reshape(tensor.shape)
+        yield name, tensor
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Size) -> None:
