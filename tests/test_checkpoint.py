@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -149,7 +150,7 @@ def test_unsupported_gguf_architecture_is_named(tmp_path: Path) -> None:
         next(iter_weights(files, torch.float32))
 
 
-def test_gguf_rope_scaling_reaches_model_config_refusal(tmp_path: Path) -> None:
+def test_gguf_yarn_metadata_becomes_rope_scaling(tmp_path: Path) -> None:
     config = tiny_hf_config("qwen2")
     extra = {
         "qwen2.rope.scaling.type": "yarn",
@@ -163,8 +164,50 @@ def test_gguf_rope_scaling_reaches_model_config_refusal(tmp_path: Path) -> None:
         "factor": 4.0,
         "original_max_position_embeddings": 32768,
     }
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        ModelConfig.from_hf_config(hf_config)
+    scaling = ModelConfig.from_hf_config(hf_config).rope_scaling
+    assert scaling is not None and (scaling.rope_type, scaling.factor) == ("yarn", 4.0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "tensors", "needle"),
+    [
+        ({"llama.rope.scaling.type": "longrope"}, {}, "longrope"),
+        (
+            {
+                "llama.rope.scaling.type": "yarn",
+                "llama.rope.scaling.factor": 4.0,
+                "llama.rope.scaling.yarn_log_multiplier": 0.1,
+            },
+            {},
+            "yarn_log_multiplier",
+        ),  # fmt: skip
+        (
+            {
+                "llama.rope.scaling.type": "yarn",
+                "llama.rope.scaling.factor": 4.0,
+                "llama.rope.scaling.yarn_ext_factor": 0.5,
+            },
+            {},
+            "yarn_ext_factor",
+        ),  # fmt: skip
+        (
+            {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
+            {"rope_freqs.weight": torch.ones(4)},
+            "rope_freqs.weight",
+        ),  # fmt: skip
+        ({}, {"rope_freqs.weight": torch.ones(3)}, "freq_factors"),  # head_dim 8: 4 frequencies
+    ],
+)
+def test_gguf_rope_scaling_refusals(
+    tmp_path: Path, extra: dict[str, Any], tensors: dict[str, torch.Tensor], needle: str
+) -> None:
+    """Never a model with its RoPE scaling ignored: what onecall cannot honour is refused by name."""
+    config = tiny_hf_config("llama")
+    path = write_tiny_gguf(
+        tmp_path / "m.gguf", random_state_dict(config), config, extra_metadata=extra, extra_tensors=tensors
+    )
+    with pytest.raises(UnsupportedModelError, match=needle):
+        ModelConfig.from_hf_config(load_hf_config_dict(resolve_model(path)))
 
 
 def test_gguf_vocab_size_falls_back_to_token_count(tmp_path: Path) -> None:

@@ -86,6 +86,74 @@ QWEN3: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# Llama-3.2-1B-Instruct's config.json (abridged).
+LLAMA32: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+# Mistral-7B-Instruct-v0.3's config.json (abridged).
+MISTRAL: dict[str, Any] = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "vocab_size": 32768,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+}
+# Phi-4-mini-instruct's config.json (abridged; factor lists shortened to their real length 48).
+PHI4_MINI: dict[str, Any] = {
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "vocab_size": 200064,
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "partial_rotary_factor": 0.75,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "long_factor": [1.0 + i for i in range(48)],
+        "short_factor": [1.0] * 48,
+        "type": "longrope",
+    },
+    "sliding_window": 262144,
+    "tie_word_embeddings": True,
+}
+
 
 def with_(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
     d = copy.deepcopy(base)
@@ -139,17 +207,64 @@ def test_transformers_5_dicts_and_defaults() -> None:
     assert c.architecture == "llama"
 
 
+def test_scaled_rope_families() -> None:
+    c = ModelConfig.from_hf_config(LLAMA32)
+    assert c.rope_scaling is not None
+    assert (
+        c.rope_scaling.rope_type,
+        c.rope_scaling.factor,
+        c.rope_scaling.original_max_position_embeddings,
+    ) == (
+        "llama3",
+        32.0,
+        8192,
+    )
+    assert ModelConfig(**c.to_dict()) == c  # the nested RopeScaling survives a dict round trip
+    m = ModelConfig.from_hf_config(MISTRAL)
+    assert (m.architecture, m.head_dim, m.rope_scaling, m.attention_bias) == ("mistral", 128, None, False)
+    assert ModelConfig.from_hf_config(with_(MISTRAL, sliding_window=32768)).architecture == "mistral"
+    p = ModelConfig.from_hf_config(PHI4_MINI)
+    assert (p.architecture, p.head_dim, p.rotary_dim, p.partial_rotary_factor) == ("phi3", 128, 96, 0.75)
+    assert p.rope_scaling is not None and p.rope_scaling.rope_type == "longrope"
+    assert (p.rope_scaling.factor, p.rope_scaling.original_max_position_embeddings) == (32.0, 4096)
+    assert p.rope_scaling.long_factor == tuple(1.0 + i for i in range(48))
+    # Phi-3's old "su" name; transformers 5's rope_parameters; yarn's factor from the lengths.
+    su = with_(PHI4_MINI, rope_scaling=PHI4_MINI["rope_scaling"] | {"type": "su"})
+    assert ModelConfig.from_hf_config(su).rope_scaling == p.rope_scaling
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "original_max_position_embeddings": 32768}
+    q = ModelConfig.from_hf_config(with_(QWEN3, rope_parameters=yarn, max_position_embeddings=131072))
+    assert q.rope_scaling is not None and (q.rope_scaling.rope_type, q.rope_scaling.factor) == ("yarn", 4.0)
+    d = ModelConfig.from_hf_config(with_(SMOLLM2, rope_scaling={"type": "dynamic", "factor": 2.0}))
+    assert d.rope_scaling is not None and d.rope_scaling.rope_type == "dynamic"
+
+
 @pytest.mark.parametrize(
     ("config", "needle"),
     [
-        (with_(SMOLLM2, architectures=["MistralForCausalLM"], model_type="mistral"), "MistralForCausalLM"),
+        (with_(MISTRAL, sliding_window=4096), "sliding_window 4096"),
+        (with_(MISTRAL, sliding_window=...), "sliding_window 4096"),  # MistralConfig's default
+        (with_(PHI4_MINI, sliding_window=2047), "sliding_window 2047"),  # Phi-3-mini-4k's
         (with_(QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), "Qwen3MoeForCausalLM"),
         (with_(SMOLLM2, architectures=["Gemma2ForCausalLM"]), "Gemma2ForCausalLM"),
         (with_(SMOLLM2, architectures=..., model_type="gemma"), "gemma"),
-        (with_(SMOLLM2, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
-        (with_(QWEN25, rope_scaling={"type": "yarn", "factor": 4.0}), "yarn"),
-        (with_(SMOLLM2, rope_scaling={"type": "linear", "factor": 2.0}), "linear"),
-        (with_(SMOLLM2, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), "dynamic"),
+        (with_(SMOLLM2, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
+        (
+            with_(LLAMA32, rope_scaling=LLAMA32["rope_scaling"] | {"high_freq_factor": 0.5}),
+            "high_freq_factor",
+        ),
+        (with_(QWEN25, rope_scaling={"type": "yarn", "factor": "4"}), "factor"),
+        (with_(QWEN25, rope_scaling={"type": "yarn", "factor": 4.0, "truncate": "no"}), "truncate"),
+        (with_(SMOLLM2, rope_scaling={"type": "linear"}), "needs factor"),
+        (with_(SMOLLM2, rope_scaling={"type": "linear", "factor": -2.0}), "-2.0"),
+        (with_(SMOLLM2, rope_parameters={"rope_type": "proportional", "rope_theta": 1e4}), "proportional"),
+        (with_(SMOLLM2, rope_scaling={"rope_type": "longrope", "factor": 2.0}), "short_factor"),
+        (with_(SMOLLM2, rope_parameters={"full_attention": {"rope_type": "default"}}), "full_attention"),
+        (
+            with_(PHI4_MINI, rope_scaling=PHI4_MINI["rope_scaling"] | {"long_factor": [1.0] * 64}),
+            "long_factor",
+        ),
+        (with_(PHI4_MINI, rope_scaling={"type": "linear", "factor": 2.0}), "phi3"),
+        (with_(PHI4_MINI, partial_rotary_factor=39 / 128, rope_scaling=...), "39 rotary dims"),
         (with_(SMOLLM2, partial_rotary_factor=0.5), "0.5"),
         (with_(SMOLLM2, hidden_act="gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
         (with_(QWEN25, use_sliding_window=True), "use_sliding_window"),

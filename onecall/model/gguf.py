@@ -66,9 +66,8 @@ _BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }  # fmt: skip
-# Non-parameter tensors skipped on purpose: llama-3 RoPE frequency factors. Their
-# presence is reported as rope_scaling in the config dict (see loader), which the
-# model config refuses, so a model needing them never loads silently without them.
+# Non-parameter tensors skipped here on purpose: llama-3 RoPE frequency factors, which
+# model/checkpoint.py reads into the config's rope_scaling (llama3, freq_factors) instead.
 SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 

@@ -167,6 +167,7 @@ def write_tiny_gguf(
     tokenizer: Mapping[str, Any] | None = None,
     extra_metadata: Mapping[str, Any] | None = None,
     weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write HF-named weights as a GGUF file the way llama.cpp's converter would.
 
@@ -174,6 +175,7 @@ def write_tiny_gguf(
     Python types pick the GGUF type: str, bool, int (UINT32, or INT64 if out of range), float
     (FLOAT32), list (array of its first item's type). `weight_type` quantizes the 2-D weights
     (gguf.quants.quantize; row length must be a multiple of the block size); 1-D stays F32.
+    `extra_tensors` are written as F32 under their GGUF names, first (e.g. "rope_freqs.weight").
     """
     arch, cfg = hf_config_dict["model_type"], hf_config_dict
     num_heads = cfg["num_attention_heads"]
@@ -201,6 +203,8 @@ def write_tiny_gguf(
     for key, value in metadata.items():
         _add_value(writer, key, value)
     # 2. tensors: rename, permute llama's Q/K, quantize 2-D weights if asked
+    for gguf_name, tensor in (extra_tensors or {}).items():
+        writer.add_tensor(gguf_name, tensor.detach().to(torch.float32).contiguous().numpy())
     for hf_name, tensor in hf_state_dict.items():
         data = tensor.detach().to(torch.float32)
         if arch == "llama" and ".self_attn.q_proj." in hf_name:
@@ -218,6 +222,32 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+def llama3_rope_freqs(hf_config_dict: Mapping[str, Any]) -> torch.Tensor:
+    """The `rope_freqs.weight` tensor llama.cpp's converter writes for a llama3-scaled config (and no
+    rope.scaling.* keys): per frequency, 1 (high), factor (low), or 1 / ((1 - smooth) / factor + smooth)
+    between, which llama.cpp divides the frequency by. Written from the converter's description, in
+    float64 per frequency as it loops, independently of transformers' and onecall's formulas."""
+    import math
+
+    cfg = hf_config_dict
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    base = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < old_context / high:
+            out.append(1.0)
+        elif wavelen > old_context / low:
+            out.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
 
 
 def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
