@@ -87,3 +87,33 @@ def test_abort_of_waiting_and_running_frees_everything() -> None:
     s.finish(a, FinishReason.ABORT)  # running
     assert s.num_unfinished == 0
     assert kv.num_free_blocks == 10
+
+
+def test_prefix_cache_reuse_stops_where_prompt_logprobs_are_missing() -> None:
+    """Cached positions have no logits: a request collecting prompt logprobs reuses none of its
+    prompt when fresh, and after a preemption only the positions whose entries it already has
+    (k entries collected: at most k - 1 positions); with every entry collected, all of it."""
+    kv = BlockManager(100, 4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    warm = make_seq(1, 20)
+    s.add(warm)
+    advance(s.schedule())
+    s.finish(warm, FinishReason.STOP)  # its 20 prompt tokens (and the sampled one) are cached
+    seq = Sequence(
+        seq_id=2,
+        request_id="r2",
+        prompt_token_ids=list(warm.prompt_token_ids),
+        params=SamplingParams(max_tokens=0, prompt_logprobs=0),
+        max_total_tokens=10_000,
+        trace=RequestTrace(request_id="r2"),
+    )
+    assert seq.prompt_logprobs == [None] and seq.prefix_cache_tokens == []
+    s.add(seq)
+    out = s.schedule()
+    assert seq.num_cached_tokens == 0 and out.scheduled[0].num_new_tokens == 20
+    assert not out.scheduled[0].samples  # max_tokens 0: the prompt's end samples nothing
+    seq.prompt_logprobs += [-1.0] * 9  # as if preempted with tokens 0..9 collected
+    assert seq.prefix_cache_tokens == seq.token_ids[:10]  # begin() reuses at most 9 of them
+    assert kv.peek(seq.prefix_cache_tokens).num_cached_tokens == 9
+    seq.prompt_logprobs += [-1.0] * 10  # all 20: nothing left to collect, any reuse is fine
+    assert not seq.needs_prompt_logprobs and seq.prefix_cache_tokens == seq.token_ids
