@@ -322,3 +322,32 @@ def test_gguf_yarn_and_linear_metadata(tmp_path: Path) -> None:
         "linear",
         2.0,
     )
+
+
+def test_fast_kernels_run_partial_rotary_and_scaling() -> None:
+    """The native path reads the same tables (rope_store here; the one-call decode step, which needs
+    4-bit weights, gets the same cos/sin rows): partial rotary and longrope need nothing of it beyond
+    them (the permuted head layout is plain full-width RoPE)."""
+    from onecall.model import native
+    from onecall.model.fast_linear import decode_rows
+    from onecall.model.packing import enable_fast_kernels
+
+    if native.load() is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    config_cls, model_cls, extra = FAMILIES["phi3_longrope_partial"]
+    hf, ours = hf_and_ours(config_cls(**_COMMON, **extra), model_cls, weight_scale=0.15)
+    enable_fast_kernels(ours)
+    assert all(layer.self_attn.native is not None for layer in ours.model.layers)  # rope_store in use
+    harness = Harness(ours)
+    seq = Seq(prompt(ORIGINAL + 3, seed=16))
+    with decode_rows(0):
+        (logits,) = harness.step([(seq, len(seq.tokens))])
+    steps = []
+    for _ in range(6):
+        seq.tokens.append(int(logits[-1].argmax()))
+        with decode_rows(1):
+            (logits,) = harness.step([(seq, 1)])
+        steps.append(logits[-1])
+    ref = hf_logits(hf, seq.tokens)
+    for i, step_logits in enumerate(steps):
+        assert_close(step_logits, ref[ORIGINAL + 3 + i])
