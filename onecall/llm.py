@@ -77,7 +77,9 @@ class LLM:
         """Complete one prompt or a batch of them (str or token ids); outputs in input order.
 
         `params` is one SamplingParams for all, or a list with one per prompt (e.g. a
-        different structured_outputs schema for each)."""
+        different structured_outputs schema for each). To score text as evaluation harnesses do,
+        ask for `prompt_logprobs=0, max_tokens=0`: each output's `prompt_logprobs` then holds
+        log P(token | the tokens before it) for every prompt token (None for the first)."""
         return self._run_all(_as_prompt_list(prompts), params)
 
     def generate_stream(
