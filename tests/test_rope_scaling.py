@@ -190,6 +190,8 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
                          "short_factor": factors(6, 1.0, 1.5, 4), "long_factor": factors(6, 1.0, 12.0, 5)})),
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
+    # MistralConfig's default window (4096) covers the whole context (256): plain causal attention.
+    "mistral_window": (MistralConfig, MistralForCausalLM, dict(head_dim=16, rope_theta=1e4)),
 }  # fmt: skip
 
 
