@@ -150,7 +150,7 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        """Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 never does."""
+        """Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 never does (Mistral, Phi-3: no biases)."""
         return self.attention_bias and self.architecture != "qwen2"
 
     @property
@@ -187,6 +187,7 @@ class ModelConfig:
             head_dim = 128 if arch == "qwen3" else _int_div(d["hidden_size"], num_heads)
         num_kv_heads = d.get("num_key_value_heads")
         max_positions = d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
+        # 5. What depends on the context length and head size: the window, partial rotary, RoPE scaling.
         _check_sliding_window(d, arch, max_positions)
         partial_rotary_factor = _partial_rotary_factor(d, arch)
         rotary_dim = int(head_dim * partial_rotary_factor) if isinstance(head_dim, int) else 0
