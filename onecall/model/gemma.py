@@ -1,0 +1,252 @@
+"""Gemma 2 and Gemma 3 (text): what they add to the Llama decoder of model/layers.py, forward only.
+
+Per layer (transformers' Gemma2DecoderLayer / Gemma3DecoderLayer), four norms instead of two, the
+attention and MLP outputs normalised before they join the residual stream:
+
+    h = h + post_attention_layernorm(attn(input_layernorm(h)))
+    h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+
+and around the layers: embeddings times sqrt(hidden_size) (the factor cast to the embedding dtype
+first, as transformers does: 55.4256 becomes 55.5 in bfloat16), a final norm, and the logits
+soft-capped, cap * tanh(logits / cap) (final_logit_softcapping; Gemma 3 configs leave it None).
+
+| piece                 | Gemma 2                            | Gemma 3                                       |
+|-----------------------|------------------------------------|-----------------------------------------------|
+| norms                 | RMSNorm scaled by (1 + weight)     | the same, also per-head q/k norms             |
+| MLP                   | gate/up/down, gelu (tanh approx.)  | the same                                      |
+| attention scale       | query_pre_attn_scalar ** -0.5      | the same                                      |
+| attention soft-cap    | attn_logit_softcapping (50.0)      | none (transformers ignores the key)           |
+| sliding layers        | every other one (layer_types)      | layer_types (5 sliding : 1 global)            |
+| RoPE                  | rope_theta, every layer            | sliding: rope_local_base_freq, no scaling;    |
+|                       |                                    | global: rope_theta and its (linear) scaling   |
+
+The (1 + weight) norms: the `+ 1` is folded into the weight when it is loaded, so every Gemma norm
+is our plain RMSNorm computing norm(x) * weight, and the native add_rms_norm and the native q/k norm
+in rope_store (model/native.py) run it unchanged. The loader MUST store checkpoint_norm_weight(w) =
+1 + w (in float32) for every `*norm.weight` of a Hugging Face Gemma checkpoint (llama.cpp's GGUF
+converter already stores 1 + w: a GGUF's Gemma norms load as they are). The folded weight is held in
+float32 whatever the model dtype: 1 + w computed and kept in float32 is exactly transformers'
+`1.0 + self.weight.float()`, where a bfloat16 copy would round every channel's scale once more.
+
+Per-layer RoPE: layers of different types rotate with different tables (Gemma 3), so GemmaRotary
+looks each table up once per step and hands the decoder loop one (cos, sin) per layer; layers of the
+same type share the same tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onecall.model.attention import AttentionMetadata
+from onecall.model.config import ModelConfig
+from onecall.model.kv_cache import PagedKVCache
+from onecall.model.layers import MLP, Attention, RMSNorm
+
+SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types values
+
+
+@dataclass(frozen=True)
+class GemmaSpec:
+    """The Gemma-only hyperparameters, Hugging Face names, read from config.json (config.py's job).
+    Everything shared with Llama (shapes, rms_norm_eps, rope_theta, qk_norm for Gemma 3) stays in
+    ModelConfig."""
+
+    query_pre_attn_scalar: float  # attention scale = query_pre_attn_scalar ** -0.5
+    layer_types: tuple[str, ...]  # per layer: SLIDING or GLOBAL
+    sliding_window: int | None  # W: a sliding layer's query at position t sees keys t - W + 1 .. t
+    attn_logit_softcapping: float | None  # Gemma 2; None for Gemma 3 (transformers never applies it)
+    final_logit_softcapping: float | None
+    # RoPE base of the sliding layers (Gemma 3's rope_local_base_freq); None: rope_theta (Gemma 2)
+    rope_local_base_freq: float | None = None
+    # The global layers' linear RoPE scaling factor (Gemma 3 4B+: rope_scaling {"rope_type": "linear",
+    # "factor": 8.0}); 1.0 is plain RoPE. Sliding layers are never scaled.
+    rope_linear_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        assert all(t in (SLIDING, GLOBAL) for t in self.layer_types), self.layer_types
+        assert SLIDING not in self.layer_types or self.sliding_window is not None
+        assert self.rope_linear_factor > 0
+
+
+def checkpoint_norm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face Gemma `*norm.weight` w -> the weight our RMSNorm holds: 1 + w in float32 (for the
+    loader: every Gemma norm, including q_norm / k_norm and the final norm)."""
+    return 1.0 + weight.float()
+
+
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm whose (folded, 1 + w) weight is float32 whatever the model dtype. In low precision it
+    scales before casting back, transformers' Gemma order ((x_normed * w).to(dtype)); in float32 it
+    is RMSNorm itself, native add_and_norm included."""
+
+    def __init__(self, dim: int, eps: float, device: torch.device | str) -> None:
+        super().__init__(dim, eps, torch.float32, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+
+
+class GemmaMLP(MLP):
+    """down(gelu_tanh(gate(x)) * up(x)) (hidden_activation "gelu_pytorch_tanh"). The native fused
+    silu_mul is SiLU-only, so `native` (which model/packing.py sets on every MLP) is ignored."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (num_tokens, intermediate_size) each
+        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """One Gemma 2 / 3 layer over the paged cache; module names as in the checkpoint."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        spec: GemmaSpec,
+        layer_idx: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_type = spec.layer_types[layer_idx]  # picks this layer's RoPE table (GemmaRotary)
+        self.input_layernorm = GemmaRMSNorm(h, eps, device)
+        self.self_attn = Attention(config, dtype, device)
+        if config.qk_norm:  # Gemma 3: the per-head norms are (1 + w) norms too
+            self.self_attn.q_norm = GemmaRMSNorm(config.head_dim, eps, device)
+            self.self_attn.k_norm = GemmaRMSNorm(config.head_dim, eps, device)
+        self.self_attn.scale = spec.query_pre_attn_scalar**-0.5
+        self.self_attn.sliding_window = spec.sliding_window if self.layer_type == SLIDING else None
+        self.self_attn.logit_softcap = spec.attn_logit_softcapping
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, device)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, device)
+        self.mlp = GemmaMLP(config, dtype, device)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, device)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+        layer_idx: int,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DecoderLayer's contract: h (num_tokens, hidden) is the residual stream before the previous
+        layer's output `residual` is added (None in layer 0; h is updated in place on the native path,
+        so it must be a tensor the forward owns). Returns (h, this layer's normalised MLP output).
+        cos, sin: this layer's table rows, (num_tokens, 1, head_dim // 2)."""
+        h, x = self.input_layernorm.add_and_norm(h, residual)
+        attn = self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, layer_idx, meta))
+        h, x = self.pre_feedforward_layernorm.add_and_norm(h, attn)
+        return h, self.post_feedforward_layernorm(self.mlp(x))
+
+
+class RopeTable(nn.Module):
+    """cos/sin for positions 0..max_positions-1 with linear scaling (angle = position * inv_freq / factor,
+    transformers' "linear" rope_type; factor 1.0 is layers.RotaryEmbedding's table). Same forward."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        factor: float,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        # Float32 as transformers: inv_freq divided by the factor first, then times the position.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = inv_freq / factor
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.cos: torch.Tensor  # (max_positions, head_dim // 2)
+        self.sin: torch.Tensor
+        self.register_buffer("cos", freqs.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (num_tokens,) -> cos, sin each (num_tokens, 1, head_dim // 2)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+class GemmaRotary(nn.Module):
+    """One RoPE table per distinct (base, scaling) among the layer types, and which one each layer uses.
+
+    Gemma 2: one table (rope_theta) for every layer. Gemma 3: sliding layers rope_local_base_freq,
+    global layers rope_theta with the linear factor. forward() indexes each table once per step."""
+
+    def __init__(
+        self, config: ModelConfig, spec: GemmaSpec, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        local_theta = config.rope_theta if spec.rope_local_base_freq is None else spec.rope_local_base_freq
+        bases = {SLIDING: (local_theta, 1.0), GLOBAL: (config.rope_theta, spec.rope_linear_factor)}
+        keys = sorted(set(bases.values()))  # distinct (theta, factor): one table each
+        self.tables = nn.ModuleList(
+            RopeTable(config.head_dim, config.max_position_embeddings, theta, factor, dtype, device)
+            for theta, factor in keys
+        )
+        self.layer_table = [keys.index(bases[t]) for t in spec.layer_types]  # layer -> table index
+
+    def forward(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """positions (num_tokens,) -> per layer (cos, sin), each (num_tokens, 1, head_dim // 2)."""
+        looked_up = [table(positions) for table in self.tables]
+        return [looked_up[t] for t in self.layer_table]
+
+
+def embed_scale(hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """sqrt(hidden_size) rounded to the embedding dtype, as transformers multiplies by it."""
+    return torch.tensor(hidden_size**0.5, dtype=dtype)
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (final_logit_softcapping); the logits unchanged when cap is None."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+class GemmaDecoderModel(nn.Module):
+    """The `model.` part of a Gemma checkpoint (embed_tokens, layers, norm) and its forward over the
+    paged cache: what DecoderModel + DecoderLM.forward are for Llama. Logits are the caller's:
+    soft_cap(hidden @ embed_tokens.weight.T, spec.final_logit_softcapping) (embeddings are tied)."""
+
+    def __init__(
+        self, config: ModelConfig, spec: GemmaSpec, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        assert len(spec.layer_types) == config.num_hidden_layers
+        self.spec = spec
+        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, spec, i, dtype, device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.rotary = GemmaRotary(config, spec, dtype, device)
+        self.embed_scale: torch.Tensor
+        self.register_buffer(
+            "embed_scale", embed_scale(config.hidden_size, dtype).to(device), persistent=False
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) int64 -> final-normed hidden states (num_tokens, hidden)."""
+        h = self.embed_tokens(input_ids) * self.embed_scale  # a fresh tensor: the layers may update it
+        ropes = self.rotary(positions)
+        residual: torch.Tensor | None = None
+        for layer_idx, layer in enumerate(self.layers):
+            cos, sin = ropes[layer_idx]
+            h, residual = layer(h, residual, cos, sin, kv_cache, layer_idx, meta)
+        return self.norm.add_and_norm(h, residual)[1]
