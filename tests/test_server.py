@@ -632,6 +632,28 @@ def test_queue_full_is_a_429_with_retry_after() -> None:
     _in_process(test, engine)
 
 
+def test_a_batch_of_prompts_counts_prompts_times_choices_against_the_queue() -> None:
+    engine = AsyncEngine(tiny_engine(max_num_seqs=1), max_waiting=4)
+    long = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+
+    async def test(client: httpx.AsyncClient) -> None:
+        running = await engine.add_request("running", "Hello", long)
+        await running.__anext__()  # it has a token: it is running, and the queue is empty
+        waiting = await engine.add_request("waiting", "Hello", long)  # max_num_seqs 1: one waits
+        body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 1}  # 4 requests: 1 + 4 > 4
+        assert_error(
+            await client.post(COMPLETIONS, json=body), 429, type="rate_limit_error", code="queue_full"
+        )
+        err = assert_error(await client.post(COMPLETIONS, json={**body, "n": 3}), 400, param="prompt")
+        assert "6 requests" in err["message"]  # 2 prompts x 3: could never wait at once
+        await running.abort()
+        await waiting.abort()
+        r = await client.post(COMPLETIONS, json=body)
+        assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
+
+    _in_process(test, engine)
+
+
 # ---- last: SIGTERM with a request in flight --------------------------------------------------------------
 @pytest.mark.server
 def test_sigterm_with_a_stream_in_flight_exits_0(server: ServerProcess) -> None:
