@@ -29,7 +29,7 @@ from onecall.errors import (
     TemplateError,
 )
 from onecall.sampling_params import MAX_LOGPROBS
-from onecall.server.params import completion_prompt, template_messages, to_sampling_params
+from onecall.server.params import completion_prompts, template_messages, to_sampling_params
 from onecall.server.protocol import (
     MAX_TOP_LOGPROBS,
     ChatChoice,
@@ -171,9 +171,11 @@ def test_n_choices_get_seed_plus_index() -> None:
         (lambda: chat_req(presence_penalty=2.5), "presence_penalty"),
         (lambda: chat_req(stop=[""]), "stop"),
         (lambda: chat_req(min_tokens=9, max_tokens=3), "min_tokens"),
-        (lambda: completion_req(echo=True, logprobs=0), "echo"),
+        (lambda: chat_req(echo=True), "echo"),
         (lambda: completion_req(suffix="x"), "suffix"),
-        (lambda: completion_req(best_of=2), "best_of"),
+        (lambda: completion_req(n=3, best_of=2), "best_of"),
+        (lambda: completion_req(best_of=2, stream=True), "best_of"),
+        (lambda: completion_req(max_tokens=0), "max_tokens"),
     ],
 )
 def test_every_refusal_names_its_field(req: Any, param: str) -> None:
@@ -183,14 +185,26 @@ def test_every_refusal_names_its_field(req: Any, param: str) -> None:
 
 
 def test_completion_prompt_forms() -> None:
-    assert completion_prompt(completion_req(prompt="abc")) == "abc"
-    assert completion_prompt(completion_req(prompt=[1, 2, 3])) == [1, 2, 3]
-    assert completion_prompt(completion_req(prompt=["abc"])) == "abc"
-    assert completion_prompt(completion_req(prompt=[[4, 5]])) == [4, 5]
-    for batch in (["a", "b"], [[1], [2]]):
-        with pytest.raises(InvalidParameterError) as e:
-            completion_prompt(completion_req(prompt=batch))
-        assert e.value.param == "prompt" and "batch" in str(e.value)
+    assert completion_prompts(completion_req(prompt="abc")) == ["abc"]
+    assert completion_prompts(completion_req(prompt=[1, 2, 3])) == [[1, 2, 3]]
+    assert completion_prompts(completion_req(prompt=["abc", "d"])) == ["abc", "d"]
+    assert completion_prompts(completion_req(prompt=[[4, 5], [6]])) == [[4, 5], [6]]
+    with pytest.raises(InvalidParameterError) as e:
+        completion_prompts(completion_req(prompt=[]))
+    assert e.value.param == "prompt"
+    for mixed in (["a", [1]], [1, "a"]):
+        with pytest.raises(ValidationError) as v:
+            completion_req(prompt=mixed)
+        assert v.value.errors()[0]["loc"][0] == "prompt" and "one kind" in str(v.value)
+
+
+def test_echo_logprobs_and_best_of_become_engine_params() -> None:
+    (p,) = to_sampling_params(completion_req(echo=True, logprobs=2), default_max_tokens=10)
+    assert p.prompt_logprobs == 2 and p.logprobs == 2
+    (score,) = to_sampling_params(completion_req(echo=True, max_tokens=0), default_max_tokens=10)
+    assert score.max_tokens == 0 and score.prompt_logprobs == 0
+    candidates = to_sampling_params(completion_req(n=2, best_of=4, seed=5), default_max_tokens=10)
+    assert [c.seed for c in candidates] == [5, 6, 7, 8] and all(c.logprobs == 0 for c in candidates)
 
 
 def _usage() -> Usage:
