@@ -30,7 +30,7 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, Gemma2Text
 
 from onecall.model import native
 from onecall.model.attention import build_attention_metadata
-from onecall.model.config import ModelConfig
+from onecall.model.config import ModelConfig, RopeScaling
 from onecall.model.gemma import (
     GLOBAL,
     SLIDING,
@@ -96,20 +96,21 @@ def _spec(c: Any, family: str) -> GemmaSpec:
         attn_logit_softcapping=c.attn_logit_softcapping if family == "gemma2" else None,
         final_logit_softcapping=c.final_logit_softcapping,
         rope_local_base_freq=rope[SLIDING]["rope_theta"] if family == "gemma3" else None,
-        rope_linear_factor=rope[GLOBAL].get("factor", 1.0) if family == "gemma3" else 1.0,
     )
 
 
 def _model_config(c: Any, family: str) -> ModelConfig:
-    """The shared hyperparameters. Until config.py knows gemma2/gemma3 (the lead wires it), the
-    llama/qwen3 names stand in: Attention reads only the shapes, attention_bias and qk_norm."""
-    rope = c.rope_parameters
+    """The shared hyperparameters, the global layers' RoPE among them. Until config.py knows
+    gemma2/gemma3 (the lead wires it), the llama/qwen3 names stand in: Attention reads only the
+    shapes, attention_bias and qk_norm."""
+    rope = c.rope_parameters[GLOBAL] if family == "gemma3" else c.rope_parameters
+    scaling = RopeScaling(rope["rope_type"], rope["factor"]) if rope["rope_type"] == "linear" else None
     return ModelConfig(
         architecture="qwen3" if family == "gemma3" else "llama",
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=(rope[GLOBAL] if family == "gemma3" else rope)["rope_theta"],
+        rope_theta=rope["rope_theta"], rope_scaling=scaling,
         max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
         attention_bias=False, qk_norm=family == "gemma3",
     )  # fmt: skip
@@ -196,9 +197,12 @@ def _run_paged(step: Any, num_layers: int, inputs: torch.Tensor, backend: str, s
     return torch.cat(outs)
 
 
-def _layer_step(case: Case, ours: GemmaDecoderLayer) -> Any:
-    """One layer as a step: our layer's output h + residual (what the next layer's norm adds first)."""
+def _layer_step(case: Case, ours: GemmaDecoderLayer, swap_tables: bool = False) -> Any:
+    """One layer as a step: our layer's output h + residual (what the next layer's norm adds first).
+    `swap_tables`: each layer type rotates with the other type's table (a wiring mistake)."""
     rotary = GemmaRotary(case.config, case.spec, torch.float32, "cpu")
+    if swap_tables:
+        rotary.layer_table = [len(rotary.tables) - 1 - t for t in rotary.layer_table]
 
     def step(x: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache, meta: Any) -> torch.Tensor:
         layer_idx = case.spec.layer_types.index(ours.layer_type)
@@ -287,6 +291,17 @@ def test_gemma3_tables_differ_by_layer_type() -> None:
     assert torch.equal(c1[:, 0], want_cos[0, :, : HEAD_DIM // 2]) and torch.equal(
         s1[:, 0], want_sin[0, :, : HEAD_DIM // 2]
     )
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1], ids=[SLIDING, GLOBAL])
+def test_gemma3_layer_needs_its_own_table(layer_idx: int) -> None:
+    """The layer test above would catch a Gemma 3 layer rotating with the other type's table."""
+    case = Case("gemma3")
+    x = _layer_input()
+    want = _hf_layer_out(case, layer_idx, x)
+    ours = _ours_layer(case, layer_idx, use_native=False)
+    got = _run_paged(_layer_step(case, ours, swap_tables=True), 1, x, "paged")
+    assert _max_diff(got, want) > 1e-2
 
 
 def _load_model(case: Case, use_native: bool) -> GemmaDecoderModel:

@@ -29,8 +29,9 @@ float32 whatever the model dtype: 1 + w computed and kept in float32 is exactly 
 `1.0 + self.weight.float()`, where a bfloat16 copy would round every channel's scale once more.
 
 Per-layer RoPE: layers of different types rotate with different tables (Gemma 3), so GemmaRotary
-looks each table up once per step and hands the decoder loop one (cos, sin) per layer; layers of the
-same type share the same tensors.
+holds one layers.RotaryEmbedding per distinct table (model/rope.py's formulas, any scaling
+ModelConfig accepts), looks each up once per step and hands the decoder loop one (cos, sin) per
+layer; layers of the same type share the same tensors.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch import nn
 from onecall.model.attention import AttentionMetadata
 from onecall.model.config import ModelConfig
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.layers import MLP, Attention, RMSNorm
+from onecall.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types values
 
@@ -60,16 +61,14 @@ class GemmaSpec:
     sliding_window: int | None  # W: a sliding layer's query at position t sees keys t - W + 1 .. t
     attn_logit_softcapping: float | None  # Gemma 2; None for Gemma 3 (transformers never applies it)
     final_logit_softcapping: float | None
-    # RoPE base of the sliding layers (Gemma 3's rope_local_base_freq); None: rope_theta (Gemma 2)
+    # RoPE base of the sliding layers, never scaled (Gemma 3's rope_local_base_freq); None: they share
+    # the global layers' table (Gemma 2). The global layers' base and scaling are ModelConfig's
+    # rope_theta and rope_scaling.
     rope_local_base_freq: float | None = None
-    # The global layers' linear RoPE scaling factor (Gemma 3 4B+: rope_scaling {"rope_type": "linear",
-    # "factor": 8.0}); 1.0 is plain RoPE. Sliding layers are never scaled.
-    rope_linear_factor: float = 1.0
 
     def __post_init__(self) -> None:
         assert all(t in (SLIDING, GLOBAL) for t in self.layer_types), self.layer_types
         assert SLIDING not in self.layer_types or self.sliding_window is not None
-        assert self.rope_linear_factor > 0
 
 
 def checkpoint_norm_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -147,52 +146,28 @@ class GemmaDecoderLayer(nn.Module):
         return h, self.post_feedforward_layernorm(self.mlp(x))
 
 
-class RopeTable(nn.Module):
-    """cos/sin for positions 0..max_positions-1 with linear scaling (angle = position * inv_freq / factor,
-    transformers' "linear" rope_type; factor 1.0 is layers.RotaryEmbedding's table). Same forward."""
-
-    def __init__(
-        self,
-        head_dim: int,
-        max_positions: int,
-        theta: float,
-        factor: float,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        super().__init__()
-        # Float32 as transformers: inv_freq divided by the factor first, then times the position.
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        inv_freq = inv_freq / factor
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.cos: torch.Tensor  # (max_positions, head_dim // 2)
-        self.sin: torch.Tensor
-        self.register_buffer("cos", freqs.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=device), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (num_tokens,) -> cos, sin each (num_tokens, 1, head_dim // 2)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
 class GemmaRotary(nn.Module):
-    """One RoPE table per distinct (base, scaling) among the layer types, and which one each layer uses.
+    """The RoPE tables of a Gemma model and which one each layer rotates with.
 
-    Gemma 2: one table (rope_theta) for every layer. Gemma 3: sliding layers rope_local_base_freq,
-    global layers rope_theta with the linear factor. forward() indexes each table once per step."""
+    Gemma 2: one table (rope_theta, and rope_scaling if any) for every layer. Gemma 3: global layers
+    rope_theta with its scaling (linear, factor 8 from 4B up), sliding layers a second, unscaled
+    table at rope_local_base_freq. forward() indexes each table once per step; layers of a type get
+    the same tensors."""
 
     def __init__(
         self, config: ModelConfig, spec: GemmaSpec, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         super().__init__()
-        local_theta = config.rope_theta if spec.rope_local_base_freq is None else spec.rope_local_base_freq
-        bases = {SLIDING: (local_theta, 1.0), GLOBAL: (config.rope_theta, spec.rope_linear_factor)}
-        keys = sorted(set(bases.values()))  # distinct (theta, factor): one table each
-        self.tables = nn.ModuleList(
-            RopeTable(config.head_dim, config.max_position_embeddings, theta, factor, dtype, device)
-            for theta, factor in keys
-        )
-        self.layer_table = [keys.index(bases[t]) for t in spec.layer_types]  # layer -> table index
+        tables = [RotaryEmbedding.from_config(config, dtype, device)]  # global layers: table 0
+        if spec.rope_local_base_freq is not None:
+            tables.append(
+                RotaryEmbedding(
+                    config.head_dim, config.max_position_embeddings, spec.rope_local_base_freq, dtype, device
+                )
+            )
+        self.tables = nn.ModuleList(tables)
+        local = len(tables) - 1  # sliding layers: the local table, else the shared one
+        self.layer_table = [local if t == SLIDING else 0 for t in spec.layer_types]  # layer -> table
 
     def forward(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """positions (num_tokens,) -> per layer (cos, sin), each (num_tokens, 1, head_dim // 2)."""
