@@ -222,7 +222,17 @@ def test_scaled_rope_families() -> None:
     assert ModelConfig(**c.to_dict()) == c  # the nested RopeScaling survives a dict round trip
     m = ModelConfig.from_hf_config(MISTRAL)
     assert (m.architecture, m.head_dim, m.rope_scaling, m.attention_bias) == ("mistral", 128, None, False)
-    assert ModelConfig.from_hf_config(with_(MISTRAL, sliding_window=32768)).architecture == "mistral"
+    assert (
+        ModelConfig.from_hf_config(with_(MISTRAL, sliding_window=32768)).sliding_window is None
+    )  # covers all
+    # a window shorter than the context bites: every layer attends to its last sliding_window positions
+    assert ModelConfig.from_hf_config(with_(MISTRAL, sliding_window=4096)).sliding_window == 4096
+    assert (
+        ModelConfig.from_hf_config(with_(MISTRAL, sliding_window=...)).sliding_window == 4096
+    )  # the default
+    assert (
+        ModelConfig.from_hf_config(with_(PHI4_MINI, sliding_window=2047)).sliding_window == 2047
+    )  # Phi-3-mini-4k's
     p = ModelConfig.from_hf_config(PHI4_MINI)
     assert (p.architecture, p.head_dim, p.rotary_dim, p.partial_rotary_factor) == ("phi3", 128, 96, 0.75)
     assert p.rope_scaling is not None and p.rope_scaling.rope_type == "longrope"
@@ -241,9 +251,8 @@ def test_scaled_rope_families() -> None:
 @pytest.mark.parametrize(
     ("config", "needle"),
     [
-        (with_(MISTRAL, sliding_window=4096), "sliding_window 4096"),
-        (with_(MISTRAL, sliding_window=...), "sliding_window 4096"),  # MistralConfig's default
-        (with_(PHI4_MINI, sliding_window=2047), "sliding_window 2047"),  # Phi-3-mini-4k's
+        (with_(MISTRAL, sliding_window=0), "sliding_window"),
+        (with_(PHI4_MINI, sliding_window="2047"), "sliding_window"),
         (with_(QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), "Qwen3MoeForCausalLM"),
         (with_(SMOLLM2, architectures=["Gemma2ForCausalLM"]), "Gemma2ForCausalLM"),
         (with_(SMOLLM2, architectures=..., model_type="gemma"), "gemma"),

@@ -192,6 +192,8 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
     # MistralConfig's default window (4096) covers the whole context (256): plain causal attention.
     "mistral_window": (MistralConfig, MistralForCausalLM, dict(head_dim=16, rope_theta=1e4)),
+    # a window shorter than the sequences here: every layer sees its last 8 positions only
+    "mistral_sliding": (MistralConfig, MistralForCausalLM, dict(head_dim=16, rope_theta=1e4, sliding_window=8)),
 }  # fmt: skip
 
 

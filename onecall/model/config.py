@@ -2,19 +2,19 @@
 
 Built from a Hugging Face config.json dict by `ModelConfig.from_hf_config`,
 which refuses (UnsupportedModelError) anything our model code would run
-silently wrong: other architectures, RoPE scalings we do not implement, sliding
-windows that would bite, activations other than SiLU, MLP biases. Names follow
+silently wrong: other architectures, RoPE scalings we do not implement, per-layer
+sliding windows (Qwen2's use_sliding_window), activations other than SiLU, MLP biases. Names follow
 Hugging Face (`hidden_size`, `num_key_value_heads`, ...) so no translation table is needed.
 
 The families differ only by flags:
 
-| family  | attention_bias (q/k/v bias) | o_proj bias      | qk_norm | partial rotary | checkpoint q/k/v, gate/up |
-|---------|-----------------------------|------------------|---------|----------------|---------------------------|
-| llama   | config `attention_bias`     | = attention_bias | no      | no             | separate                  |
-| mistral | never                       | never            | no      | no             | separate                  |
-| qwen2   | always True                 | never            | no      | no             | separate                  |
-| qwen3   | config `attention_bias`     | = attention_bias | yes     | no             | separate                  |
-| phi3    | never                       | never            | no      | yes            | fused (qkv_proj, gate_up) |
+| family  | attention_bias (q/k/v bias) | o_proj bias      | qk_norm | partial rotary | sliding window | checkpoint q/k/v, gate/up |
+|---------|-----------------------------|------------------|---------|----------------|----------------|---------------------------|
+| llama   | config `attention_bias`     | = attention_bias | no      | no             | no             | separate                  |
+| mistral | never                       | never            | no      | no             | config (4096)  | separate                  |
+| qwen2   | always True                 | never            | no      | no             | no             | separate                  |
+| qwen3   | config `attention_bias`     | = attention_bias | yes     | no             | no             | separate                  |
+| phi3    | never                       | never            | no      | yes            | config         | fused (qkv_proj, gate_up) |
 
 RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) is parsed into a
 RopeScaling; model/rope.py turns it into the cos/sin tables.
@@ -103,6 +103,9 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (qwen3)
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     partial_rotary_factor: float = 1.0  # phi3 (Phi-4-mini: 0.75): RoPE on the first rotary_dim of each head
+    # mistral, phi3: every layer attends to its last sliding_window positions only (None: no window,
+    # or one that covers the whole context)
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from to_dict(): asdict flattens the nested dataclass
@@ -188,7 +191,7 @@ class ModelConfig:
         num_kv_heads = d.get("num_key_value_heads")
         max_positions = d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
         # 5. What depends on the context length and head size: the window, partial rotary, RoPE scaling.
-        _check_sliding_window(d, arch, max_positions)
+        sliding_window = _sliding_window(d, arch, max_positions)
         partial_rotary_factor = _partial_rotary_factor(d, arch)
         rotary_dim = int(head_dim * partial_rotary_factor) if isinstance(head_dim, int) else 0
         return cls(
@@ -208,6 +211,7 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             rope_scaling=_rope_scaling(d, arch, max_positions, rotary_dim),
             partial_rotary_factor=partial_rotary_factor,
+            sliding_window=sliding_window,
         )
 
 
@@ -257,22 +261,18 @@ def _check_unsupported_features(d: dict[str, Any], arch: str) -> None:
             raise UnsupportedModelError(f"layer_types {other!r} are not supported; only 'full_attention' is")
 
 
-def _check_sliding_window(d: dict[str, Any], arch: str, max_positions: int) -> None:
-    """Mistral and Phi-3 attend within `sliding_window` tokens; a window at least as long as the context
-    never excludes a key, so it is plain causal attention. Shorter windows are refused (not yet wired
-    to the attention's per-layer sliding_window)."""
+def _sliding_window(d: dict[str, Any], arch: str, max_positions: int) -> int | None:
+    """Mistral and Phi-3 attend within `sliding_window` tokens in every layer (the attention's
+    per-layer window, model/attention.py). A window at least as long as the context never excludes a
+    key: plain causal attention, None."""
     if arch not in _DEFAULT_SLIDING_WINDOW:
-        return
+        return None
     window = d.get("sliding_window", _DEFAULT_SLIDING_WINDOW[arch])
     if window is None:
-        return
+        return None
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise UnsupportedModelError(f"sliding_window must be a positive integer or null, got {window!r}")
-    if isinstance(max_positions, int) and window < max_positions:
-        raise UnsupportedModelError(
-            f"sliding_window {window} < max_position_embeddings {max_positions} is not supported; "
-            "only windows that cover the whole context (or null) are"
-        )
+    return window if isinstance(max_positions, int) and window < max_positions else None
 
 
 def _rope_dict(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:

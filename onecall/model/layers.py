@@ -152,7 +152,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
         # Per-layer departures from plain causal attention (model/attention.py: paged_attention).
-        self.sliding_window: int | None = None
+        self.sliding_window: int | None = config.sliding_window
         self.logit_softcap: float | None = None
         # Set by the fast kernels (float32 CPU): q/k norms, RoPE and the K/V cache write in one pass.
         self.native: ctypes.CDLL | None = None
