@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ CASES = {
     "llama": dict(attention_bias=True, vocab_size=97),  # o_proj bias; vocabulary padded on rank 1
     "qwen2": {},  # q/k/v biases, tied embeddings
     "qwen3": {},  # q/k norms, head_dim != hidden / heads
+    "phi3": {},  # fused qkv_proj / gate_up_proj in the checkpoint, split before sharding
 }
 PROMPT = [5, 17, 33, 2, 90, 7, 11]
 BLOCK, NUM_BLOCKS = 4, 8
@@ -45,9 +47,8 @@ BLOCK, NUM_BLOCKS = 4, 8
 
 def _run(arch: str, tp: TensorParallel | None) -> torch.Tensor:
     """Prefill PROMPT, then 3 greedy steps: the 4 positions' logits, (4, vocab_size)."""
-    hf = tiny_hf_config(arch, **CASES[arch])
+    hf, state = _checkpoint(arch)
     config = ModelConfig.from_hf_config(hf)
-    state = random_state_dict(hf, seed=3)
     model = DecoderLM(config, tp=tp)
     weights = iter(state.items())
     load_weights(model, weights if tp is None else tp.shard_weights(weights, config))
@@ -73,6 +74,22 @@ def _run(arch: str, tp: TensorParallel | None) -> torch.Tensor:
             meta = build_attention_metadata(table, [n], [1], BLOCK, "cpu", backend="reference")
             logits.append(model.compute_logits(model(token, torch.tensor([n - 1]), cache, meta)))
     return torch.cat(logits)
+
+
+def _checkpoint(arch: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json dict and state dict; phi3: llama-shaped weights stored fused, as Phi-3 stores them."""
+    if arch != "phi3":
+        hf = tiny_hf_config(arch, **CASES[arch])
+        return hf, random_state_dict(hf, seed=3)
+    hf = tiny_hf_config("llama") | {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
+    state = random_state_dict(tiny_hf_config("llama"), seed=3)
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        parts = [state.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        state[p + "self_attn.qkv_proj.weight"] = torch.cat(parts)
+        gate, up = state.pop(p + "mlp.gate_proj.weight"), state.pop(p + "mlp.up_proj.weight")
+        state[p + "mlp.gate_up_proj.weight"] = torch.cat((gate, up))
+    return hf, state
 
 
 def _rank_main(rank: int, world_size: int, port: int, arch: str, out: str) -> None:

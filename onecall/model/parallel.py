@@ -102,8 +102,12 @@ class TensorParallel:
     def shard_weights(
         self, weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, full tensor) -> (name, this rank's slice). `config` is the full model's."""
-        for name, tensor in weights:
+        """(Hugging Face name, full tensor) -> (name, this rank's slice). `config` is the full model's.
+        Fused checkpoint projections (Phi-3's qkv_proj, gate_up_proj) are split into their parts first,
+        at the full model's sizes (load_weights would split them at this rank's)."""
+        from onecall.model.weights import split_fused_weights  # weights.py imports the layers, which import us
+
+        for name, tensor in split_fused_weights(weights, config):
             yield name, self.shard(name, tensor, config)
 
     def shard(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
