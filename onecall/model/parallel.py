@@ -105,7 +105,8 @@ class TensorParallel:
         """(Hugging Face name, full tensor) -> (name, this rank's slice). `config` is the full model's.
         Fused checkpoint projections (Phi-3's qkv_proj, gate_up_proj) are split into their parts first,
         at the full model's sizes (load_weights would split them at this rank's)."""
-        from onecall.model.weights import split_fused_weights  # weights.py imports the layers, which import us
+        # imported here: weights.py imports the layers, which import this module
+        from onecall.model.weights import split_fused_weights
 
         for name, tensor in split_fused_weights(weights, config):
             yield name, self.shard(name, tensor, config)
