@@ -175,9 +175,11 @@ class GemmaRotary(nn.Module):
         return [looked_up[t] for t in self.layer_table]
 
 
-def embed_scale(hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """sqrt(hidden_size) rounded to the embedding dtype, as transformers multiplies by it."""
-    return torch.tensor(hidden_size**0.5, dtype=dtype)
+def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden_size) rounded to the embedding dtype, as transformers multiplies by it (55.5 for
+    3072 in bfloat16), as the Python float of that exact value: a tensor times it is computed as
+    transformers' tensor times its 0-dim tensor, and a float is safe to build on the meta device."""
+    return float(torch.tensor(hidden_size**0.5, dtype=dtype))
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -189,8 +191,10 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 class GemmaDecoderModel(nn.Module):
     """The `model.` part of a Gemma checkpoint (embed_tokens, layers, norm) and its forward over the
-    paged cache: what DecoderModel + DecoderLM.forward are for Llama. Logits are the caller's:
-    soft_cap(hidden @ embed_tokens.weight.T, spec.final_logit_softcapping) (embeddings are tied)."""
+    paged cache: what DecoderModel + DecoderLM.forward's loop are for Llama. Parameters only, so it
+    can be built on "meta" and materialised like DecoderModel; the RoPE tables (GemmaRotary, buffers)
+    are the caller's, built on the real device as DecoderLM builds its RotaryEmbedding. Logits are the
+    caller's too: soft_cap(hidden @ embed_tokens.weight.T, spec.final_logit_softcapping), tied."""
 
     def __init__(
         self, config: ModelConfig, spec: GemmaSpec, dtype: torch.dtype, device: torch.device | str
@@ -204,22 +208,18 @@ class GemmaDecoderModel(nn.Module):
             GemmaDecoderLayer(config, spec, i, dtype, device) for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device)
-        self.rotary = GemmaRotary(config, spec, dtype, device)
-        self.embed_scale: torch.Tensor
-        self.register_buffer(
-            "embed_scale", embed_scale(config.hidden_size, dtype).to(device), persistent=False
-        )
+        self.embed_scale = embed_scale(config.hidden_size, dtype)
 
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
         kv_cache: PagedKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: (num_tokens,) int64 -> final-normed hidden states (num_tokens, hidden)."""
+        """input_ids (num_tokens,) int64 and GemmaRotary's per-layer (cos, sin) for their positions ->
+        final-normed hidden states (num_tokens, hidden_size)."""
         h = self.embed_tokens(input_ids) * self.embed_scale  # a fresh tensor: the layers may update it
-        ropes = self.rotary(positions)
         residual: torch.Tensor | None = None
         for layer_idx, layer in enumerate(self.layers):
             cos, sin = ropes[layer_idx]
