@@ -520,11 +520,16 @@ def test_engine_runs_a_sentencepiece_gguf(tmp_path: Path, vocab: Any, ours: Toke
     out = llm.generate(["hello world 日本"], greedy)[0]
     assert out.trace is not None
     assert out.trace.prompt_token_ids == [1, *llama_cpp_tokenize("hello world 日本", vocab)]
-    assert len(out.token_ids) == 16 and out.text == ours.decode(out.token_ids)
+    # the output's text continues the prompt's (the detokenizer starts after the prompt's last ids),
+    # so its first word keeps the space SentencePiece marks it with
+    prompt_ids = out.trace.prompt_token_ids
+    continuation = ours.decode(prompt_ids + out.token_ids)[len(ours.decode(prompt_ids)) :]
+    assert len(out.token_ids) == 16 and out.text == continuation
     chat = llm.chat([{"role": "user", "content": "hi there"}], greedy)[0]
     assert chat.trace is not None
     assert chat.trace.prompt_token_ids == llama_cpp_tokenize("<s>[INST] hi there [/INST]", vocab)
-    assert chat.text == ours.decode(chat.token_ids)
+    chat_ids = chat.trace.prompt_token_ids
+    assert chat.text == ours.decode(chat_ids + chat.token_ids)[len(ours.decode(chat_ids)) :]
     # structured outputs: the grammar's forced text is tokenized without the space prefix
     # (sampling/grammar.py uses encode_continuation), so a random model still gives valid output
     from onecall.sampling_params import StructuredOutputsParams

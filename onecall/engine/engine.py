@@ -235,7 +235,8 @@ class Engine:
             constraint=constraint,
         )
         seq.text_state = TextState(
-            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
+            # the prompt's last ids as context: a SentencePiece output's first token keeps its space
+            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens, context=ids),
             StopStringMatcher(params.stop) if params.stop else None,
         )
         self._seqs[request_id] = seq
