@@ -12,6 +12,8 @@ or grammar compiles is checked by the engine's grammar backend at add_request.
 
 from __future__ import annotations
 
+import hashlib
+
 import json as _json
 import math
 from collections.abc import Sequence
@@ -21,6 +23,7 @@ from typing import Any
 from onecall.errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT = 1024  # characters
 TRACE_LEVELS = ("basic", "full")
 _SO = "structured_outputs"
 _SO_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -158,6 +161,10 @@ class SamplingParams:
     the prefix cache supplies none of it (engine/sequence.py). max_tokens=0
     ends a request once its prompt is computed, with no token sampled: with
     prompt_logprobs, a scoring request (what evaluation harnesses send).
+
+    cache_salt (vLLM's name): requests share prefix-cache entries only with requests of the same
+    salt (none shares with none), so one tenant cannot reuse, or time, another's cached prompts.
+    The trace records a short hash of it, never the salt itself.
     """
 
     max_tokens: int = 256
@@ -179,6 +186,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     trace_level: str = "basic"  # "full": the trace records each token's logit provenance
+    cache_salt: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -227,6 +235,12 @@ class SamplingParams:
             raise InvalidParameterError(
                 "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
+        ):
+            raise InvalidParameterError(
+                "cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT} characters"
+            )
         if self.trace_level not in TRACE_LEVELS:
             raise InvalidParameterError(
                 "trace_level", f"must be one of {', '.join(TRACE_LEVELS)}; got {self.trace_level!r}"
@@ -273,6 +287,8 @@ class SamplingParams:
             "prompt_logprobs": self.prompt_logprobs,
             "trace_level": self.trace_level,
         }
+        if self.cache_salt is not None:  # which salt applied, without writing the secret itself
+            d["cache_salt_sha256"] = hashlib.sha256(self.cache_salt.encode()).hexdigest()[:12]
         if self.logit_bias:
             d["logit_bias"] = dict(self.logit_bias)
         if self.structured_outputs is not None:

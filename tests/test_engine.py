@@ -8,6 +8,7 @@ the paged engine must produce exactly its tokens in every configuration.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -202,6 +203,32 @@ def test_trace_records_stages() -> None:
     assert out2.num_cached_tokens == 15
     assert out2.trace.divergence == {"index": 15, "prompt_token": 7, "cached_token": 115}
     assert out2.trace.num_prefilled_tokens == 3
+
+
+def test_cache_salt_partitions_the_prefix_cache() -> None:
+    """Requests share cached prefixes only under the same cache_salt: a second tenant's identical
+    prompt prefills from scratch (no divergence reported from another tenant's path either), its own
+    repeat hits, and the trace names the salt only by a hash."""
+    engine = tiny_engine()
+    prompt = list(range(100, 120))
+
+    def run(rid: str, salt: str | None) -> Any:
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, cache_salt=salt)
+        return run_all(engine, {rid: prompt}, params)[rid]
+
+    a = run("a", "tenant-a")
+    assert a.num_cached_tokens == 0
+    b = run("b", "tenant-b")
+    assert b.num_cached_tokens == 0 and b.trace.divergence is None
+    assert run("a2", "tenant-a").num_cached_tokens == 19  # all but the last prompt token
+    assert run("plain", None).num_cached_tokens == 0  # no salt shares with no salt only
+    assert run("plain2", None).num_cached_tokens == 19
+    assert b.token_ids == a.token_ids  # same prompt, same greedy tokens: only the cache differs
+    digest = b.trace.sampling["cache_salt_sha256"]
+    assert isinstance(digest, str) and len(digest) == 12 and "tenant" not in str(b.trace.to_dict())
+    with pytest.raises(InvalidParameterError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+    engine.block_manager.check_invariants()
 
 
 def test_bad_input_is_typed() -> None:

@@ -198,6 +198,16 @@ def test_completion_prompt_forms() -> None:
         assert v.value.errors()[0]["loc"][0] == "prompt" and "one kind" in str(v.value)
 
 
+def test_cache_salt_reaches_every_candidate() -> None:
+    params = to_sampling_params(completion_req(n=2, cache_salt="tenant-7"), default_max_tokens=10)
+    assert [p.cache_salt for p in params] == ["tenant-7", "tenant-7"]
+    (chat,) = to_sampling_params(chat_req(cache_salt="t"), default_max_tokens=10)
+    assert chat.cache_salt == "t"
+    with pytest.raises(ValidationError) as e:
+        completion_req(cache_salt="")
+    assert e.value.errors()[0]["loc"][0] == "cache_salt"
+
+
 def test_echo_logprobs_and_best_of_become_engine_params() -> None:
     (p,) = to_sampling_params(completion_req(echo=True, logprobs=2), default_max_tokens=10)
     assert p.prompt_logprobs == 2 and p.logprobs == 2

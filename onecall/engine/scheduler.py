@@ -130,7 +130,7 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
-        match = self.block_manager.begin(seq.seq_id, seq.prefix_cache_tokens)
+        match = self.block_manager.begin(seq.seq_id, seq.prefix_cache_tokens, seq.params.cache_salt)
         if match is None:
             return False
         n = min(seq.num_tokens - match.num_cached_tokens, budget)

@@ -86,6 +86,7 @@ def to_sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured_outputs,
         trace_level=req.trace_level,
+        cache_salt=req.cache_salt,
     )
     return [
         SamplingParams(seed=None if req.seed is None else req.seed + i, **common)

@@ -20,7 +20,8 @@ fields), `reasoning_content` on messages and deltas (a thinking template's <thin
 list of dicts in choice order when n > 1; when streaming, on the last chunk before [DONE] (the
 usage chunk when stream_options.include_usage is set, else the chunk with the last finish_reason).
 `trace_level`: "basic" (the default) or "full", which adds each output token's logit provenance
-to its decode step (`steps[i].provenance`) and turns `trace` on.
+to its decode step (`steps[i].provenance`) and turns `trace` on. `cache_salt`: requests share
+prefix-cache entries only with requests of the same salt (the trace shows a hash of it).
 The response_format and tool-call shapes live in protocol_tools.py, the base classes in
 protocol_base.py.
 """
@@ -37,6 +38,7 @@ from onecall.server.protocol_tools import DeltaToolCall, ResponseFormat, ToolCal
 
 MAX_N = 16  # most choices per request (each is its own engine request)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs; equals SamplingParams' MAX_LOGPROBS
+MAX_CACHE_SALT = 1024  # characters; equals SamplingParams' MAX_CACHE_SALT
 
 
 # ---- requests --------------------------------------------------------------------------------------
@@ -86,6 +88,8 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     trace: bool = False
     trace_level: Literal["basic", "full"] = "basic"  # "full": logit provenance per token; implies trace
+    # prefix-cache entries are shared only between requests with the same salt (vLLM's field)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
 
     @model_validator(mode="after")
     def _full_trace_implies_trace(self) -> _SamplingFields:
