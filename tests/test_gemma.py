@@ -38,21 +38,22 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, Gemma2Text
 
 from onecall.model import native
 from onecall.model.attention import build_attention_metadata
-from onecall.model.config import ModelConfig, RopeScaling
+from onecall.model.config import GLOBAL, SLIDING, GemmaSpec, ModelConfig, RopeScaling
+from onecall.model.decoder import DecoderLM
 from onecall.model.gemma import (
-    GLOBAL,
-    SLIDING,
     GemmaDecoderLayer,
     GemmaDecoderModel,
     GemmaRMSNorm,
     GemmaRotary,
-    GemmaSpec,
     checkpoint_norm_weight,
     embed_scale,
     soft_cap,
 )
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, RMSNorm
+from tests.helpers.make_models import hf_and_ours
+from tests.test_model_numerics import VOCAB as NUMERICS_VOCAB
+from tests.test_model_numerics import Harness, Seq, assert_close, hf_logits, prompt
 
 LAYER_ATOL = 2e-5
 LOGITS_ATOL = 1e-4
@@ -425,3 +426,94 @@ def test_model_builds_on_meta_without_buffers() -> None:
     assert len(norms) == 2 * 6 + 1  # 4 per layer, q/k norms, the final norm
     assert all(p.dtype == torch.float32 for p in norms)  # the folded 1 + w stays float32
     assert model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- the whole model, as a user loads it
+# ModelConfig.from_hf_config on transformers' own config dict, DecoderLM, load_weights (folding the
+# norms' + 1) and the engine's paged cache; tolerance: test_model_numerics' ATOL on logits.
+
+_TINY: dict[str, Any] = dict(
+    vocab_size=NUMERICS_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_hidden_layers=4, max_position_embeddings=256, sliding_window=8, query_pre_attn_scalar=24,
+    attn_implementation="eager",
+)  # fmt: skip
+WHOLE = {
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        layer_types=[SLIDING, GLOBAL, SLIDING, GLOBAL], final_logit_softcapping=3.0,
+        rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                         GLOBAL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(WHOLE))
+def whole(request: pytest.FixtureRequest) -> tuple[Any, DecoderLM]:
+    config_cls, model_cls, extra = WHOLE[request.param]
+    return hf_and_ours(config_cls(**_TINY, **extra), model_cls, weight_scale=0.15)  # type: ignore[no-any-return]
+
+
+def test_the_whole_model_loads_from_its_config_and_matches_transformers(whole: tuple[Any, DecoderLM]) -> None:
+    """Prefill past the window, greedy decode through the paged cache, then a prefix-cache hit."""
+    hf, ours = whole
+    assert ours.config.gemma is not None and ours.native_step is None
+    harness = Harness(ours)
+    seq = Seq(prompt(21, seed=3))
+    (logits,) = harness.step([(seq, len(seq.tokens))])
+    assert_close(logits, hf_logits(hf, seq.tokens))
+    steps = []
+    for _ in range(6):
+        seq.tokens.append(int(logits[-1].argmax()))
+        (logits,) = harness.step([(seq, 1)])
+        steps.append(logits[-1])
+    ref = hf_logits(hf, seq.tokens)
+    for i, step_logits in enumerate(steps):
+        assert_close(step_logits, ref[21 + i])
+    shared = 20  # whole blocks: a second sequence reuses the first's blocks as they are
+    other = Seq(seq.tokens[:shared] + prompt(5, seed=4), num_cached=shared)
+    other.block_table = seq.block_table[: shared // 4]
+    (logits,) = harness.step([(other, len(other.tokens) - shared)])
+    assert_close(logits, hf_logits(hf, other.tokens)[shared:])
+
+
+def test_gemma_configs_as_their_files_write_them() -> None:
+    """Defaults where a config.json leaves keys out (Gemma 2: every other layer slides, caps 50 / 30;
+    Gemma 3: five sliding layers to one global, no caps, two RoPE bases), and the refusals."""
+    from onecall.errors import UnsupportedModelError
+
+    g2 = ModelConfig.from_hf_config(
+        {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+    )  # fmt: skip
+    assert g2.gemma is not None and g2.head_dim == 256 and g2.tie_word_embeddings
+    assert g2.gemma.layer_types == (SLIDING, GLOBAL, SLIDING, GLOBAL)
+    assert (g2.gemma.attn_logit_softcapping, g2.gemma.final_logit_softcapping) == (50.0, 30.0)
+    g3 = ModelConfig.from_hf_config(
+        {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 256,
+         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 4,
+         "num_key_value_heads": 1, "head_dim": 16, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+         "sliding_window": 512, "sliding_window_pattern": 6, "final_logit_softcapping": None}
+    )  # fmt: skip
+    assert g3.gemma is not None and g3.qk_norm and g3.rope_theta == 1e6
+    assert g3.gemma.layer_types == (SLIDING,) * 5 + (GLOBAL, SLIDING)
+    assert g3.gemma.attn_logit_softcapping is None and g3.gemma.final_logit_softcapping is None
+    assert g3.gemma.rope_local_base_freq == 10000.0 and g3.rope_scaling is not None
+    assert ModelConfig(**g3.to_dict()) == g3  # the nested GemmaSpec survives a dict round trip
+    with pytest.raises(UnsupportedModelError, match="hidden_activation 'silu'"):
+        ModelConfig.from_hf_config(
+            {**g3.to_dict(), "architectures": ["Gemma3ForCausalLM"], "hidden_activation": "silu"}
+        )
+
+
+def test_the_fast_kernels_run_gemma(whole: tuple[Any, DecoderLM]) -> None:
+    """oneDNN projections and the native norm / RoPE / attention passes (no one-call step: Gemma's
+    layer is not Llama's): the reference model's logits to float32 summation order."""
+    from onecall.model.packing import enable_fast_kernels
+
+    _, ours = whole
+    fast = copy.deepcopy(ours)
+    enable_fast_kernels(fast)
+    assert "onednn" in fast.kernels and fast.native_step is None
+    seq, ref_seq = Seq(prompt(21, seed=5)), Seq(prompt(21, seed=5))
+    (got,) = Harness(fast).step([(seq, 21)])
+    (want,) = Harness(ours).step([(ref_seq, 21)])
+    assert_close(got, want)

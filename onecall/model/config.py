@@ -35,8 +35,14 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 SUPPORTED = tuple(ARCHITECTURES.values())
+GEMMA = ("gemma2", "gemma3")
+# config.json model_type values that name one of ours differently
+_MODEL_TYPES = {"gemma3_text": "gemma3"}
+SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types values
 
 _REQUIRED_KEYS = (
     "vocab_size",
@@ -46,7 +52,9 @@ _REQUIRED_KEYS = (
     "num_attention_heads",
 )
 # transformers' defaults for the keys a config.json may leave out.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
+_DEFAULT_MAX_POSITIONS = {
+    "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192, "gemma3": 131072,
+}  # fmt: skip
 # transformers' default sliding_window where a family honours one (MistralConfig: 4096).
 _DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "phi3": None}
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
@@ -84,6 +92,33 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class GemmaSpec:
+    """The Gemma-only hyperparameters (Hugging Face names; model/gemma.py runs them). Everything shared
+    with Llama (shapes, rms_norm_eps, rope_theta and rope_scaling of the global layers, qk_norm for
+    Gemma 3) stays in ModelConfig."""
+
+    query_pre_attn_scalar: float  # attention scale = query_pre_attn_scalar ** -0.5
+    layer_types: tuple[str, ...]  # per layer: SLIDING or GLOBAL
+    sliding_window: int | None  # W: a sliding layer's query at position t sees keys t - W + 1 .. t
+    attn_logit_softcapping: float | None  # Gemma 2; None for Gemma 3 (transformers never applies it)
+    final_logit_softcapping: float | None
+    # RoPE base of the sliding layers, never scaled (Gemma 3's rope_local_base_freq); None: they share
+    # the global layers' table (Gemma 2).
+    rope_local_base_freq: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer_types, list):  # from to_dict()
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        bad = sorted({t for t in self.layer_types if t not in (SLIDING, GLOBAL)})
+        if bad:
+            raise UnsupportedModelError(
+                f"layer_types {bad!r} are not supported; only {SLIDING!r} and {GLOBAL!r} are"
+            )
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise UnsupportedModelError("layer_types has sliding layers but sliding_window is null")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of one decoder-only model; validated when built."""
 
@@ -106,11 +141,22 @@ class ModelConfig:
     # mistral, phi3: every layer attends to its last sliding_window positions only (None: no window,
     # or one that covers the whole context)
     sliding_window: int | None = None
+    gemma: GemmaSpec | None = None  # gemma2, gemma3: their own layer (model/gemma.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from to_dict(): asdict flattens the nested dataclass
             fields = {k: tuple(v) if isinstance(v, list) else v for k, v in self.rope_scaling.items()}
             object.__setattr__(self, "rope_scaling", RopeScaling(**fields))
+        if isinstance(self.gemma, dict):
+            object.__setattr__(self, "gemma", GemmaSpec(**self.gemma))
+        if (self.gemma is not None) != (self.architecture in GEMMA):
+            raise UnsupportedModelError(
+                f"{self.architecture}: a GemmaSpec is for (and required by) {', '.join(GEMMA)}"
+            )
+        if self.gemma is not None and len(self.gemma.layer_types) != self.num_hidden_layers:
+            raise UnsupportedModelError(
+                f"layer_types has {len(self.gemma.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
         if self.architecture not in SUPPORTED:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED)}"
@@ -164,7 +210,7 @@ class ModelConfig:
         attn = h * (q + 2 * kv) + q * h
         attn += (q + 2 * kv) * self.attention_bias + h * self.o_proj_bias + 2 * d * self.qk_norm
         mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + (4 if self.gemma else 2) * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embed + h
 
@@ -176,6 +222,8 @@ class ModelConfig:
         """Read a Hugging Face config.json dict; refuse what we would run wrong."""
         # 1. Architecture, from "architectures" first, else "model_type".
         arch = _architecture(d)
+        if arch == "gemma3":
+            d = _gemma3_rope_as_one(d)
         # 2. Required keys, all named at once.
         missing = [k for k in _REQUIRED_KEYS if d.get(k) is None]
         if missing:
@@ -186,8 +234,10 @@ class ModelConfig:
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim")
         if head_dim is None:
-            # transformers' Qwen3Config defaults head_dim to 128; the others derive it.
-            head_dim = 128 if arch == "qwen3" else _int_div(d["hidden_size"], num_heads)
+            # transformers' Qwen3Config defaults head_dim to 128, Gemma's to 256; the others derive it.
+            head_dim = {"qwen3": 128, "gemma2": 256, "gemma3": 256}.get(arch) or _int_div(
+                d["hidden_size"], num_heads
+            )
         num_kv_heads = d.get("num_key_value_heads")
         max_positions = d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
         # 5. What depends on the context length and head size: the window, partial rotary, RoPE scaling.
@@ -204,15 +254,75 @@ class ModelConfig:
             num_key_value_heads=num_heads if num_kv_heads is None else num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=_number(d, "rms_norm_eps", _DEFAULT_RMS_NORM_EPS),
-            rope_theta=_rope_theta(d),
+            rope_theta=_rope_theta(d, 1e6 if arch == "gemma3" else _DEFAULT_ROPE_THETA),
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA)),
             attention_bias=_attention_bias(d, arch),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             rope_scaling=_rope_scaling(d, arch, max_positions, rotary_dim),
             partial_rotary_factor=partial_rotary_factor,
             sliding_window=sliding_window,
+            gemma=_gemma_spec(d, arch) if arch in GEMMA else None,
         )
+
+
+def _gemma3_rope_as_one(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's two RoPEs as the rest of the parsing reads one: transformers 5 writes
+    rope_parameters per layer type ({full_attention: ..., sliding_attention: ...}); the global layers'
+    dict becomes rope_parameters (theta and scaling) and the sliding layers' theta rope_local_base_freq,
+    which is where older config.json files keep it (with rope_theta / rope_scaling at the top)."""
+    params = d.get("rope_parameters")
+    if not isinstance(params, dict) or not any(isinstance(v, dict) for v in params.values()):
+        return d
+    extra = sorted(set(params) - {SLIDING, GLOBAL})
+    if extra:
+        raise UnsupportedModelError(f"rope_parameters for layer types {extra!r} are not supported")
+    local = params.get(SLIDING) or {}
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(
+            f"rope_parameters.{SLIDING} rope_type {local.get('rope_type')!r} is not supported; "
+            "Gemma 3's sliding layers use plain RoPE"
+        )
+    d = {**d, "rope_parameters": params.get(GLOBAL) or {}}
+    if local.get("rope_theta") is not None:
+        d["rope_local_base_freq"] = local["rope_theta"]
+    return d
+
+
+def _gemma_spec(d: dict[str, Any], arch: str) -> GemmaSpec:
+    """transformers' Gemma2Config / Gemma3TextConfig defaults; layer_types derived as they derive it
+    when the file has none (Gemma 2: even layers slide; Gemma 3: all but every sliding_window_pattern-th)."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+        if arch == "gemma2":
+            types = [SLIDING if i % 2 == 0 else GLOBAL for i in range(n)]
+        else:
+            types = [SLIDING if (i + 1) % pattern else GLOBAL for i in range(n)]
+    window = d.get("sliding_window", 4096)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise UnsupportedModelError(f"sliding_window must be a positive integer or null, got {window!r}")
+    gemma2 = arch == "gemma2"
+    return GemmaSpec(
+        query_pre_attn_scalar=_number(d, "query_pre_attn_scalar", 256.0),
+        layer_types=tuple(types),
+        sliding_window=window,
+        # Gemma 3: transformers keeps the key but never applies it
+        attn_logit_softcapping=_optional_number(d, "attn_logit_softcapping", 50.0) if gemma2 else None,
+        final_logit_softcapping=_optional_number(d, "final_logit_softcapping", 30.0 if gemma2 else None),
+        rope_local_base_freq=None if gemma2 else _number(d, "rope_local_base_freq", 10000.0),
+    )
+
+
+def _optional_number(d: dict[str, Any], key: str, default: float | None) -> float | None:
+    """d[key] (a positive number), None when the file says null, `default` when it says nothing."""
+    if key in d and d[key] is None:
+        return None
+    value = default if d.get(key) is None else _number(d, key, 0.0)
+    if value is not None and not value > 0:
+        raise UnsupportedModelError(f"model config {key} must be a positive number or null, got {value!r}")
+    return value
 
 
 def _architecture(d: dict[str, Any]) -> str:
@@ -229,6 +339,7 @@ def _architecture(d: dict[str, Any]) -> str:
         raise UnsupportedModelError(
             "model config names no architecture (neither 'architectures' nor 'model_type')"
         )
+    model_type = _MODEL_TYPES.get(model_type, model_type)
     if model_type not in SUPPORTED:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}"
@@ -245,9 +356,14 @@ def _attention_bias(d: dict[str, Any], arch: str) -> bool:
 
 
 def _check_unsupported_features(d: dict[str, Any], arch: str) -> None:
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only 'silu' is")
+    # Gemma's key is hidden_activation (hidden_act in older files); gelu with the tanh approximation
+    wanted = "gelu_pytorch_tanh" if arch in GEMMA else "silu"
+    key = "hidden_activation" if d.get("hidden_activation") is not None else "hidden_act"
+    act = d.get(key) or wanted
+    if act != wanted:
+        raise UnsupportedModelError(f"{key} {act!r} is not supported for {arch}; only {wanted!r} is")
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention true (an embedding model) is not supported")
     if d.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias true is not supported; only bias-free MLPs are")
     if arch in ("qwen2", "qwen3"):
@@ -392,12 +508,12 @@ def _rope_scaling(d: dict[str, Any], arch: str, max_positions: int, rotary_dim: 
     )  # fmt: skip
 
 
-def _rope_theta(d: dict[str, Any]) -> float:
+def _rope_theta(d: dict[str, Any], default: float = _DEFAULT_ROPE_THETA) -> float:
     """rope_parameters["rope_theta"] (transformers 5) wins over top-level rope_theta (older files)."""
     params = d.get("rope_parameters") or {}
     if params.get("rope_theta") is not None:
-        return _number(params, "rope_theta", _DEFAULT_ROPE_THETA)
-    return _number(d, "rope_theta", _DEFAULT_ROPE_THETA)
+        return _number(params, "rope_theta", default)
+    return _number(d, "rope_theta", default)
 
 
 def _number(d: dict[str, Any], key: str, default: float) -> float:

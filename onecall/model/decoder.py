@@ -1,12 +1,14 @@
-"""DecoderLM: one pre-norm decoder for Llama, Qwen2 and Qwen3, running over a paged KV cache.
+"""DecoderLM: one pre-norm decoder for Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 2/3, over a paged KV cache.
 
-The families differ only by flags in ModelConfig (q/k/v bias, q/k norm), so
-there is one module tree, named like Hugging Face's (`model.layers.N.self_attn...`)
-except for the two fused projections, which model/weights.py's load_weights fills
-from the separate q/k/v and gate/up tensors (PROJECTION_PARTS says which).
+The Llama-shaped families differ only by flags in ModelConfig (q/k/v bias, q/k norm, partial
+rotary, a sliding window), so there is one module tree, named like Hugging Face's
+(`model.layers.N.self_attn...`) except for the two fused projections, which model/weights.py's
+load_weights fills from the separate q/k/v and gate/up tensors (PROJECTION_PARTS says which).
+Gemma 2/3 (ModelConfig.gemma) swap in model/gemma.py's model part (four norms a layer, gelu,
+per-layer-type RoPE tables) under the same names, plus an embedding scale and capped logits.
 
 Per step: embed -> for each layer: h += attn(norm(h)); h += mlp(norm(h)) -> norm.
-RoPE cos/sin are looked up once per step and shared by all layers; the
+RoPE cos/sin are looked up once per step (per table) and shared by the layers; the
 attention metadata is built once per step by the caller.
 """
 
@@ -21,6 +23,7 @@ from torch import nn
 from onecall.model.attention import AttentionMetadata
 from onecall.model.config import ModelConfig
 from onecall.model.fast_linear import FastLMHead, fast_kernels_supported
+from onecall.model.gemma import GemmaDecoderModel, GemmaRotary, soft_cap
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
 from onecall.model.parallel import TensorParallel
@@ -106,7 +109,11 @@ class DecoderLM(nn.Module):
         self.config = config
         # Built on "meta" then materialised uninitialised: no time spent on random init of weights
         # that load_weights overwrites (and refuses to leave unloaded).
-        self.model = DecoderModel(config, dtype, "meta")
+        self.model: DecoderModel | GemmaDecoderModel = (
+            DecoderModel(config, dtype, "meta")
+            if config.gemma is None
+            else GemmaDecoderModel(config, config.gemma, dtype, "meta")
+        )
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
@@ -126,7 +133,11 @@ class DecoderLM(nn.Module):
         _materialize(self, torch.device(device), skip_weights_of=skip)
         for layer in self.model.layers:
             layer.self_attn.tp = layer.mlp.tp = self.tp  # type: ignore[union-attr]
-        self.rotary = RotaryEmbedding.from_config(config, dtype, device)
+        self.rotary: RotaryEmbedding | GemmaRotary = (
+            RotaryEmbedding.from_config(config, dtype, device)
+            if config.gemma is None
+            else GemmaRotary(config, config.gemma, dtype, device)  # a table per layer type
+        )
 
     def forward(
         self,
@@ -140,21 +151,33 @@ class DecoderLM(nn.Module):
             h = self.model.embed_tokens(input_ids)
         else:
             h = self.tp.embed(self.model.embed_tokens, input_ids, self.vocab_size)
-        cos, sin = self.rotary(positions)
-        step = self.native_step
-        if step is not None and step.accepts(meta, kv_cache, h.shape[0]):
-            return step(h, cos.squeeze(1), sin.squeeze(1), kv_cache, meta)  # the same kernels, from C
+        if isinstance(self.rotary, GemmaRotary):
+            assert isinstance(self.model, GemmaDecoderModel)
+            h = h * self.model.embed_scale  # Gemma scales its embeddings by sqrt(hidden_size)
+            ropes = self.rotary(positions)  # (cos, sin) per layer: sliding and global layers differ
+        else:
+            cos, sin = self.rotary(positions)
+            step = self.native_step
+            if step is not None and step.accepts(meta, kv_cache, h.shape[0]):
+                return step(h, cos.squeeze(1), sin.squeeze(1), kv_cache, meta)  # the same kernels, from C
+            ropes = [(cos, sin)] * len(self.model.layers)
         residual: torch.Tensor | None = None
         for layer_idx, layer in enumerate(self.model.layers):
+            cos, sin = ropes[layer_idx]
             h, residual = layer(h, residual, cos, sin, kv_cache, layer_idx, meta)
         return self.model.norm.add_and_norm(h, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, hidden_size) -> (n, vocab_size) float32 (the whole vocabulary, under tensor parallel too)."""
+        """(n, hidden_size) -> (n, vocab_size) float32 (the whole vocabulary, under tensor parallel too;
+        soft-capped where the model caps its logits, Gemma 2)."""
         if self.fast_lm_head is not None:
-            return self.fast_lm_head(hidden)
-        logits = torch.nn.functional.linear(hidden, self.output_weight()).float()
-        return logits if self.tp is None else self.tp.gather_vocab(logits, self.vocab_size)
+            logits = self.fast_lm_head(hidden)
+        else:
+            logits = torch.nn.functional.linear(hidden, self.output_weight()).float()
+            if self.tp is not None:
+                logits = self.tp.gather_vocab(logits, self.vocab_size)
+        gemma = self.config.gemma
+        return logits if gemma is None else soft_cap(logits, gemma.final_logit_softcapping)
 
     def output_weight(self) -> torch.Tensor:
         """The logits projection's (vocab_size, hidden_size) weight: the tied embedding or lm_head."""

@@ -36,39 +36,14 @@ layer; layers of the same type share the same tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from onecall.model.attention import AttentionMetadata
-from onecall.model.config import ModelConfig
+from onecall.model.config import SLIDING, GemmaSpec, ModelConfig
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
-
-SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types values
-
-
-@dataclass(frozen=True)
-class GemmaSpec:
-    """The Gemma-only hyperparameters, Hugging Face names, read from config.json (config.py's job).
-    Everything shared with Llama (shapes, rms_norm_eps, rope_theta, qk_norm for Gemma 3) stays in
-    ModelConfig."""
-
-    query_pre_attn_scalar: float  # attention scale = query_pre_attn_scalar ** -0.5
-    layer_types: tuple[str, ...]  # per layer: SLIDING or GLOBAL
-    sliding_window: int | None  # W: a sliding layer's query at position t sees keys t - W + 1 .. t
-    attn_logit_softcapping: float | None  # Gemma 2; None for Gemma 3 (transformers never applies it)
-    final_logit_softcapping: float | None
-    # RoPE base of the sliding layers, never scaled (Gemma 3's rope_local_base_freq); None: they share
-    # the global layers' table (Gemma 2). The global layers' base and scaling are ModelConfig's
-    # rope_theta and rope_scaling.
-    rope_local_base_freq: float | None = None
-
-    def __post_init__(self) -> None:
-        assert all(t in (SLIDING, GLOBAL) for t in self.layer_types), self.layer_types
-        assert SLIDING not in self.layer_types or self.sliding_window is not None
 
 
 def checkpoint_norm_weight(weight: torch.Tensor) -> torch.Tensor:

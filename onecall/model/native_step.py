@@ -30,6 +30,7 @@ from onecall.model import native
 from onecall.model.attention import AttentionMetadata
 from onecall.model.decoder import DecoderLayer, DecoderModel
 from onecall.model.fast_linear import FastLinear, num_decode_rows
+from onecall.model.gemma import GemmaDecoderModel
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.quants import Int8Groups
 
@@ -98,10 +99,14 @@ class NativeDecodeStep:
         self._intermediate = first.mlp.down_proj.in_features
 
     @classmethod
-    def build(cls, model: DecoderModel) -> NativeDecodeStep | None:
+    def build(cls, model: DecoderModel | GemmaDecoderModel) -> NativeDecodeStep | None:
         """The step for a DecoderModel whose fast kernels are installed, or None where it cannot run
         its layers exactly as the per-op path does (see the module docstring)."""
         lib = native.load()
+        if not isinstance(model, DecoderModel) or any(
+            type(layer) is not DecoderLayer for layer in model.layers
+        ):
+            return None  # another layer's structure (Gemma's four norms, gelu, per-layer RoPE)
         layers = [cast(DecoderLayer, layer) for layer in model.layers]
         if lib is None or not layers:
             return None

@@ -23,6 +23,7 @@ import torch
 from onecall.errors import UnsupportedModelError
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
+from onecall.model.gemma import checkpoint_norm_weight
 from onecall.model.packing import install, new_packer
 from onecall.model.quants import StoredGroups
 from onecall.model.rope import partial_rotary_permutation
@@ -61,6 +62,7 @@ def load_weights(
     if model.config.rotary_dim != model.config.head_dim:
         weights = _partial_rotary_layout(weights, model.config, stored_weights)
     tied = model.lm_head is None
+    fold_norms = model.config.gemma is not None  # a Hugging Face Gemma checkpoint stores w, we hold 1 + w
     packer = None
     if model.pack_on_load and model.kernels == "reference":
         # not `stored_weights or {}`: the dict the weight iterator fills is still empty here
@@ -80,6 +82,8 @@ def load_weights(
                 )
             param, start, end = table[name]
             _check_shape(name, tensor, param[start:end].shape)
+            if fold_norms and name.endswith("norm.weight"):
+                tensor = checkpoint_norm_weight(tensor)  # Gemma's (1 + w) norms, folded (model/gemma.py)
             if packer is None or not packer.accept(name, tensor.float()):
                 param[start:end].copy_(tensor)
             loaded.add(name)
