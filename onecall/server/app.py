@@ -8,6 +8,16 @@
     POST /tokenize, /detokenize  key    serving_tokens
     GET  /health                 open   200 when the engine runs; 503 while loading or once dead (and why)
     GET  /metrics                open   Prometheus text (server/metrics.py)
+    GET  /model_info, /get_model_info    key   serving_info: the model's identity and limits (SGLang's names)
+    GET  /server_info, /get_server_info  key   serving_info: settings and the engine's live state
+    GET  /get_load               key    serving_info: running + waiting requests, KV tokens held
+    GET  /openapi.json           open   the OpenAPI 3.1 document (server/openapi.py: bodies from protocol*.py)
+    GET  /docs                   open   a self-contained page that lists /openapi.json's routes (works offline)
+
+/openapi.json and /docs are open, like /health: they describe the API's shape, which is public
+(the same for every onecall), and hold nothing from the model or the requests. The info and load
+routes carry the key: they show the served model and live load. A router in front of keyed
+replicas sends the key (sgl-router: --api-key).
 
 Every route goes through `_route`, which checks the API key first (before the body is read),
 gives the request its id, and turns any exception into the OpenAI error body (http_errors.py):
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import json
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -28,10 +39,12 @@ from fastapi.responses import Response
 from onecall.server.async_engine import AsyncEngine
 from onecall.server.http_errors import http_error, install_error_handlers
 from onecall.server.metrics import Metrics
+from onecall.server.openapi import DOCS_HTML, openapi_schema
 from onecall.server.protocol import HealthResponse, ModelCard, ModelList
 from onecall.server.serving_chat import create_chat_completion
 from onecall.server.serving_common import ClientDisconnected, random_id
 from onecall.server.serving_completion import create_completion
+from onecall.server.serving_info import get_load, get_model_info, get_server_info
 from onecall.server.serving_tokens import detokenize, tokenize
 from onecall.server.state import EngineLoader, ServerConfig, ServerState
 
@@ -78,6 +91,13 @@ def create_app(
     app.add_api_route("/", route(_viewer, is_open=True), methods=["GET"])
     app.add_api_route("/health", route(_health, is_open=True), methods=["GET"])
     app.add_api_route("/metrics", route(_metrics, is_open=True), methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, route(get_model_info), methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, route(get_server_info), methods=["GET"])
+    app.add_api_route("/get_load", route(get_load), methods=["GET"])
+    app.add_api_route("/openapi.json", route(_openapi, is_open=True), methods=["GET"])
+    app.add_api_route("/docs", route(_docs, is_open=True), methods=["GET"])
     return app
 
 
@@ -111,6 +131,21 @@ async def _health(state: ServerState, request: Request, request_id: str) -> Resp
 async def _metrics(state: ServerState, request: Request, request_id: str) -> Response:
     body, content_type = state.metrics.render()
     return Response(body, headers={"Content-Type": content_type})
+
+
+@functools.cache
+def _openapi_json() -> bytes:
+    return json.dumps(openapi_schema()).encode()
+
+
+async def _openapi(state: ServerState, request: Request, request_id: str) -> Response:
+    return Response(_openapi_json(), media_type="application/json")
+
+
+async def _docs(state: ServerState, request: Request, request_id: str) -> Response:
+    return Response(
+        DOCS_HTML, media_type="text/html; charset=utf-8", headers={"Content-Security-Policy": _VIEWER_CSP}
+    )
 
 
 # The viewer is one self-contained page: inline script and style, no request leaves this server.

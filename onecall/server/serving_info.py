@@ -1,0 +1,114 @@
+"""The introspection routes a router polls: model info, server info and load (protocol_info.py).
+
+    GET /model_info, /get_model_info     the model's identity and limits
+    GET /server_info, /get_server_info   settings plus the engine's live state
+    GET /get_load                        running + waiting requests and KV tokens held
+
+Cache-aware routers (sgl-router's `cache_aware` policy) register a worker by its model info and
+balance on its load; these answer with SGLang's field names from the live engine.
+
+Reads happen on the event loop while the engine thread steps. Each value is one int read (atomic
+under the GIL); a response may mix values from two adjacent steps (running from one, waiting from
+the next), which is fine for load balancing and never inconsistent within one field.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, TypeAdapter
+
+from onecall import __version__
+from onecall.engine.engine import Engine
+from onecall.server.protocol_info import (
+    InternalState,
+    LoadEntry,
+    ModelInfoResponse,
+    ServerInfoResponse,
+)
+from onecall.server.state import ServerState
+
+_LOADS = TypeAdapter(list[LoadEntry])
+
+
+async def get_model_info(state: ServerState, request: Request, request_id: str) -> Response:
+    return _json(model_info(state))
+
+
+async def get_server_info(state: ServerState, request: Request, request_id: str) -> Response:
+    return _json(server_info(state))
+
+
+async def get_load(state: ServerState, request: Request, request_id: str) -> Response:
+    return Response(_LOADS.dump_json(load(state)), media_type="application/json")
+
+
+def model_info(state: ServerState) -> ModelInfoResponse:
+    engine = state.ready_engine().engine  # 503 while loading or once dead
+    tok = engine.tokenizer
+    name = engine.parts.model_name
+    return ModelInfoResponse(
+        model_path=name,
+        served_model_name=state.model_name,
+        tokenizer_path=name,
+        max_context_length=engine.max_model_len,
+        vocab_size=engine.model_config.vocab_size,
+        architectures=[engine.model_config.architecture],
+        eos_token_ids=sorted(tok.eos_token_ids),
+        bos_token_id=tok.bos_token_id,
+    )
+
+
+def server_info(state: ServerState) -> ServerInfoResponse:
+    async_engine = state.ready_engine()
+    engine = async_engine.engine
+    bm, cfg = engine.block_manager, engine.config
+    name = engine.parts.model_name
+    return ServerInfoResponse(
+        model_path=name,
+        served_model_name=state.model_name,
+        tokenizer_path=name,
+        version=__version__,
+        max_total_num_tokens=bm.num_blocks * bm.block_size,
+        max_running_requests=cfg.max_num_seqs,
+        max_queued_requests=async_engine.max_waiting,
+        max_prefill_tokens=cfg.max_num_batched_tokens,
+        chunked_prefill_size=cfg.max_num_batched_tokens,
+        context_length=engine.max_model_len,
+        page_size=bm.block_size,
+        num_kv_blocks=bm.num_blocks,
+        disable_radix_cache=not cfg.enable_prefix_caching,
+        device=str(engine.device),
+        dtype=str(engine.parts.dtype).removeprefix("torch."),
+        internal_states=[_internal_state(engine)],
+    )
+
+
+def load(state: ServerState) -> list[LoadEntry]:
+    engine = state.ready_engine().engine
+    running, waiting = engine.num_running, engine.num_waiting
+    return [
+        LoadEntry(
+            num_reqs=running + waiting,
+            num_waiting_reqs=waiting,
+            num_tokens=engine.block_manager.num_used_blocks * engine.block_manager.block_size,
+        )
+    ]
+
+
+def _internal_state(engine: Engine) -> InternalState:
+    bm, stats = engine.block_manager, engine.stats
+    queried = stats.num_prefix_cache_query_tokens_total
+    return InternalState(
+        num_running_reqs=engine.num_running,
+        num_waiting_reqs=engine.num_waiting,
+        num_used_tokens=bm.num_used_blocks * bm.block_size,
+        kv_cache_usage=bm.usage,
+        num_free_blocks=bm.num_free_blocks,
+        num_cached_blocks=bm.num_evictable_blocks,
+        prefix_cache_hit_rate=stats.num_prefix_cache_hit_tokens_total / queried if queried else None,
+    )
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
