@@ -13,7 +13,6 @@ or grammar compiles is checked by the engine's grammar backend at add_request.
 from __future__ import annotations
 
 import hashlib
-
 import json as _json
 import math
 from collections.abc import Sequence

@@ -253,7 +253,10 @@ def test_scaled_rope_families() -> None:
     [
         (with_(MISTRAL, sliding_window=0), "sliding_window"),
         (with_(PHI4_MINI, sliding_window="2047"), "sliding_window"),
-        (with_(QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), "Qwen3MoeForCausalLM"),
+        (
+            with_(QWEN3, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
+            "DeepseekV3ForCausalLM",
+        ),
         (with_(SMOLLM2, architectures=["GemmaForCausalLM"]), "GemmaForCausalLM"),  # Gemma 1: not ours
         (with_(SMOLLM2, architectures=..., model_type="gemma"), "gemma"),
         (with_(SMOLLM2, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),

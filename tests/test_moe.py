@@ -93,3 +93,107 @@ def test_a_token_reads_only_its_own_experts() -> None:
         assert unused, "the seed routes every expert; pick another"
         ours.experts.gate_up_proj[unused] = float("nan")
         assert torch.equal(ours(x), before)
+
+
+# ---------------------------------------------------------------- whole models, as a user loads them
+# Qwen3-MoE (q/k norms; a dense layer among the sparse ones via mlp_only_layers) and Mixtral, from
+# transformers' own config dict, loaded from its state dict (stacked experts, as transformers 5 holds
+# them) and from per-expert tensors (as the files on disk store them: Mixtral's w1/w2/w3 names);
+# prefill, paged decode and a prefix hit. Tolerance: test_model_numerics' ATOL on logits.
+from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
+
+from onecall.model.config import ModelConfig  # noqa: E402
+from onecall.model.decoder import DecoderLM  # noqa: E402
+from onecall.model.weights import load_weights  # noqa: E402
+from tests.helpers.make_models import hf_and_ours  # noqa: E402
+from tests.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt  # noqa: E402
+
+_TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+    max_position_embeddings=256, attn_implementation="eager",
+)  # fmt: skip
+WHOLE = {
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1])),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
+}  # fmt: skip
+
+
+def _per_expert(state: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
+    """transformers 5's stacked experts as the checkpoint files store them: one tensor per expert."""
+    names = {
+        "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+        "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    }
+    block, gate, up, down = names[arch]
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            base = name.removesuffix("mlp.experts.gate_up_proj") + f"{block}.experts"
+            for e, (g, u) in enumerate(t.chunk(2) for t in tensor):
+                out[f"{base}.{e}.{gate}.weight"], out[f"{base}.{e}.{up}.weight"] = g, u
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name.removesuffix("mlp.experts.down_proj") + f"{block}.experts"
+            for e, d in enumerate(tensor):
+                out[f"{base}.{e}.{down}.weight"] = d
+        else:
+            out[name.replace(".mlp.gate.", f".{block}.gate.")] = tensor
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(WHOLE))
+def test_whole_moe_models_match_transformers(arch: str) -> None:
+    config_cls, model_cls, extra = WHOLE[arch]
+    hf, ours = hf_and_ours(config_cls(**_TINY, **extra), model_cls, weight_scale=0.15)
+    assert ours.config.moe is not None
+    if arch == "qwen3_moe":
+        assert ours.config.moe.sparse_layers == (True, False, True)  # mlp_only_layers=[1]
+    # the same model from per-expert tensors: the same parameters
+    from_files = DecoderLM(ModelConfig.from_hf_config(hf.config.to_dict()))
+    load_weights(from_files, _per_expert(dict(hf.state_dict()), arch).items())
+    for (name, a), (_, b) in zip(ours.named_parameters(), from_files.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    harness = Harness(ours)
+    seq = Seq(prompt(19, seed=7))
+    (logits,) = harness.step([(seq, 19)])
+    assert_close(logits, hf_logits(hf, seq.tokens))
+    steps = []
+    for _ in range(4):
+        seq.tokens.append(int(logits[-1].argmax()))
+        (logits,) = harness.step([(seq, 1)])
+        steps.append(logits[-1])
+    ref = hf_logits(hf, seq.tokens)
+    for i, step_logits in enumerate(steps):
+        assert_close(step_logits, ref[19 + i])
+    other = Seq(seq.tokens[:16] + prompt(3, seed=8), num_cached=16)
+    other.block_table = seq.block_table[:4]
+    (logits,) = harness.step([(other, 3)])
+    assert_close(logits, hf_logits(hf, other.tokens)[16:])
+
+
+def test_a_missing_expert_is_named() -> None:
+    from onecall.errors import UnsupportedModelError
+
+    config_cls, model_cls, extra = WHOLE["mixtral"]
+    hf, _ = hf_and_ours(config_cls(**_TINY, **extra), model_cls, weight_scale=0.15)
+    files = _per_expert(dict(hf.state_dict()), "mixtral")
+    del files["model.layers.2.block_sparse_moe.experts.3.w2.weight"]
+    with pytest.raises(UnsupportedModelError, match="layers.2.mlp.experts.down_proj"):
+        load_weights(DecoderLM(ModelConfig.from_hf_config(hf.config.to_dict())), files.items())
+
+
+def test_the_fast_kernels_run_a_moe_model() -> None:
+    """Attention projections on oneDNN, the experts dense (model/moe.py), no one-call decode step."""
+    import copy
+
+    from onecall.model.packing import enable_fast_kernels
+
+    config_cls, model_cls, extra = WHOLE["qwen3_moe"]
+    _, ours = hf_and_ours(config_cls(**_TINY, **extra), model_cls, weight_scale=0.15)
+    fast = copy.deepcopy(ours)
+    enable_fast_kernels(fast)
+    assert fast.native_step is None and "onednn" in fast.kernels
+    (got,) = Harness(fast).step([(Seq(prompt(19, seed=9)), 19)])
+    (want,) = Harness(ours).step([(Seq(prompt(19, seed=9)), 19)])
+    assert_close(got, want)

@@ -1,4 +1,5 @@
-"""ModelConfig: the hyperparameters of a dense decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3).
+"""ModelConfig: the hyperparameters of a decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3,
+Qwen3-MoE, Mixtral).
 
 Built from a Hugging Face config.json dict by `ModelConfig.from_hf_config`,
 which refuses (UnsupportedModelError) anything our model code would run
@@ -15,6 +16,10 @@ The families differ only by flags:
 | qwen2   | always True                 | never            | no      | no             | no             | separate                  |
 | qwen3   | config `attention_bias`     | = attention_bias | yes     | no             | no             | separate                  |
 | phi3    | never                       | never            | no      | yes            | config         | fused (qkv_proj, gate_up) |
+
+Gemma 2/3 carry a GemmaSpec (model/gemma.py: four norms, gelu, caps, per-layer-type RoPE) and
+Qwen3-MoE / Mixtral a MoESpec (model/moe.py: which layers route to experts, and how), on top of
+the Llama/Qwen3 and Mistral attention they share.
 
 RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) is parsed into a
 RopeScaling; model/rope.py turns it into the cos/sin tables.
@@ -37,9 +42,12 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED = tuple(ARCHITECTURES.values())
 GEMMA = ("gemma2", "gemma3")
+MOE = ("qwen3_moe", "mixtral")
 # config.json model_type values that name one of ours differently
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
 SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types values
@@ -54,9 +62,10 @@ _REQUIRED_KEYS = (
 # transformers' defaults for the keys a config.json may leave out.
 _DEFAULT_MAX_POSITIONS = {
     "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192, "gemma3": 131072,
+    "qwen3_moe": 32768, "mixtral": 131072,
 }  # fmt: skip
 # transformers' default sliding_window where a family honours one (MistralConfig: 4096).
-_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "phi3": None}
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
@@ -119,6 +128,29 @@ class GemmaSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """Mixture-of-experts MLPs (model/moe.py): which layers have them, and their router."""
+
+    num_experts: int
+    num_experts_per_tok: int  # top k
+    moe_intermediate_size: int  # each expert's gate/up rows
+    norm_topk_prob: bool  # renormalise the top k weights to sum to 1 (Mixtral always; Qwen3-MoE per config)
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP of intermediate_size
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sparse_layers, list):  # from to_dict()
+            object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the {self.num_experts} experts"
+            )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of one decoder-only model; validated when built."""
 
@@ -142,6 +174,7 @@ class ModelConfig:
     # or one that covers the whole context)
     sliding_window: int | None = None
     gemma: GemmaSpec | None = None  # gemma2, gemma3: their own layer (model/gemma.py)
+    moe: MoESpec | None = None  # qwen3_moe, mixtral: mixture-of-experts MLPs (model/moe.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from to_dict(): asdict flattens the nested dataclass
@@ -149,6 +182,16 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", RopeScaling(**fields))
         if isinstance(self.gemma, dict):
             object.__setattr__(self, "gemma", GemmaSpec(**self.gemma))
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoESpec(**self.moe))
+        if (self.moe is not None) != (self.architecture in MOE):
+            raise UnsupportedModelError(
+                f"{self.architecture}: a MoESpec is for (and required by) {', '.join(MOE)}"
+            )
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_hidden_layers:
+            raise UnsupportedModelError(
+                f"the MoE layer list has {len(self.moe.sparse_layers)} entries for {self.num_hidden_layers} layers"
+            )
         if (self.gemma is not None) != (self.architecture in GEMMA):
             raise UnsupportedModelError(
                 f"{self.architecture}: a GemmaSpec is for (and required by) {', '.join(GEMMA)}"
@@ -209,10 +252,16 @@ class ModelConfig:
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * (q + 2 * kv) + q * h
         attn += (q + 2 * kv) * self.attention_bias + h * self.o_proj_bias + 2 * d * self.qk_norm
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + (4 if self.gemma else 2) * h
+        dense_mlp = 3 * h * self.intermediate_size
+        per_layer = attn + (4 if self.gemma else 2) * h
+        total = self.num_hidden_layers * per_layer
+        for sparse in self.moe.sparse_layers if self.moe else (False,) * self.num_hidden_layers:
+            moe = self.moe
+            total += (
+                moe.num_experts * (3 * h * moe.moe_intermediate_size + h) if moe and sparse else dense_mlp
+            )
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + embed + h
+        return total + embed + h
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -235,7 +284,7 @@ class ModelConfig:
         head_dim = d.get("head_dim")
         if head_dim is None:
             # transformers' Qwen3Config defaults head_dim to 128, Gemma's to 256; the others derive it.
-            head_dim = {"qwen3": 128, "gemma2": 256, "gemma3": 256}.get(arch) or _int_div(
+            head_dim = {"qwen3": 128, "gemma2": 256, "gemma3": 256, "qwen3_moe": 128}.get(arch) or _int_div(
                 d["hidden_size"], num_heads
             )
         num_kv_heads = d.get("num_key_value_heads")
@@ -258,12 +307,42 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA)),
             attention_bias=_attention_bias(d, arch),
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
             rope_scaling=_rope_scaling(d, arch, max_positions, rotary_dim),
             partial_rotary_factor=partial_rotary_factor,
             sliding_window=sliding_window,
             gemma=_gemma_spec(d, arch) if arch in GEMMA else None,
+            moe=_moe_spec(d, arch) if arch in MOE else None,
         )
+
+
+def _moe_spec(d: dict[str, Any], arch: str) -> MoESpec:
+    """transformers' Qwen3MoeConfig / MixtralConfig: Qwen3-MoE's layer i is sparse unless it is in
+    mlp_only_layers or (i + 1) % decoder_sparse_step != 0; Mixtral's are all sparse, its experts as
+    wide as intermediate_size, their top-2 always renormalised."""
+    n = d["num_hidden_layers"]
+    if arch == "mixtral":
+        return MoESpec(
+            num_experts=d.get("num_local_experts", 8),
+            num_experts_per_tok=d.get("num_experts_per_tok", 2),
+            moe_intermediate_size=d["intermediate_size"],
+            norm_topk_prob=True,
+            sparse_layers=(True,) * n,
+        )
+    # config.json says num_experts; transformers' to_dict writes num_local_experts (its attribute_map)
+    num_experts = d.get("num_experts", d.get("num_local_experts", 128))
+    step = d.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise UnsupportedModelError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+    only_mlp = set(d.get("mlp_only_layers") or ())
+    sparse = tuple(i not in only_mlp and num_experts > 0 and (i + 1) % step == 0 for i in range(n))
+    return MoESpec(
+        num_experts=num_experts,
+        num_experts_per_tok=d.get("num_experts_per_tok", 8),
+        moe_intermediate_size=d.get("moe_intermediate_size", 768),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+    )
 
 
 def _gemma3_rope_as_one(d: dict[str, Any]) -> dict[str, Any]:
@@ -350,7 +429,7 @@ def _architecture(d: dict[str, Any]) -> str:
 def _attention_bias(d: dict[str, Any], arch: str) -> bool:
     if arch == "qwen2":
         return True
-    if arch in ("mistral", "phi3"):  # their modules have no bias, whatever the config says
+    if arch in ("mistral", "phi3", "mixtral"):  # their modules have no bias, whatever the config says
         return False
     return bool(d.get("attention_bias", False))
 
@@ -366,7 +445,7 @@ def _check_unsupported_features(d: dict[str, Any], arch: str) -> None:
         raise UnsupportedModelError("use_bidirectional_attention true (an embedding model) is not supported")
     if d.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias true is not supported; only bias-free MLPs are")
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         if d.get("use_sliding_window"):
             raise UnsupportedModelError(
                 f"use_sliding_window true (sliding_window {d.get('sliding_window')!r}) is not supported; "

@@ -26,6 +26,7 @@ from onecall.model.fast_linear import FastLMHead, fast_kernels_supported
 from onecall.model.gemma import GemmaDecoderModel, GemmaRotary, soft_cap
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
+from onecall.model.moe import SparseMoE
 from onecall.model.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -41,12 +42,27 @@ PROJECTION_PARTS = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, layer_idx: int = 0
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = Attention(config, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        moe = config.moe
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(
+                config.hidden_size,
+                moe.moe_intermediate_size,
+                moe.num_experts,
+                moe.num_experts_per_tok,
+                moe.norm_topk_prob,
+                dtype,
+                device,
+            )  # fmt: skip
+            if moe is not None and moe.sparse_layers[layer_idx]
+            else MLP(config, dtype, device)
+        )
 
     def forward(
         self,
@@ -77,7 +93,7 @@ class DecoderModel(nn.Module):
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, dtype, device, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -193,7 +209,10 @@ class DecoderLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             for ours in PROJECTION_PARTS:
                 owner_name, attr = ours.split(".")
-                yield i, ours, getattr(layer, owner_name), attr
+                owner = getattr(layer, owner_name)
+                if isinstance(owner, SparseMoE):
+                    continue  # a MoE layer's experts stay dense (model/moe.py), its router too
+                yield i, ours, owner, attr
 
     def part_rows(self) -> dict[str, tuple[int, int]]:
         """Rows of a fused projection that each of its checkpoint parts fills."""

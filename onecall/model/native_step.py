@@ -32,6 +32,7 @@ from onecall.model.decoder import DecoderLayer, DecoderModel
 from onecall.model.fast_linear import FastLinear, num_decode_rows
 from onecall.model.gemma import GemmaDecoderModel
 from onecall.model.kv_cache import PagedKVCache
+from onecall.model.layers import MLP
 from onecall.model.quants import Int8Groups
 
 
@@ -96,7 +97,7 @@ class NativeDecodeStep:
         self._scale = attn.scale
         self._num_heads, self._num_kv_heads, self._head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self._hidden = first.input_layernorm.weight.shape[0]
-        self._intermediate = first.mlp.down_proj.in_features
+        self._intermediate = cast(MLP, first.mlp).down_proj.in_features
 
     @classmethod
     def build(cls, model: DecoderModel | GemmaDecoderModel) -> NativeDecodeStep | None:
@@ -104,15 +105,15 @@ class NativeDecodeStep:
         its layers exactly as the per-op path does (see the module docstring)."""
         lib = native.load()
         if not isinstance(model, DecoderModel) or any(
-            type(layer) is not DecoderLayer for layer in model.layers
+            type(layer) is not DecoderLayer or type(layer.mlp) is not MLP for layer in model.layers
         ):
-            return None  # another layer's structure (Gemma's four norms, gelu, per-layer RoPE)
+            return None  # another layer's structure (Gemma's four norms, gelu, per-layer RoPE; MoE MLPs)
         layers = [cast(DecoderLayer, layer) for layer in model.layers]
         if lib is None or not layers:
             return None
         structs = []
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, cast(MLP, layer.mlp)  # checked above: every MLP is dense
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if attn.native is None or mlp.native is None or any(n.native is None for n in norms):
                 return None

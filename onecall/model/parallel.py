@@ -72,6 +72,10 @@ class TensorParallel:
     def check_divides(self, config: ModelConfig) -> None:
         """Refuse (UnsupportedModelError, naming what) a model this group cannot split evenly."""
         n = self.world_size
+        if config.moe is not None:
+            raise UnsupportedModelError(
+                f"tensor parallel for mixture-of-experts models ({config.architecture}) is not supported yet"
+            )
         bad = [
             f"{name} ({value})"
             for name, value in (

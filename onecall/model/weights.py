@@ -30,7 +30,7 @@ from onecall.model.rope import partial_rotary_permutation
 
 
 def weight_table(model: DecoderLM) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Hugging Face name -> (our parameter, first row, end row) it fills."""
+    """Hugging Face name -> (our parameter, or a view of it, first row, end row) it fills."""
     rows = model.part_rows()
     fused = {ours: theirs for ours, theirs in PROJECTION_PARTS.items() if len(theirs) > 1}
     table: dict[str, tuple[torch.Tensor, int, int]] = {}
@@ -41,7 +41,59 @@ def weight_table(model: DecoderLM) -> dict[str, tuple[torch.Tensor, int, int]]:
             continue
         for hf_part in fused[ours]:
             table[name.replace(ours, hf_part)] = (param, *rows[hf_part])
+    table.update(_per_expert_entries(model))
     return table
+
+
+# A MoE layer's experts are stacked (E, 2I, H) / (E, H, I) as transformers 5 holds them in memory
+# (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); files on disk keep one tensor per expert.
+# Either fills them: a stacked tensor whole, or expert e's gate / up / down into its slice.
+
+
+def _per_expert_entries(model: DecoderLM) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """Per-expert checkpoint names -> their slices of the stacked expert parameters."""
+    entries: dict[str, tuple[torch.Tensor, int, int]] = {}
+    for stacked, parts in _expert_alternatives(model).items():
+        param = model.get_parameter(stacked)
+        for name, (e, start, end) in parts.items():
+            entries[name] = (param[e], start, end)
+    return entries
+
+
+def _expert_alternatives(model: DecoderLM) -> dict[str, dict[str, tuple[int, int, int]]]:
+    """Stacked expert parameter name -> {per-expert checkpoint name: (expert, first row, end row)}:
+    loading every one of those fills the stacked parameter as well as its own name would."""
+    moe = model.config.moe
+    if moe is None:
+        return {}
+    inter = moe.moe_intermediate_size
+    out: dict[str, dict[str, tuple[int, int, int]]] = {}
+    for name, param in model.named_parameters():
+        base, _, leaf = name.rpartition(".")
+        if not base.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj"):
+            continue
+        parts: dict[str, tuple[int, int, int]] = {}
+        for e in range(moe.num_experts):
+            if leaf == "gate_up_proj":
+                parts[f"{base}.{e}.gate_proj.weight"] = (e, 0, inter)
+                parts[f"{base}.{e}.up_proj.weight"] = (e, inter, 2 * inter)
+            else:
+                parts[f"{base}.{e}.down_proj.weight"] = (e, 0, param.shape[1])
+        out[name] = parts
+    return out
+
+
+# Mixtral's checkpoint names -> ours (Qwen3-MoE's already are)
+_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
+                  (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))  # fmt: skip
+
+
+def _moe_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if ".block_sparse_moe." in name:
+            for theirs, ours in _MIXTRAL_NAMES:
+                name = name.replace(theirs, ours)
+        yield name, tensor
 
 
 @torch.no_grad()
@@ -59,6 +111,8 @@ def load_weights(
     """
     table = weight_table(model)
     weights = split_fused_weights(weights, model.config)
+    if model.config.moe is not None:
+        weights = _moe_names(weights)
     if model.config.rotary_dim != model.config.head_dim:
         weights = _partial_rotary_layout(weights, model.config, stored_weights)
     tied = model.lm_head is None
@@ -87,7 +141,16 @@ def load_weights(
             if packer is None or not packer.accept(name, tensor.float()):
                 param[start:end].copy_(tensor)
             loaded.add(name)
-        missing = [name for name in table if name not in loaded]
+        # a stacked expert parameter counts as loaded when all its per-expert parts were
+        alternatives = _expert_alternatives(model)
+        per_expert = {n for parts in alternatives.values() for n in parts}
+        missing = [
+            name
+            for name in table
+            if name not in loaded
+            and name not in per_expert
+            and not (name in alternatives and all(n in loaded for n in alternatives[name]))
+        ]
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise UnsupportedModelError(f"checkpoint is missing tensors: {shown}")
