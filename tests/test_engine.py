@@ -266,3 +266,21 @@ def test_uninitialised_kv_memory_is_never_read(reference: dict[str, list[int]]) 
         t[:, 0].zero_()
     outs = run_all(engine, prompts_mixed(), GREEDY)
     assert {rid: o.token_ids for rid, o in outs.items()} == reference
+
+
+@pytest.mark.slow
+def test_max_model_len_builds_the_model_for_that_length() -> None:
+    """--max-model-len 512 on the embedded model (window 8,192): RoPE tables of 512 rows, the model's
+    own config unchanged for everything else, and a call that runs."""
+    from onecall.config import EngineConfig
+    from onecall.engine.engine import Engine
+    from onecall.engine.engine_parts import load_engine_parts
+    from onecall.model.layers import RotaryEmbedding
+
+    parts = load_engine_parts(EngineConfig(max_model_len=512, kv_cache_gib=0.05))
+    assert parts.max_model_len == 512 and parts.model_config.max_position_embeddings == 8192
+    rotary = parts.model.rotary
+    assert isinstance(rotary, RotaryEmbedding) and rotary.cos.shape[0] == 512
+    engine = Engine(EngineConfig(max_model_len=512, kv_cache_gib=0.05), parts=parts)
+    out = run_all(engine, {"r": "Hello"}, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))["r"]
+    assert len(out.token_ids) == 4

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -103,7 +104,13 @@ def _load_model(
 ) -> DecoderLM:
     """4. Build the module tree and stream the weights in. The fast kernels pack each projection as
     it arrives, keeping a GGUF's own 4-bit groups (decoded once on the way in) and its Q8_0 logits
-    weight as int8; no dense copy of the projections is ever kept."""
+    weight as int8; no dense copy of the projections is ever kept.
+
+    With --max-model-len below the model's context window, the model is built for that length: its
+    RoPE tables stop there (Gemma 3's two tables at 131,072 positions are 268 MB) and a longrope model
+    (Phi-3) picks its short factors when that length is within its original context, as vLLM does."""
+    if config.max_model_len is not None and config.max_model_len < model_config.max_position_embeddings:
+        model_config = dataclasses.replace(model_config, max_position_embeddings=config.max_model_len)
     model = DecoderLM(model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast")
     stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
     load_weights(model, iter_weights(files, dtype, stored), stored)
