@@ -284,3 +284,39 @@ def test_max_model_len_builds_the_model_for_that_length() -> None:
     engine = Engine(EngineConfig(max_model_len=512, kv_cache_gib=0.05), parts=parts)
     out = run_all(engine, {"r": "Hello"}, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))["r"]
     assert len(out.token_ids) == 4
+
+
+def test_only_the_trace_writes_its_fields() -> None:
+    """One owner for the trace's stamps: outside engine/trace.py, no code assigns a field of a
+    request's trace (`trace.x = ...`, `seq.trace.x += ...`); it calls the trace's record_* methods."""
+    import ast
+    from pathlib import Path
+
+    import onecall
+
+    root = Path(onecall.__file__).parent
+    offenders = []
+    # the grammar constraint's `self.trace` is its own GrammarTrace, which it owns and keeps current
+    owners = {root / "engine" / "trace.py", root / "sampling" / "grammar_constraint.py"}
+    for path in sorted(root.rglob("*.py")):
+        if path in owners:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AugAssign)
+                else []
+            )
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    owner = t.value if isinstance(t, ast.Attribute) else None
+                    if (
+                        isinstance(owner, ast.Attribute)
+                        and owner.attr == "trace"
+                        or isinstance(owner, ast.Name)
+                        and owner.id == "trace"
+                    ):
+                        offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offenders, offenders

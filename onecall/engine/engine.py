@@ -214,12 +214,10 @@ class Engine:
         self._check_length(len(ids), params.max_tokens)
         if constraint is None and params.structured_outputs is not None:
             grammar = self.grammar.new_constraint(params.structured_outputs)
-            trace.grammar, constraint = grammar.trace, grammar
-        trace.sampling = params.trace_dict()
-        trace.device, trace.dtype, trace.model = (
-            str(self.device),
-            str(self.parts.dtype),
-            self.parts.model_name,
+            trace.record_grammar(grammar.trace)
+            constraint = grammar
+        trace.record_request(
+            params.trace_dict(), str(self.device), str(self.parts.dtype), self.parts.model_name
         )
         gen = None
         if params.seed is not None:
@@ -236,7 +234,9 @@ class Engine:
         )
         seq.text_state = TextState(
             # the prompt's last ids as context: a SentencePiece output's first token keeps its space
-            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens, context=ids),
+            IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, context=ids
+            ),
             StopStringMatcher(params.stop) if params.stop else None,
         )
         self._seqs[request_id] = seq
@@ -268,11 +268,9 @@ class Engine:
         ids = self.prompt_token_ids(prompt)
         special = self.tokenizer.special_ids
         if isinstance(prompt, RenderedPrompt):
-            trace.prompt_text, trace.prompt_is_control = prompt.text, list(prompt.is_control)
+            trace.record_prompt(ids, prompt.text, list(prompt.is_control))
         else:
-            trace.prompt_text = prompt if isinstance(prompt, str) else None
-            trace.prompt_is_control = [i in special for i in ids]
-        trace.prompt_token_ids = ids
+            trace.record_prompt(ids, prompt if isinstance(prompt, str) else None, [i in special for i in ids])
         return ids
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -289,8 +287,7 @@ class Engine:
         if seq is None:
             return None
         self.scheduler.finish(seq, FinishReason.ABORT)
-        seq.trace.finish_reason = FinishReason.ABORT.value
-        seq.trace.finish_time = time.perf_counter()
+        seq.trace.record_finish(FinishReason.ABORT.value, time.perf_counter())
         return self._output(seq, "", [])
 
     def reset_prefix_cache(self) -> None:
@@ -377,8 +374,7 @@ class Engine:
             seq = item.seq
             self._seqs.pop(seq.request_id, None)
             self.scheduler.finish(seq, FinishReason.ERROR)  # frees without committing; no-op if retired
-            seq.trace.finish_reason = FinishReason.ERROR.value
-            seq.trace.finish_time = now
+            seq.trace.record_finish(FinishReason.ERROR.value, now)
             outputs.append(self._output(seq, "", [], EngineStepError(error.stage, error.cause)))
         return outputs
 
@@ -405,8 +401,7 @@ class Engine:
     def _note_first_schedule(self, sched: SchedulerOutput, now: float) -> None:
         for item in sched.scheduled:
             seq = item.seq
-            if seq.trace.first_scheduled_time is None:
-                seq.trace.first_scheduled_time = now
+            if seq.trace.record_scheduled(now):
                 self.stats.num_prompt_tokens_total += seq.num_prompt_tokens
                 self.stats.num_prefix_cache_query_tokens_total += seq.num_prompt_tokens
                 self.stats.num_prefix_cache_hit_tokens_total += seq.num_cached_tokens
@@ -443,7 +438,7 @@ class Engine:
             record = StepRecord(
                 self._step_counter, kind, item.num_new_tokens, batch_size, num_batched, duration
             )
-            seq.trace.steps.append(record)
+            seq.trace.record_step(record)
             if index in prompt_logprobs:
                 chunk = prompt_logprobs[index]
                 assert chunk.first_token == len(seq.prompt_logprobs), "prompt logprobs out of order"
@@ -455,15 +450,14 @@ class Engine:
             if id(seq) not in row:
                 continue
             if seq.num_output_tokens == 0 and seq.trace.prefill_done_time is None:
-                seq.trace.prefill_done_time = now
+                seq.trace.record_prefill_done(now)
                 self.scheduler.commit_prompt(seq)
             assert result is not None, "a sampling row always has a sample result"
             delta_text, finish = postprocess_token(
                 seq, result, row[id(seq)], record, self.tokenizer.eos_token_ids
             )
             self.stats.num_generation_tokens_total += 1
-            if seq.trace.first_token_time is None:
-                seq.trace.first_token_time = now
+            seq.trace.record_token(now)
             if finish is not None:
                 self._retire(seq, finish, now)
             outputs.append(self._output(seq, delta_text, [seq.token_ids[-1]]))
@@ -471,15 +465,14 @@ class Engine:
 
     def _score_only_done(self, seq: Sequence, now: float) -> RequestOutput:
         """A max_tokens 0 request whose prompt is computed: it ends here, with no token sampled."""
-        seq.trace.prefill_done_time = now
+        seq.trace.record_prefill_done(now)
         self.scheduler.commit_prompt(seq)
         self._retire(seq, FinishReason.LENGTH, now)
         return self._output(seq, "", [])
 
     def _retire(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         self.scheduler.finish(seq, reason)
-        seq.trace.finish_reason = reason.value
-        seq.trace.finish_time = now
+        seq.trace.record_finish(reason.value, now)
         self._seqs.pop(seq.request_id, None)
 
     def _output(

@@ -55,7 +55,8 @@ def postprocess_token(
     params = seq.params
     finish: FinishReason | None = None
     if token in params.stop_token_ids or token in eos_ids and not params.ignore_eos:
-        finish, seq.trace.stop_reason = FinishReason.STOP, token
+        finish = FinishReason.STOP
+        seq.trace.record_stop(token)
     try:
         return _text_and_limits(seq, token, finish, grammar_done)
     except Exception as e:
@@ -76,7 +77,8 @@ def _text_and_limits(
         if ts.stop_matcher is not None:
             delta, matched = ts.stop_matcher.feed(delta)
             if matched is not None:
-                finish, seq.trace.stop_reason = FinishReason.STOP, matched
+                finish = FinishReason.STOP
+                seq.trace.record_stop(matched)
     # 4.-5. grammar completion and length limits
     if finish is None and grammar_done:
         finish = FinishReason.STOP

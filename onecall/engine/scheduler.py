@@ -140,16 +140,14 @@ class Scheduler:
         self.waiting.popleft()
         seq.is_admitted = True
         seq.num_computed_tokens = match.num_cached_tokens
-        if seq.trace.first_scheduled_time is None:  # first admission: the prefix-cache figures
-            seq.num_cached_tokens = match.num_cached_tokens
-            seq.trace.num_cached_tokens = match.num_cached_tokens
-            d = match.divergence
-            seq.trace.divergence = (
-                None
-                if d is None
-                else {"index": d.index, "prompt_token": d.prompt_token, "cached_token": d.cached_token}
-            )
-            seq.trace.cache_match_capped = match.is_capped
+        d = match.divergence
+        divergence = (
+            None
+            if d is None
+            else {"index": d.index, "prompt_token": d.prompt_token, "cached_token": d.cached_token}
+        )
+        if seq.trace.record_admission(match.num_cached_tokens, divergence, match.is_capped):
+            seq.num_cached_tokens = match.num_cached_tokens  # the first admission's match is the request's
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, n))
@@ -161,5 +159,5 @@ class Scheduler:
         self._release(seq, keep_in_cache=True)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.trace.num_preemptions += 1
+        seq.trace.record_preemption()
         self.waiting.appendleft(seq)

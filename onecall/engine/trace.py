@@ -1,7 +1,8 @@
 """The per-request trace: what happened to one call, stage by stage.
 
-A RequestTrace is filled in by the engine as the request moves through
-render -> queue -> prefill (possibly in chunks) -> decode steps -> finish.
+A RequestTrace is filled in as the request moves through render -> queue -> prefill (possibly in
+chunks) -> decode steps -> finish, only through its record_* methods (the engine, the scheduler
+and postprocess call them; none of them assigns a field), so what a stamp means is decided here.
 Times are `time.perf_counter()` seconds; derived figures (queue time, TTFT,
 tokens/s) are properties so they can never disagree with the raw stamps.
 `to_dict()` is the machine-readable form (CLI --json, the server's "trace").
@@ -60,6 +61,56 @@ class RequestTrace:
     device: str = ""
     dtype: str = ""
     model: str = ""
+
+    # ---- recording: the only writers of the fields above ----------------------------------------
+    # The engine, the scheduler and postprocess say what happened; these methods decide what that
+    # means for the record (first admission only, the first token only, ...).
+    def record_request(self, sampling: dict[str, Any], device: str, dtype: str, model: str) -> None:
+        self.sampling, self.device, self.dtype, self.model = sampling, device, dtype, model
+
+    def record_grammar(self, grammar: GrammarTrace) -> None:
+        """The request's grammar (its own GrammarTrace, which the constraint keeps up to date)."""
+        self.grammar = grammar
+
+    def record_prompt(self, ids: list[int], text: str | None, is_control: list[bool]) -> None:
+        self.prompt_token_ids, self.prompt_text, self.prompt_is_control = ids, text, is_control
+
+    def record_admission(self, num_cached: int, divergence: dict[str, int] | None, capped: bool) -> bool:
+        """The scheduler admitted the request with this prefix-cache match. Only the first admission
+        is the request's cache figure (a preempted request rejoins later on its own blocks); returns
+        whether this was it."""
+        if self.first_scheduled_time is not None:
+            return False
+        self.num_cached_tokens, self.divergence, self.cache_match_capped = num_cached, divergence, capped
+        return True
+
+    def record_scheduled(self, now: float) -> bool:
+        """The request is in a step for the first time (True) or again (False)."""
+        if self.first_scheduled_time is not None:
+            return False
+        self.first_scheduled_time = now
+        return True
+
+    def record_preemption(self) -> None:
+        self.num_preemptions += 1
+
+    def record_step(self, record: StepRecord) -> None:
+        self.steps.append(record)
+
+    def record_prefill_done(self, now: float) -> None:
+        if self.prefill_done_time is None:
+            self.prefill_done_time = now
+
+    def record_token(self, now: float) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def record_stop(self, reason: str | int) -> None:
+        """The stop string or stop token id that ended the request."""
+        self.stop_reason = reason
+
+    def record_finish(self, reason: str, now: float) -> None:
+        self.finish_reason, self.finish_time = reason, now
 
     # ---- derived -----------------------------------------------------------------------------
     @property
