@@ -66,8 +66,8 @@ def test_load_counts_a_running_request_then_returns_to_zero() -> None:
         params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
         stream = await ae.add_request("r1", "Hello there, how are you?", params)
         await stream.__anext__()  # its first token: it runs now, 399 steps to go
-        (load,) = (await client.get("/get_load")).json()
-        assert load["dp_rank"] == 0 and load["num_reqs"] == 1 and load["num_waiting_reqs"] == 0
+        load = (await client.get("/get_load")).json()
+        assert load["load"] == 1 and load["num_running_reqs"] == 1 and load["num_waiting_reqs"] == 0
         assert load["num_tokens"] > 0 and load["num_tokens"] % 4 == 0  # whole blocks
         (state,) = (await client.get("/server_info")).json()["internal_states"]
         assert state["num_running_reqs"] == 1 and 0 < state["kv_cache_usage"] <= 1
@@ -75,11 +75,11 @@ def test_load_counts_a_running_request_then_returns_to_zero() -> None:
             if out.finished:
                 break
         for _ in range(100):  # the engine thread publishes the finish before it frees the blocks
-            (load,) = (await client.get("/get_load")).json()
-            if load["num_reqs"] == 0 and load["num_tokens"] == 0:
+            load = (await client.get("/get_load")).json()
+            if load["load"] == 0 and load["num_tokens"] == 0:
                 break
             await asyncio.sleep(0.01)
-        assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        assert load == {"load": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         (state,) = (await client.get("/server_info")).json()["internal_states"]
         assert state["num_cached_blocks"] > 0  # the finished prompt stayed in the prefix cache
         assert state["prefix_cache_hit_rate"] == 0.0

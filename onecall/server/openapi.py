@@ -33,7 +33,7 @@ from onecall.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from onecall.server.protocol_info import LoadEntry, ModelInfoResponse, ServerInfoResponse
+from onecall.server.protocol_info import LoadResponse, ModelInfoResponse, ServerInfoResponse
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,6 @@ class RouteDoc:
     summary: str
     request: type[BaseModel] | None = None
     response: type[BaseModel] | None = None
-    response_is_list: bool = False  # the body is a JSON array of `response`
     media_type: str = "application/json"
     needs_key: bool = True
 
@@ -70,9 +69,7 @@ ROUTES: dict[str, RouteDoc] = {
     "/get_model_info": RouteDoc("get", "Alias of /model_info", response=ModelInfoResponse),
     "/server_info": RouteDoc("get", "Settings and live engine state", response=ServerInfoResponse),
     "/get_server_info": RouteDoc("get", "Alias of /server_info", response=ServerInfoResponse),
-    "/get_load": RouteDoc(
-        "get", "Running + waiting requests per rank", response=LoadEntry, response_is_list=True
-    ),
+    "/get_load": RouteDoc("get", "Requests in flight and KV tokens held", response=LoadResponse),
     "/health": RouteDoc(
         "get", "200 when the engine runs; 503 loading or dead", response=HealthResponse, needs_key=False
     ),
@@ -129,8 +126,7 @@ def openapi_schema() -> dict[str, Any]:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
         schema: dict[str, Any] = {"type": "object" if doc.media_type == "application/json" else "string"}
         if doc.response is not None:
-            ref = refs[(doc.response, "validation")]
-            schema = {"type": "array", "items": ref} if doc.response_is_list else ref
+            schema = refs[(doc.response, "validation")]
         op["responses"]["200"] = {"description": "OK", "content": {doc.media_type: {"schema": schema}}}
         op["responses"]["default"] = {
             "description": "An OpenAI-shaped error",

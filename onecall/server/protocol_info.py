@@ -2,11 +2,11 @@
 
     GET /model_info, /get_model_info     ModelInfoResponse   what SGLang's get_model_info answers
     GET /server_info, /get_server_info   ServerInfoResponse  the server's settings and live engine state
-    GET /get_load                        list[LoadEntry]     one entry per data-parallel rank (onecall: one)
+    GET /get_load                        LoadResponse        requests in flight (vllm-router reads `load`)
 
 The names follow SGLang's native API (sgl-router's worker discovery reads `model_path`,
-`served_model_name`, `max_context_length`, `tokenizer_path`, `is_generation`), so an SGLang router
-registers onecall replicas without a translation layer; fields SGLang has no name for are
+`served_model_name`, `max_context_length`, `tokenizer_path`, `is_generation`; vllm-router, a fork
+of it, the same), so either router registers onecall replicas without a translation layer; fields SGLang has no name for are
 onecall's own and say so in their descriptions. Every value comes from the running engine at the
 moment of the request: nothing here is configured twice.
 """
@@ -75,10 +75,15 @@ class ServerInfoResponse(_InfoModel):
     internal_states: list[InternalState]
 
 
-class LoadEntry(ResponseModel):
-    """SGLang's /get_load shape: the router's load monitor reads `num_reqs`/`num_tokens` per rank."""
+class LoadResponse(ResponseModel):
+    """vllm-router's /get_load shape: it reads `load`; the rest is for people and other tools.
 
-    dp_rank: int = 0
-    num_reqs: int = Field(description="Running plus waiting requests.")
+    SGLang's router reads a different shape (a list of {dp_rank, num_tokens}) and shows -1 for
+    this one; it routes cache_aware all the same (its own in-flight counts), but power_of_two
+    needs the load it cannot parse.
+    """
+
+    load: int = Field(description="Requests in flight: running plus waiting.")
+    num_running_reqs: int
     num_waiting_reqs: int
     num_tokens: int = Field(description="KV slots held by live sequences.")

@@ -4,8 +4,9 @@
     GET /server_info, /get_server_info   settings plus the engine's live state
     GET /get_load                        running + waiting requests and KV tokens held
 
-Cache-aware routers (sgl-router's `cache_aware` policy) register a worker by its model info and
-balance on its load; these answer with SGLang's field names from the live engine.
+Cache-aware routers (vllm-router and sgl-router, `--policy cache_aware`) register a worker by
+its model and server info and poll its load; these answer with SGLang's field names (load: the
+shape vllm-router reads) from the live engine.
 
 Reads happen on the event loop while the engine thread steps. Each value is one int read (atomic
 under the GIL); a response may mix values from two adjacent steps (running from one, waiting from
@@ -16,19 +17,17 @@ from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel
 
 from onecall import __version__
 from onecall.engine.engine import Engine
 from onecall.server.protocol_info import (
     InternalState,
-    LoadEntry,
+    LoadResponse,
     ModelInfoResponse,
     ServerInfoResponse,
 )
 from onecall.server.state import ServerState
-
-_LOADS = TypeAdapter(list[LoadEntry])
 
 
 async def get_model_info(state: ServerState, request: Request, request_id: str) -> Response:
@@ -40,7 +39,7 @@ async def get_server_info(state: ServerState, request: Request, request_id: str)
 
 
 async def get_load(state: ServerState, request: Request, request_id: str) -> Response:
-    return Response(_LOADS.dump_json(load(state)), media_type="application/json")
+    return _json(load(state))
 
 
 def model_info(state: ServerState) -> ModelInfoResponse:
@@ -84,16 +83,15 @@ def server_info(state: ServerState) -> ServerInfoResponse:
     )
 
 
-def load(state: ServerState) -> list[LoadEntry]:
+def load(state: ServerState) -> LoadResponse:
     engine = state.ready_engine().engine
     running, waiting = engine.num_running, engine.num_waiting
-    return [
-        LoadEntry(
-            num_reqs=running + waiting,
-            num_waiting_reqs=waiting,
-            num_tokens=engine.block_manager.num_used_blocks * engine.block_manager.block_size,
-        )
-    ]
+    return LoadResponse(
+        load=running + waiting,
+        num_running_reqs=running,
+        num_waiting_reqs=waiting,
+        num_tokens=engine.block_manager.num_used_blocks * engine.block_manager.block_size,
+    )
 
 
 def _internal_state(engine: Engine) -> InternalState:
