@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         print(f"{r['policy']:<14}{r['hit_rate']!s:>28}{r['requests_per_replica']!s:>24}{r['seconds']:>9}")
     config = {
-        k: getattr(args, k) for k in ("replicas", "conversations", "turns", "max_tokens", "num_threads")
+        k: getattr(args, k)
+        for k in ("router", "replicas", "conversations", "turns", "max_tokens", "num_threads")
     }
     print(json.dumps({"config": config, "model": args.model or "embedded", "results": results}))
 
