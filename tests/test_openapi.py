@@ -4,7 +4,8 @@ The document is checked structurally as OpenAPI 3.1: its version and info, every
 serves under paths, every $ref resolving to a schema under components, the POST routes' request
 bodies pointing at the real protocol models (messages, prompt, tokens, the `trace` extension
 described and marked), responses referencing their models. /docs is HTML that loads
-/openapi.json and nothing from another origin. Both are open even with --api-key.
+/openapi.json and nothing from another origin; in Chromium (marked server and browser) it lists
+every route. Both are open even with --api-key.
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from fastapi.routing import APIRoute
 
 from onecall.server.app import ServerConfig, create_app
 from onecall.server.async_engine import AsyncEngine
 from onecall.server.openapi import EXTENSIONS, ROUTES
 from onecall.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tests.helpers.server_process import ServerProcess
 from tests.helpers.tiny_engine import tiny_engine
 
 KEY = "sk-openapi"
@@ -96,3 +100,38 @@ def test_docs_is_a_self_contained_page_over_openapi_json() -> None:
     assert 'fetch("/openapi.json")' in html
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)  # nothing from another origin
     assert "default-src 'none'" in r.headers["content-security-policy"]
+
+
+@pytest.mark.server
+@pytest.mark.browser
+def test_docs_renders_every_route_in_chromium() -> None:
+    """The page's script runs under its CSP, fetches the document and lists the routes, offline."""
+    chromium = Path("/usr/bin/chromium")
+    if not chromium.exists():
+        pytest.fail(f"{chromium} is missing: run `make test`, which installs Debian's chromium")
+    from playwright.sync_api import expect, sync_playwright
+
+    proc = ServerProcess("--api-key", KEY, "--max-model-len", "256").start()
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(
+                executable_path=str(chromium), headless=True, args=["--no-sandbox", "--disable-gpu"]
+            )
+            try:
+                page = browser.new_page()
+                errors: list[str] = []
+                urls: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.on("request", lambda req: urls.append(req.url))
+                page.goto(proc.url("/docs"))
+                expect(page.locator("h2").first).to_be_visible(timeout=20_000)
+                text = page.locator("#out").inner_text()
+                for path, doc in ROUTES.items():
+                    assert f"{doc.method.upper()} {path}" in text
+                assert page.locator("td.ext code", has_text="trace").count() >= 2  # chat and completions
+                assert not errors
+                assert all(u.startswith(proc.url("")) for u in urls), urls  # nothing from elsewhere
+            finally:
+                browser.close()
+    finally:
+        assert proc.stop() == 0
