@@ -63,7 +63,7 @@ def completion_req(**kw: Any) -> CompletionRequest:
 
 def test_protocol_and_params_import_neither_torch_nor_fastapi_nor_the_engine() -> None:
     code = (
-        "import sys, onecall.server.protocol, onecall.server.params; "
+        "import sys, onecall.server.protocol, onecall.server.protocol_info, onecall.server.params; "
         "print([m for m in ('torch', 'fastapi', 'starlette', 'onecall.engine') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
