@@ -1,0 +1,393 @@
+"""A Hugging Face config.json dict -> ModelConfig: each family's keys, transformers' defaults where a
+file leaves keys out, and a refusal (UnsupportedModelError, naming the key) for anything our model
+code would run wrong. model/config.py holds the validated dataclasses this fills.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onecall.errors import UnsupportedModelError
+from onecall.model.config import (
+    ARCHITECTURES,
+    GEMMA,
+    GLOBAL,
+    MOE,
+    ROPE_TYPES,
+    SLIDING,
+    SUPPORTED,
+    GemmaSpec,
+    ModelConfig,
+    MoESpec,
+    RopeScaling,
+)
+
+# config.json model_type values that name one of ours differently
+_MODEL_TYPES = {"gemma3_text": "gemma3"}
+
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+# transformers' defaults for the keys a config.json may leave out.
+_DEFAULT_MAX_POSITIONS = {
+    "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192, "gemma3": 131072,
+    "qwen3_moe": 32768, "mixtral": 131072,
+}  # fmt: skip
+# transformers' default sliding_window where a family honours one (MistralConfig: 4096).
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_RMS_NORM_EPS = 1e-6
+
+
+def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
+    """Read a Hugging Face config.json dict; refuse what we would run wrong."""
+    # 1. Architecture, from "architectures" first, else "model_type".
+    arch = _architecture(d)
+    if arch == "gemma3":
+        d = _gemma3_rope_as_one(d)
+    # 2. Required keys, all named at once.
+    missing = [k for k in _REQUIRED_KEYS if d.get(k) is None]
+    if missing:
+        raise UnsupportedModelError(f"model config is missing required keys: {', '.join(missing)}")
+    # 3. Features we do not implement: refuse rather than run silently wrong.
+    _check_unsupported_features(d, arch)
+    # 4. Defaults as transformers applies them.
+    num_heads = d["num_attention_heads"]
+    head_dim = d.get("head_dim")
+    if head_dim is None:
+        # transformers' Qwen3Config defaults head_dim to 128, Gemma's to 256; the others derive it.
+        head_dim = {"qwen3": 128, "gemma2": 256, "gemma3": 256, "qwen3_moe": 128}.get(arch) or _int_div(
+            d["hidden_size"], num_heads
+        )
+    num_kv_heads = d.get("num_key_value_heads")
+    max_positions = d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
+    # 5. What depends on the context length and head size: the window, partial rotary, RoPE scaling.
+    sliding_window = _sliding_window(d, arch, max_positions)
+    partial_rotary_factor = _partial_rotary_factor(d, arch)
+    rotary_dim = int(head_dim * partial_rotary_factor) if isinstance(head_dim, int) else 0
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads if num_kv_heads is None else num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_number(d, "rms_norm_eps", _DEFAULT_RMS_NORM_EPS),
+        rope_theta=_rope_theta(d, 1e6 if arch == "gemma3" else _DEFAULT_ROPE_THETA),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA)),
+        attention_bias=_attention_bias(d, arch),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
+        rope_scaling=_rope_scaling(d, arch, max_positions, rotary_dim),
+        partial_rotary_factor=partial_rotary_factor,
+        sliding_window=sliding_window,
+        gemma=_gemma_spec(d, arch) if arch in GEMMA else None,
+        moe=_moe_spec(d, arch) if arch in MOE else None,
+    )
+
+
+def _moe_spec(d: dict[str, Any], arch: str) -> MoESpec:
+    """transformers' Qwen3MoeConfig / MixtralConfig: Qwen3-MoE's layer i is sparse unless it is in
+    mlp_only_layers or (i + 1) % decoder_sparse_step != 0; Mixtral's are all sparse, its experts as
+    wide as intermediate_size, their top-2 always renormalised."""
+    n = d["num_hidden_layers"]
+    if arch == "mixtral":
+        return MoESpec(
+            num_experts=d.get("num_local_experts", 8),
+            num_experts_per_tok=d.get("num_experts_per_tok", 2),
+            moe_intermediate_size=d["intermediate_size"],
+            norm_topk_prob=True,
+            sparse_layers=(True,) * n,
+        )
+    # config.json says num_experts; transformers' to_dict writes num_local_experts (its attribute_map)
+    num_experts = d.get("num_experts", d.get("num_local_experts", 128))
+    step = d.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise UnsupportedModelError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+    only_mlp = set(d.get("mlp_only_layers") or ())
+    sparse = tuple(i not in only_mlp and num_experts > 0 and (i + 1) % step == 0 for i in range(n))
+    return MoESpec(
+        num_experts=num_experts,
+        num_experts_per_tok=d.get("num_experts_per_tok", 8),
+        moe_intermediate_size=d.get("moe_intermediate_size", 768),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+    )
+
+
+def _gemma3_rope_as_one(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's two RoPEs as the rest of the parsing reads one: transformers 5 writes
+    rope_parameters per layer type ({full_attention: ..., sliding_attention: ...}); the global layers'
+    dict becomes rope_parameters (theta and scaling) and the sliding layers' theta rope_local_base_freq,
+    which is where older config.json files keep it (with rope_theta / rope_scaling at the top)."""
+    params = d.get("rope_parameters")
+    if not isinstance(params, dict) or not any(isinstance(v, dict) for v in params.values()):
+        return d
+    extra = sorted(set(params) - {SLIDING, GLOBAL})
+    if extra:
+        raise UnsupportedModelError(f"rope_parameters for layer types {extra!r} are not supported")
+    local = params.get(SLIDING) or {}
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(
+            f"rope_parameters.{SLIDING} rope_type {local.get('rope_type')!r} is not supported; "
+            "Gemma 3's sliding layers use plain RoPE"
+        )
+    d = {**d, "rope_parameters": params.get(GLOBAL) or {}}
+    if local.get("rope_theta") is not None:
+        d["rope_local_base_freq"] = local["rope_theta"]
+    return d
+
+
+def _gemma_spec(d: dict[str, Any], arch: str) -> GemmaSpec:
+    """transformers' Gemma2Config / Gemma3TextConfig defaults; layer_types derived as they derive it
+    when the file has none (Gemma 2: even layers slide; Gemma 3: all but every sliding_window_pattern-th)."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+        if arch == "gemma2":
+            types = [SLIDING if i % 2 == 0 else GLOBAL for i in range(n)]
+        else:
+            types = [SLIDING if (i + 1) % pattern else GLOBAL for i in range(n)]
+    window = d.get("sliding_window", 4096)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise UnsupportedModelError(f"sliding_window must be a positive integer or null, got {window!r}")
+    gemma2 = arch == "gemma2"
+    return GemmaSpec(
+        query_pre_attn_scalar=_number(d, "query_pre_attn_scalar", 256.0),
+        layer_types=tuple(types),
+        sliding_window=window,
+        # Gemma 3: transformers keeps the key but never applies it
+        attn_logit_softcapping=_optional_number(d, "attn_logit_softcapping", 50.0) if gemma2 else None,
+        final_logit_softcapping=_optional_number(d, "final_logit_softcapping", 30.0 if gemma2 else None),
+        rope_local_base_freq=None if gemma2 else _number(d, "rope_local_base_freq", 10000.0),
+    )
+
+
+def _optional_number(d: dict[str, Any], key: str, default: float | None) -> float | None:
+    """d[key] (a positive number), None when the file says null, `default` when it says nothing."""
+    if key in d and d[key] is None:
+        return None
+    value = default if d.get(key) is None else _number(d, key, 0.0)
+    if value is not None and not value > 0:
+        raise UnsupportedModelError(f"model config {key} must be a positive number or null, got {value!r}")
+    return value
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    archs = d.get("architectures")
+    if archs:
+        name = archs[0]
+        if name not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            )
+        return ARCHITECTURES[name]
+    model_type = d.get("model_type")
+    if model_type is None:
+        raise UnsupportedModelError(
+            "model config names no architecture (neither 'architectures' nor 'model_type')"
+        )
+    model_type = _MODEL_TYPES.get(model_type, model_type)
+    if model_type not in SUPPORTED:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}"
+        )
+    return str(model_type)
+
+
+def _attention_bias(d: dict[str, Any], arch: str) -> bool:
+    if arch == "qwen2":
+        return True
+    if arch in ("mistral", "phi3", "mixtral"):  # their modules have no bias, whatever the config says
+        return False
+    return bool(d.get("attention_bias", False))
+
+
+def _check_unsupported_features(d: dict[str, Any], arch: str) -> None:
+    # Gemma's key is hidden_activation (hidden_act in older files); gelu with the tanh approximation
+    wanted = "gelu_pytorch_tanh" if arch in GEMMA else "silu"
+    key = "hidden_activation" if d.get("hidden_activation") is not None else "hidden_act"
+    act = d.get(key) or wanted
+    if act != wanted:
+        raise UnsupportedModelError(f"{key} {act!r} is not supported for {arch}; only {wanted!r} is")
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention true (an embedding model) is not supported")
+    if d.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias true is not supported; only bias-free MLPs are")
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
+        if d.get("use_sliding_window"):
+            raise UnsupportedModelError(
+                f"use_sliding_window true (sliding_window {d.get('sliding_window')!r}) is not supported; "
+                "only full attention is"
+            )
+        other = sorted({t for t in d.get("layer_types") or () if t != "full_attention"})
+        if other:
+            raise UnsupportedModelError(f"layer_types {other!r} are not supported; only 'full_attention' is")
+
+
+def _sliding_window(d: dict[str, Any], arch: str, max_positions: int) -> int | None:
+    """Mistral and Phi-3 attend within `sliding_window` tokens in every layer (the attention's
+    per-layer window, model/attention.py). A window at least as long as the context never excludes a
+    key: plain causal attention, None."""
+    if arch not in _DEFAULT_SLIDING_WINDOW:
+        return None
+    window = d.get("sliding_window", _DEFAULT_SLIDING_WINDOW[arch])
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise UnsupportedModelError(f"sliding_window must be a positive integer or null, got {window!r}")
+    return window if isinstance(max_positions, int) and window < max_positions else None
+
+
+def _rope_dict(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(key, dict) of the RoPE parameters: `rope_scaling` (older files) wins over `rope_parameters`
+    (transformers 5), as transformers' convert_rope_params_to_dict reads them; ("", {}) if neither."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = d.get(key)
+        if rope is None or rope == {}:
+            continue
+        if not isinstance(rope, dict):
+            raise UnsupportedModelError(f"{key} must be a dict or null, got {rope!r}")
+        if any(isinstance(v, dict) for v in rope.values()):
+            raise UnsupportedModelError(
+                f"{key} per layer type ({', '.join(k for k, v in rope.items() if isinstance(v, dict))}) "
+                "is not supported; only one RoPE for every layer is"
+            )
+        return key, rope
+    return "", {}
+
+
+def _partial_rotary_factor(d: dict[str, Any], arch: str) -> float:
+    _, rope = _rope_dict(d)
+    value = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    if value is None or value == 1.0:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise UnsupportedModelError(f"partial_rotary_factor must be a number in (0, 1], got {value!r}")
+    if arch != "phi3":
+        raise UnsupportedModelError(
+            f"partial_rotary_factor {value!r} is not supported for {arch}; only phi3 rotates part of a head"
+        )
+    return float(value)
+
+
+def _rope_scaling(d: dict[str, Any], arch: str, max_positions: int, rotary_dim: int) -> RopeScaling | None:
+    """Phases: 1. the type (phi3's old names), 2. the numbers each type needs, checked and named."""
+    key, rope = _rope_dict(d)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if arch == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # transformers' Phi3Config reads both old names as longrope
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{key} rope_type {rope_type!r} is not supported; supported: default, {', '.join(ROPE_TYPES)}"
+        )
+    if arch == "phi3" and rope_type != "longrope":
+        raise UnsupportedModelError(
+            f"{key} rope_type {rope_type!r} is not supported for phi3; only longrope is"
+        )
+
+    def number(name: str, default: float | None = None, minimum: float = 0.0) -> float | None:
+        value = rope.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > minimum:
+            raise UnsupportedModelError(f"{key} {name} must be a number > {minimum:g}, got {value!r}")
+        return float(value)
+
+    def required(name: str) -> float:
+        value = number(name)
+        if value is None:
+            raise UnsupportedModelError(f"{key} with rope_type {rope_type!r} needs {name}")
+        return value
+
+    def factors(name: str) -> tuple[float, ...]:
+        value = rope.get(name)
+        if (
+            not isinstance(value, list)
+            or len(value) != rotary_dim // 2
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value)
+        ):
+            raise UnsupportedModelError(
+                f"{key} {name} must be a list of {rotary_dim // 2} positive numbers, got {value!r}"
+            )
+        return tuple(float(x) for x in value)
+
+    # transformers: a top-level original_max_position_embeddings (Phi-3) wins over the dict's,
+    # and the dict's defaults to max_position_embeddings.
+    original = d.get("original_max_position_embeddings", rope.get("original_max_position_embeddings"))
+    if original is None:
+        original = max_positions
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise UnsupportedModelError(
+            f"original_max_position_embeddings must be a positive integer, got {original!r}"
+        )
+    if rope_type in ("linear", "dynamic"):
+        return RopeScaling(rope_type, factor=required("factor"))
+    if rope_type == "llama3":
+        if "freq_factors" in rope:  # a GGUF's rope_freqs tensor (model/checkpoint.py)
+            return RopeScaling(rope_type, freq_factors=factors("freq_factors"))
+        low, high = required("low_freq_factor"), required("high_freq_factor")
+        if high <= low:
+            raise UnsupportedModelError(
+                f"{key} high_freq_factor ({high}) must exceed low_freq_factor ({low})"
+            )
+        return RopeScaling(
+            rope_type, factor=required("factor"), original_max_position_embeddings=original,
+            low_freq_factor=low, high_freq_factor=high,
+        )  # fmt: skip
+    derived = max_positions / original if isinstance(max_positions, int) else 1.0
+    if rope_type == "yarn":
+        truncate = rope.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise UnsupportedModelError(f"{key} truncate must be true or false, got {truncate!r}")
+        return RopeScaling(
+            rope_type, factor=number("factor", derived) or derived, original_max_position_embeddings=original,
+            beta_fast=number("beta_fast", 32.0) or 32.0, beta_slow=number("beta_slow", 1.0) or 1.0,
+            truncate=truncate, mscale=number("mscale", minimum=-1),
+            mscale_all_dim=number("mscale_all_dim", minimum=-1),
+            attention_factor=number("attention_factor"),
+        )  # fmt: skip
+    return RopeScaling(  # longrope
+        rope_type, factor=number("factor", derived) or derived, original_max_position_embeddings=original,
+        attention_factor=number("attention_factor"),
+        short_factor=factors("short_factor"), long_factor=factors("long_factor"),
+    )  # fmt: skip
+
+
+def _rope_theta(d: dict[str, Any], default: float = _DEFAULT_ROPE_THETA) -> float:
+    """rope_parameters["rope_theta"] (transformers 5) wins over top-level rope_theta (older files)."""
+    params = d.get("rope_parameters") or {}
+    if params.get("rope_theta") is not None:
+        return _number(params, "rope_theta", default)
+    return _number(d, "rope_theta", default)
+
+
+def _number(d: dict[str, Any], key: str, default: float) -> float:
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UnsupportedModelError(f"model config {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _int_div(hidden_size: Any, num_heads: Any) -> int:
+    if not isinstance(hidden_size, int) or not isinstance(num_heads, int) or num_heads <= 0:
+        raise UnsupportedModelError(
+            f"hidden_size ({hidden_size!r}) and num_attention_heads ({num_heads!r}) must be positive integers"
+        )
+    if hidden_size % num_heads:
+        raise UnsupportedModelError(
+            f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads ({num_heads}) "
+            "and the config gives no head_dim"
+        )
+    return hidden_size // num_heads
