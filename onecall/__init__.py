@@ -11,10 +11,8 @@ The public API is `__all__`, and entry points built on the library (the lab) imp
     LLM, ModelInfo, RequestOutput               the engine behind a facade; what it loaded; what it returns
     SamplingParams, StructuredOutputsParams     a request's parameters
     RenderedPrompt, get_named_template          LLM.render's result; the templates onecall ships
-    ToolFormat, TOOL_CALL_OPEN, ToolCall,       the text layer of tool calling (text/tool_specs.py,
-      ParsedToolCalls, parse_tool_calls,        text/tool_calls.py): the pieces the server composes
-      messages_for_json_tools,
-      tool_call_grammar, tool_call_schema
+    ToolChatOutput, ToolCall, ToolFormat        LLM.chat(tools=...)'s result, a parsed call, and how the
+                                                model's template talks tools (text/tool_calling.py)
     OnecallError, InvalidParameterError         the errors a caller can cause
 
 Everything but the parameters loads lazily, on first use, so `import onecall` stays cheap
@@ -34,14 +32,9 @@ if TYPE_CHECKING:
     from onecall.llm import LLM, ModelInfo
     from onecall.text.chat_template import RenderedPrompt
     from onecall.text.templates import get_named_template
-    from onecall.text.tool_calls import ParsedToolCalls, ToolCall, parse_tool_calls
-    from onecall.text.tool_specs import (
-        TOOL_CALL_OPEN,
-        ToolFormat,
-        messages_for_json_tools,
-        tool_call_grammar,
-        tool_call_schema,
-    )
+    from onecall.text.tool_calling import ToolChatOutput
+    from onecall.text.tool_calls import ToolCall
+    from onecall.text.tool_specs import ToolFormat
 
 # name -> the module that defines it, imported on first access
 _LAZY: dict[str, str] = {
@@ -49,17 +42,12 @@ _LAZY: dict[str, str] = {
     "LLM": "onecall.llm",
     "ModelInfo": "onecall.llm",
     "OnecallError": "onecall.errors",
-    "ParsedToolCalls": "onecall.text.tool_calls",
     "RenderedPrompt": "onecall.text.chat_template",
     "RequestOutput": "onecall.engine.engine",
-    "TOOL_CALL_OPEN": "onecall.text.tool_specs",
     "ToolCall": "onecall.text.tool_calls",
+    "ToolChatOutput": "onecall.text.tool_calling",
     "ToolFormat": "onecall.text.tool_specs",
     "get_named_template": "onecall.text.templates",
-    "messages_for_json_tools": "onecall.text.tool_specs",
-    "parse_tool_calls": "onecall.text.tool_calls",
-    "tool_call_grammar": "onecall.text.tool_specs",
-    "tool_call_schema": "onecall.text.tool_specs",
 }
 
 __all__ = [
@@ -67,19 +55,14 @@ __all__ = [
     "LLM",
     "ModelInfo",
     "OnecallError",
-    "ParsedToolCalls",
     "RenderedPrompt",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
-    "TOOL_CALL_OPEN",
     "ToolCall",
+    "ToolChatOutput",
     "ToolFormat",
     "get_named_template",
-    "messages_for_json_tools",
-    "parse_tool_calls",
-    "tool_call_grammar",
-    "tool_call_schema",
 ]
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -24,10 +24,12 @@ from onecall.errors import ContextLengthExceededError, InvalidParameterError
 from onecall.model.attention_probe import last_position_attention
 from onecall.sampling_params import SamplingParams
 from onecall.text.chat_template import RenderedPrompt, render_chat
+from onecall.text.tool_calling import ChatTools, ToolChatOutput
 
 Prompt = str | list[int]
 Message = dict[str, Any]
 Params = SamplingParams | Sequence[SamplingParams] | None  # one for all prompts, or one per prompt
+ToolChoiceParam = str | dict[str, Any] | None  # OpenAI's tool_choice; None: "auto" with tools
 
 
 @dataclass(frozen=True)
@@ -94,37 +96,115 @@ class LLM:
         messages: list[Message],
         *,
         tools: list[dict[str, Any]] | None = None,
+        tool_choice: ToolChoiceParam = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
     ) -> RenderedPrompt:
         """The prompt a chat request sends: text, ids, control-token mask. `chat_template` (Jinja
-        source, e.g. onecall.text.templates.get_named_template("qwen3-style")) replaces the model's."""
+        source, e.g. onecall.text.templates.get_named_template("qwen3-style")) replaces the model's.
+        `tools` are offered as chat(tools=...) offers them: through a template with a tool format, else
+        in the system message (text/tool_specs.py's convention); tool_choice "none" withdraws them."""
+        template_tools = None
+        if tools is not None or tool_choice is not None:
+            chat_tools = ChatTools.build(tools, tool_choice, self.tokenizer)
+            messages, template_tools = chat_tools.template_inputs(messages)
         return render_chat(
             self.tokenizer,
             messages,
-            tools=tools,
+            tools=template_tools,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=chat_template_kwargs,
             template=chat_template,
         )
+
+    @overload
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: Params = None,
+        *,
+        tools: None = None,
+        tool_choice: None = None,
+        parallel_tool_calls: bool | None = None,
+        chat_template: str | None = None,
+        **render_kwargs: Any,
+    ) -> list[RequestOutput]: ...
+
+    @overload
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: Params = None,
+        *,
+        tools: list[dict[str, Any]],
+        tool_choice: ToolChoiceParam = None,
+        parallel_tool_calls: bool | None = None,
+        chat_template: str | None = None,
+        **render_kwargs: Any,
+    ) -> list[ToolChatOutput]: ...
 
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
         params: Params = None,
         *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: ToolChoiceParam = None,
+        parallel_tool_calls: bool | None = None,
         chat_template: str | None = None,
         **render_kwargs: Any,
-    ) -> list[RequestOutput]:
+    ) -> list[RequestOutput] | list[ToolChatOutput]:
         """One conversation (a list of messages) or a batch of them; params as in generate().
-        render_kwargs (tools, chat_template_kwargs, ...) and chat_template go to render()."""
+        render_kwargs (chat_template_kwargs, ...) and chat_template go to render().
+
+        With `tools` (OpenAI's shape) and `tool_choice` ("auto" when omitted, "none", "required",
+        {"type": "function", "function": {"name": ...}}) the tools are rendered through the
+        template (or its system message, text/tool_specs.py's convention), a grammar forces the
+        call when tool_choice requires one, and each result is a ToolChatOutput: content,
+        tool_calls (id, name, arguments_json) and the API's finish_reason, as the server answers."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        rendered = [
-            self.render(conv, chat_template=chat_template, **render_kwargs)  # type: ignore[arg-type]
-            for conv in convs
-        ]
-        return self._run_all(rendered, params)
+        if tools is None and tool_choice is None:
+            rendered = [
+                self.render(conv, chat_template=chat_template, **render_kwargs)  # type: ignore[arg-type]
+                for conv in convs
+            ]
+            return self._run_all(rendered, params)
+        return self._chat_with_tools(
+            convs,  # type: ignore[arg-type]
+            params,
+            ChatTools.build(tools, tool_choice, self.tokenizer, parallel_tool_calls=parallel_tool_calls),
+            chat_template=chat_template,
+            **render_kwargs,
+        )
+
+    def _chat_with_tools(
+        self,
+        convs: list[list[Message]],
+        params: Params,
+        tools: ChatTools,
+        *,
+        chat_template: str | None,
+        **render_kwargs: Any,
+    ) -> list[ToolChatOutput]:
+        """LLM.chat with tools: render with them, constrain when a call is required, parse the calls."""
+        per_prompt = [tools.sampling_params(p) for p in _per_prompt_params(params, len(convs))]
+        rendered: list[RenderedPrompt] = []
+        template_kwargs = render_kwargs.pop("chat_template_kwargs", None)
+        rendered = []
+        for conv in convs:
+            messages, template_tools = tools.template_inputs(conv)
+            rendered.append(
+                render_chat(
+                    self.tokenizer,
+                    messages,
+                    tools=template_tools,
+                    template_kwargs=template_kwargs,
+                    template=chat_template,
+                    **render_kwargs,  # add_generation_prompt
+                )
+            )
+        return [tools.parse(out) for out in self._run_all(rendered, per_prompt)]
 
     def chat_stream(
         self,

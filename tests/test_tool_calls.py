@@ -321,7 +321,7 @@ def test_system_prompt_and_messages() -> None:
 def test_text_modules_import_nothing_heavy() -> None:
     """The server calls these pieces; they must stay plain Python (no torch, web framework or engine)."""
     code = (
-        "import sys, onecall.text.tool_calls, onecall.text.reasoning; "
+        "import sys, onecall.text.tool_calls, onecall.text.tool_calling, onecall.text.reasoning; "
         "print([m for m in ('torch', 'fastapi', 'onecall.engine', 'onecall.server', 'llguidance') if m in sys.modules])"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -53,12 +53,13 @@ from onecall.server.serving_common import (
     token_text,
 )
 from onecall.server.serving_structured import compile_structured_outputs, with_reasoning
-from onecall.server.serving_tools import ChatTools, ChoiceParser, markers_are_special
+from onecall.server.serving_tools import ChoiceParser, chat_tools, markers_are_special
 from onecall.server.sse import DONE, SSEResponse, sse_event
 from onecall.server.state import ServerState
 from onecall.text.chat_template import RenderedPrompt, render_chat
 from onecall.text.reasoning import ReasoningFormat
 from onecall.text.tokenizer import Tokenizer
+from onecall.text.tool_calling import ChatTools
 
 
 async def create_chat_completion(state: ServerState, request: Request, request_id: str) -> Response:
@@ -123,7 +124,7 @@ class ChatSetup:
 async def prepare_chat(engine: Engine, req: ChatCompletionRequest) -> ChatSetup:
     tokenizer = engine.tokenizer
     # 1. the tools, and what the output must match (400s before anything is rendered)
-    tools = ChatTools.from_request(req, tokenizer)
+    tools = chat_tools(req, tokenizer)
     asked = requested_structured_outputs(req)
     enforced = tools.enforced()
     if asked is not None and enforced is not None:

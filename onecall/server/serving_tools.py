@@ -1,21 +1,8 @@
 """Tools and reasoning in a chat request: what the template renders, what a grammar enforces, and
 the per-choice parser that splits the output into reasoning_content, content and tool_calls.
 
-ChatTools, from the request (validate_tools: a 400 naming the field for tools: [], tool_choice
-without tools, a named function not in tools, non-object parameters, a bad name):
-
-    format    the template renders                        enforcement ("required", a named function)
-    hermes    the tools, tool_calls and tool messages      a Lark grammar: <tool_call> blocks
-              itself (Qwen2.5, Qwen3)
-    json      no tools: tools_system_prompt() goes into     a JSON Schema: {"tool_calls": [...]}
-              the system message, assistant tool_calls
-              become the convention's JSON (SmolLM2)
-
-    tool_choice "none"       tools not offered (not rendered, output not parsed); a history with
-                             calls still renders
-    "auto"                   the output is parsed (ToolCallParser); calls -> message.tool_calls
-    "required" / a function  a grammar makes the call parse and its arguments validate
-    parallel_tool_calls      false: one call at most (the grammar's maxItems, or the first parsed)
+ChatTools (the tools for one model's template, their grammar and parser) is the library's
+(text/tool_calling.py, what LLM.chat uses too); chat_tools() builds it from a request.
 
 ChoiceParser, one per choice: reasoning first (a thinking template's <think> block ->
 reasoning_content), then tool calls in what remains. feed()/finish() stream it; whole() parses a
@@ -26,81 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from onecall.sampling_params import StructuredOutputsParams
 from onecall.server.protocol import ChatCompletionRequest
 from onecall.server.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from onecall.text.reasoning import ReasoningDelta, ReasoningFormat, ReasoningParser
 from onecall.text.tokenizer import Tokenizer
+from onecall.text.tool_calling import ChatTools, is_special
 from onecall.text.tool_calls import ToolCallDelta, ToolCallParser
-from onecall.text.tool_specs import (
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
-    ToolChoice,
-    ToolFormat,
-    messages_for_json_tools,
-    tool_call_grammar,
-    tool_call_schema,
-    validate_tools,
-)
+from onecall.text.tool_specs import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 
-@dataclass(frozen=True)
-class ChatTools:
-    """A chat request's validated tools, for one model's template."""
-
-    choice: ToolChoice
-    format: ToolFormat
-    tools: list[dict[str, Any]] | None  # as sent; None when none are offered (tool_choice "none")
-    parallel: bool
-    special_markers: bool  # hermes: <tool_call> is a special token of this tokenizer
-
-    @classmethod
-    def from_request(cls, req: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatTools:
-        choice = validate_tools(req.tools, req.tool_choice)
-        fmt = ToolFormat.for_template(tokenizer.chat_template)
-        return cls(
-            choice=choice,
-            format=fmt,
-            tools=req.tools if choice.mode != "none" else None,
-            parallel=req.parallel_tool_calls is not False,
-            special_markers=fmt == ToolFormat.HERMES and is_special(tokenizer, TOOL_CALL_OPEN),
-        )
-
-    def template_inputs(
-        self, messages: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-        """(messages, tools) for render_chat."""
-        if self.format == ToolFormat.HERMES:
-            return messages, self.tools
-        return messages_for_json_tools(messages, self.tools), None
-
-    def enforced(self) -> StructuredOutputsParams | None:
-        """The constraint that makes a "required" or named call always parse; None otherwise."""
-        if self.choice.mode != "required":
-            return None
-        assert self.tools is not None, "validate_tools gives mode 'required' only with tools"
-        name = self.choice.name
-        if self.format == ToolFormat.JSON:
-            return StructuredOutputsParams(
-                json=tool_call_schema(self.tools, required_name=name, parallel=self.parallel)
-            )
-        grammar = tool_call_grammar(
-            self.tools, required_name=name, parallel=self.parallel, special_markers=self.special_markers
-        )
-        return StructuredOutputsParams(grammar=grammar)
-
-    def new_parser(self) -> ToolCallParser | None:
-        if self.tools is None:
-            return None
-        return ToolCallParser(self.format, tool_names=[f.name for f in self.choice.functions])
-
-
-def is_special(tokenizer: Tokenizer, text: str) -> bool:
-    """Is `text` one special token (dropped from the output text unless skip_special_tokens=False)?"""
-    ids = tokenizer.encode(text)
-    return len(ids) == 1 and ids[0] in tokenizer.special_ids
+def chat_tools(req: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatTools:
+    """The request's validated tools (the shared implementation: text/tool_calling.py)."""
+    return ChatTools.build(req.tools, req.tool_choice, tokenizer, parallel_tool_calls=req.parallel_tool_calls)
 
 
 def markers_are_special(tokenizer: Tokenizer, tools: ChatTools, reasoning: ReasoningFormat | None) -> bool:

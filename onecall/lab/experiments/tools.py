@@ -4,40 +4,25 @@
                   a tool format (Qwen's <tool_call>, "hermes") renders `tools` itself; one without
                   (the embedded SmolLM2) gets the json convention of text/tool_specs.py in its
                   system message
-    2. call       tool_choice "get_weather" as a grammar (tool_call_schema / tool_call_grammar), so
-                  the output always parses (text/tool_calls.py: parse_tool_calls); greedy
+    2. call       tool_choice "get_weather": LLM.chat turns it into a grammar, so the output always
+                  parses, and returns the parsed call; greedy
     3. result     the call as an assistant message with tool_calls, and a canned weather report as
                   the `tool` message, rendered back through the template
     4. answer     a free (unconstrained) greedy reply with the tools still offered (tool_choice
                   "auto"); a model that calls the tool again (small ones do) gets a second try with
                   the tools withdrawn (tool_choice "none"), and that reply is the final answer
 
-Only the text layer's tool helpers (text/tool_specs.py, text/tool_calls.py, exported by `onecall`)
-and LLM.render / LLM.chat are used: the same pieces the server composes, without the server.
+Only LLM.chat(tools=..., tool_choice=...) and LLM.render(tools=...) are used: the one implementation of
+tool calling (text/tool_calling.py) that the server's chat endpoint calls too.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from typing import Any
 
-from onecall import (
-    LLM,
-    TOOL_CALL_OPEN,
-    ParsedToolCalls,
-    RenderedPrompt,
-    RequestOutput,
-    SamplingParams,
-    StructuredOutputsParams,
-    ToolCall,
-    ToolFormat,
-    messages_for_json_tools,
-    parse_tool_calls,
-    tool_call_grammar,
-    tool_call_schema,
-)
+from onecall import LLM, RequestOutput, SamplingParams, ToolCall, ToolChatOutput, ToolFormat
 from onecall.lab.base import ExperimentResult, LabContext, SeedRow
 from onecall.lab.plots import bar_plot
 from onecall.lab.report import md_code
@@ -66,78 +51,43 @@ CALL_MAX_TOKENS = 64  # the forced call takes about 25 tokens
 ANSWER_MAX_TOKENS, QUICK_ANSWER_MAX_TOKENS = 96, 32
 
 
-@dataclass
-class _Chat:
-    """One model's way of talking tools: its format, and whether <tool_call> is a control token."""
-
-    llm: LLM
-    fmt: ToolFormat
-    special: bool
-
-    def inputs(
-        self, messages: list[dict[str, Any]], *, offered: bool = True
-    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-        """(messages, tools) for LLM.render / LLM.chat: the template's own tool format, or the json
-        convention. `offered` False withdraws the tools (tool_choice "none"); earlier calls still render."""
-        if self.fmt == ToolFormat.HERMES:
-            return messages, TOOLS if offered else None
-        return messages_for_json_tools(messages, TOOLS if offered else None), None
-
-    def render(self, messages: list[dict[str, Any]]) -> RenderedPrompt:
-        conv, tools = self.inputs(messages)
-        return self.llm.render(conv, tools=tools)
-
-    def reply(
-        self, messages: list[dict[str, Any]], max_tokens: int, *, offered: bool = True, forced: bool = False
-    ) -> tuple[RequestOutput, ParsedToolCalls]:
-        """One greedy reply, parsed for calls; `forced`: a grammar makes it a call of get_weather."""
-        conv, tools = self.inputs(messages, offered=offered)
-        params = SamplingParams(
-            temperature=0.0,
-            max_tokens=max_tokens,
-            structured_outputs=self._forced_call() if forced else None,
-            skip_special_tokens=not self.special,  # special <tool_call> markers must reach the parser
-        )
-        out = self.llm.chat(conv, params, tools=tools)[0]
-        if not offered:  # no tools, no calls: the text is the answer (as the server does for "none")
-            return out, ParsedToolCalls(out.text.strip() or None, [])
-        return out, parse_tool_calls(out.text, self.fmt, tool_names=[TOOL_NAME])
-
-    def _forced_call(self) -> StructuredOutputsParams:
-        """The constraint of tool_choice {"function": {"name": "get_weather"}}."""
-        if self.fmt == ToolFormat.HERMES:
-            grammar = tool_call_grammar(TOOLS, required_name=TOOL_NAME, special_markers=self.special)
-            return StructuredOutputsParams(grammar=grammar)
-        return StructuredOutputsParams(json=tool_call_schema(TOOLS, required_name=TOOL_NAME))
+def _reply(
+    llm: LLM, messages: list[dict[str, Any]], max_tokens: int, tool_choice: Any = "auto"
+) -> ToolChatOutput:
+    """One greedy reply through LLM.chat's tool calling: "auto" parses the calls, a named function
+    forces one with a grammar, "none" withdraws the tools (earlier calls still render)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return llm.chat(messages, params, tools=TOOLS, tool_choice=tool_choice)[0]
 
 
 def run(ctx: LabContext) -> ExperimentResult:
     llm = ctx.llm
     fmt = ToolFormat.for_template(llm.tokenizer.chat_template)
-    chat = _Chat(llm, fmt, fmt == ToolFormat.HERMES and _is_special(llm, TOOL_CALL_OPEN))
     answer_max_tokens = QUICK_ANSWER_MAX_TOKENS if ctx.quick else ANSWER_MAX_TOKENS
 
     # 1. the question with the tools, as the template renders them; 2. the call, forced by a grammar
     ctx.progress(f"tools: render ({fmt.value} format) and the constrained call")
     history: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
-    first = chat.render(history)
-    call_out, parsed = chat.reply(history, CALL_MAX_TOKENS, forced=True)
-    call = parsed.tool_calls[0] if parsed.tool_calls else None
+    first = llm.render(history, tools=TOOLS)
+    forced = _reply(llm, history, CALL_MAX_TOKENS, {"type": "function", "function": {"name": TOOL_NAME}})
+    call_out = forced.output
+    call = forced.tool_calls[0] if forced.tool_calls else None
     arguments = _arguments(call)
 
     # 3. the call and its result back through the template
     ctx.progress("tools: tool result and the final answer")
     city = arguments.get("city") if isinstance(arguments, dict) else None
     history += _round_trip_messages(call, {"city": city, **WEATHER})
-    second = chat.render(history)
+    second = llm.render(history, tools=TOOLS)
 
     # 4. the answer with the tools still offered (tool_choice "auto", as an agent loop sends it); a
     #    model that calls the tool again is answered once more with the tools withdrawn ("none")
-    auto_out, auto = chat.reply(history, answer_max_tokens)
-    answer_out, answer = auto_out, auto
+    auto = _reply(llm, history, answer_max_tokens)
+    auto_out, answer = auto.output, auto
     if auto.tool_calls:
         ctx.progress("tools: the model called again; answering with the tools withdrawn")
-        answer_out, answer = chat.reply(history, answer_max_tokens, offered=False)
+        answer = _reply(llm, history, answer_max_tokens, tool_choice="none")
+    answer_out = answer.output
 
     shared = len(os.path.commonprefix([first.text, second.text]))
     results: dict[str, Any] = {
@@ -146,7 +96,7 @@ def run(ctx: LabContext) -> ExperimentResult:
         "rendered_prompt_tokens": len(first.token_ids),
         "call_text": call_out.text,
         "call_finish_reason": call_out.finish_reason,
-        "api_finish_reason": "tool_calls" if call is not None and call_out.finish_reason == "stop" else None,
+        "api_finish_reason": "tool_calls" if forced.finish_reason == "tool_calls" else None,
         "call": None if call is None else {"name": call.name, "arguments": arguments},
         "arguments_valid": _valid_arguments(arguments),
         "tool_result": history[-1],
@@ -197,12 +147,6 @@ def _call_sizes(outputs: dict[str, RequestOutput]) -> list[dict[str, Any]]:
         }
         for name, out in outputs.items()
     ]
-
-
-def _is_special(llm: LLM, text: str) -> bool:
-    """Is `text` one control token of this tokenizer (dropped from output unless asked to keep it)?"""
-    ids = llm.tokenizer.encode(text)
-    return len(ids) == 1 and ids[0] in llm.tokenizer.special_ids
 
 
 def _arguments(call: ToolCall | None) -> Any:
