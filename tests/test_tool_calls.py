@@ -390,3 +390,63 @@ def test_special_marker_grammar_compiles() -> None:
     assert grammar.startswith("start: call") and "<tool_call> " in grammar and '"<tool_call>"' not in grammar
     # special-token references resolve only against a tokenizer that has them: checked without one
     assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) == ""
+
+
+# ---- streamed arguments (grammar-constrained output) ---------------------------------------------------
+CONSTRAINED = [
+    (
+        J,
+        '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa\\"}{ris", "days": [1, {"a": 2}]}}, '
+        '{"name": "get_time", "arguments": {}}]}',
+    ),
+    (
+        H,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "}\\\\"}}\n</tool_call>',
+    ),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text"), CONSTRAINED)
+def test_constrained_arguments_stream_as_generated(fmt: ToolFormat, text: str) -> None:
+    """Head first (id, name, arguments ""), then the raw arguments in pieces; whole == streamed for any
+    split, and the arguments are the text's own (what the grammar pinned)."""
+    expected = [(c["name"], json.dumps(c["arguments"])) for c in _calls_in(text)]
+    for splits in (list(text), [text[:40], text[40:]], [text]):
+        parser = ToolCallParser(fmt, new_id=ids(), stream_arguments=True)
+        deltas = [parser.feed(piece) for piece in splits] + [parser.finish()]
+        assert "".join(d.content for d in deltas) == ""
+        calls = assemble_tool_calls(deltas)
+        assert [(c.name, c.arguments_json) for c in calls] == expected
+        pieces = [p for d in deltas for p in d.tool_calls]
+        for index in range(len(expected)):
+            mine = [p for p in pieces if p.index == index]
+            assert mine[0].name == expected[index][0] and mine[0].id and mine[0].arguments == ""
+            assert all(p.id is None and p.name is None for p in mine[1:])
+            if len(splits) == len(text):
+                assert len(mine) - 1 == len(expected[index][1]), "one fragment per character fed"
+
+
+def test_constrained_arguments_cut_short_stay_partial() -> None:
+    """max_tokens can cut a constrained call: its head and the arguments so far were sent (as OpenAI
+    streams them), and the finish_reason ("length") says the call is unfinished."""
+    parser = ToolCallParser(J, new_id=ids(), stream_arguments=True)
+    deltas = [parser.feed('{"tool_calls": [{"name": "get_time", "arguments": {"zo'), parser.finish()]
+    assert [(c.name, c.arguments_json) for c in assemble_tool_calls(deltas)] == [("get_time", '{"zo')]
+
+
+def test_unpinned_layout_falls_back_to_whole_calls() -> None:
+    """Output not in the grammar's layout (other spacing) is never streamed early: whole calls, as before."""
+    text = '{"tool_calls":[{"name":"get_time","arguments":{"zone":"UTC"}}]}'
+    parser = ToolCallParser(J, new_id=ids(), stream_arguments=True)
+    assert parser.feed(text[:-3]).tool_calls == []
+    rest = [parser.feed(text[-3:]), parser.finish()]
+    assert [(c.name, c.arguments_json) for c in assemble_tool_calls(rest)] == [
+        ("get_time", '{"zone": "UTC"}')
+    ]
+
+
+def _calls_in(text: str) -> list[dict[str, Any]]:
+    if text.startswith("{"):
+        return json.loads(text)["tool_calls"]  # type: ignore[no-any-return]
+    return [json.loads(block.split("\n")[1]) for block in text.split("<tool_call>")[1:]]

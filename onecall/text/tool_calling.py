@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from onecall.errors import InvalidParameterError
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 from onecall.text.tokenizer import Tokenizer
-from onecall.text.tool_calls import ToolCall, ToolCallParser, parse_tool_calls
+from onecall.text.tool_calls import ToolCall, ToolCallParser, assemble_tool_calls
 from onecall.text.tool_specs import (
     TOOL_CALL_OPEN,
     ToolChoice,
@@ -122,15 +122,22 @@ class ChatTools:
     def new_parser(self) -> ToolCallParser | None:
         if self.tools is None:
             return None
-        return ToolCallParser(self.format, tool_names=self.tool_names)
+        # a grammar-constrained call streams its arguments as they are generated (it cannot fail to
+        # validate); without one, the parser holds each call until it is complete and valid
+        return ToolCallParser(
+            self.format, tool_names=self.tool_names, stream_arguments=self.choice.mode == "required"
+        )
 
     def parse(self, out: RequestOutput) -> ToolChatOutput:
         """A finished output -> content and calls (none parsed when tools are not offered)."""
         if self.tools is None:
             return ToolChatOutput(out, out.text.strip() or None, [])
-        parsed = parse_tool_calls(out.text, self.format, tool_names=self.tool_names)
-        calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
-        return ToolChatOutput(out, parsed.content, calls)
+        parser = self.new_parser()
+        assert parser is not None, "tools are offered"
+        deltas = [parser.feed(out.text), parser.finish()]  # what the server's stream sends, whole
+        calls = assemble_tool_calls(deltas)
+        content = "".join(d.content for d in deltas) or None
+        return ToolChatOutput(out, content, calls if self.parallel else calls[:1])
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,10 @@ are {}. An invalid call stays in the content as the text it was: parsing never r
 
 ToolCallParser streams: a call goes out, as (index, id, name) then its arguments, once it is complete
 and validated (at `</tool_call>`, or when the JSON object closes); text that may still become a call
-is held back until decided. Content is the text outside calls, stripped at both ends (None when
+is held back until decided. With stream_arguments (grammar-constrained output: tool_choice "required"
+or a named function, whose calls cannot fail to validate) each call's head goes out as soon as its
+name is written and its raw arguments as they are generated (_ArgumentStreamer); a call that max_tokens
+cuts short then stays partial, with finish_reason "length", as OpenAI's streams do. Content is the text outside calls, stripped at both ends (None when
 empty). Invariant: the concatenation of everything streamed equals parse_tool_calls(whole text), which
 is implemented by feeding the text in one piece.
 
@@ -127,8 +130,17 @@ class ToolCallParser:
         *,
         tool_names: Collection[str] | None = None,
         new_id: Callable[[], str] = new_tool_call_id,
+        stream_arguments: bool = False,
     ) -> None:
         self.fmt = fmt
+        # stream_arguments: only for grammar-constrained output (tool_choice "required" or a named
+        # function), where every call is guaranteed to complete and validate unless max_tokens cuts
+        # it: each call's head goes out as soon as its name is written and its arguments as they are
+        # generated (raw, as the grammar pinned them). Without a grammar ("auto") a call is held
+        # until it is complete and validated, because text that looks like a call may still turn
+        # out not to be one (a wrong name, bad JSON, prose after it), and a streamed piece cannot
+        # be taken back.
+        self._streamer = _ArgumentStreamer(new_id) if stream_arguments else None
         self._names = tool_names  # when given, a call to another name is not a call
         self._new_id = new_id
         self._state = "outside" if fmt == ToolFormat.HERMES else "start"
@@ -140,10 +152,14 @@ class ToolCallParser:
 
     def feed(self, delta: str) -> ToolParseDelta:
         self._buf += delta
+        if self._streamer is not None:
+            self._streamer.push(delta)
         if self.fmt == ToolFormat.HERMES:
             self._scan_hermes()
         else:
             self._scan_json(may_close="}" in delta)
+        if self._streamer is not None:
+            self._out.tool_calls += self._streamer.pieces(self._num_calls)
         return self._take()
 
     def finish(self) -> ToolParseDelta:
@@ -169,6 +185,11 @@ class ToolCallParser:
 
     def _emit_call(self, name: str, arguments_json: str) -> None:
         index, self._num_calls = self._num_calls, self._num_calls + 1
+        if self._streamer is not None:
+            rest = self._streamer.complete(index, name)
+            if rest is not None:  # the head and the arguments went out as they were generated
+                self._out.tool_calls += rest
+                return
         self._out.tool_calls.append(ToolCallDelta(index, id=self._new_id(), name=name))
         self._out.tool_calls.append(ToolCallDelta(index, arguments=arguments_json))
 
@@ -229,6 +250,99 @@ class ToolCallParser:
         if self._state == "text":
             self._emit_content(self._buf)
             self._buf = ""
+
+
+_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": \{')  # the grammar's pinned layout
+
+
+class _ArgumentStreamer:
+    """Streams grammar-constrained calls as they are generated: the whole output so far is scanned
+    for call heads in the pinned layout (`{"name": "N", "arguments": {`), and each call's arguments
+    object is followed, string- and escape-aware, to its closing brace. Pieces already sent are
+    remembered per call, so every feed sends only what is new. Invariant: for call i, the arguments
+    sent are a prefix of the raw arguments text, and complete() sends the rest exactly once."""
+
+    def __init__(self, new_id: Callable[[], str]) -> None:
+        self._new_id = new_id
+        self._text = ""
+        self._names: dict[int, str] = {}
+        self._heads: dict[int, tuple[str, str]] = {}  # index -> (id, name) of calls whose head went out
+        self._sent: dict[int, int] = {}  # index -> characters of its arguments sent
+        self._args: dict[int, tuple[str, bool]] = {}  # index -> (raw arguments so far, complete)
+
+    def push(self, delta: str) -> None:
+        self._text += delta
+        self._scan()
+
+    def pieces(self, num_done: int) -> list[ToolCallDelta]:
+        """What is new of the calls the parser has not finished yet (index >= num_done)."""
+        out: list[ToolCallDelta] = []
+        for index, (args, _) in self._args.items():
+            if index < num_done:
+                continue  # the parser already finished this call through complete()
+            if index not in self._heads:
+                self._heads[index] = (self._new_id(), self._names[index])
+                out.append(ToolCallDelta(index, id=self._heads[index][0], name=self._names[index]))
+            sent = self._sent.get(index, 0)
+            if len(args) > sent:
+                out.append(ToolCallDelta(index, arguments=args[sent:]))
+                self._sent[index] = len(args)
+        return out
+
+    def complete(self, index: int, name: str) -> list[ToolCallDelta] | None:
+        """The parser validated call `index`: what is left of it to send; None when this streamer
+        did not see the call in the pinned layout (then the parser sends it whole, as before)."""
+        args = self._args.get(index)
+        if args is None or not args[1] or self._names.get(index) != name:
+            return None
+        out: list[ToolCallDelta] = []
+        if index not in self._heads:
+            self._heads[index] = (self._new_id(), name)
+            out.append(ToolCallDelta(index, id=self._heads[index][0], name=name))
+        sent = self._sent.get(index, 0)
+        if len(args[0]) > sent:
+            out.append(ToolCallDelta(index, arguments=args[0][sent:]))
+        self._sent[index] = len(args[0])
+        return out
+
+    def _scan(self) -> None:
+        """Re-derive every call's (name, raw arguments so far, complete) from the text so far."""
+        self._names, self._args = {}, {}
+        pos, index = 0, 0
+        while (m := _HEAD.search(self._text, pos)) is not None:
+            start = m.end() - 1  # the arguments' "{"
+            end = _object_end(self._text, start)
+            self._names[index] = m.group(1)
+            self._args[index] = (
+                self._text[start : end if end is not None else len(self._text)],
+                end is not None,
+            )
+            if end is None:
+                return
+            pos, index = end, index + 1
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """Index just past the JSON object opening at text[start] ("{"), or None if it has not closed yet."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 def _call_from_json(text: str, names: Collection[str] | None) -> tuple[str, str] | None:
