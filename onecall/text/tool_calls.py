@@ -306,7 +306,9 @@ class _ArgumentStreamer:
         return out
 
     def _scan(self) -> None:
-        """Re-derive every call's (name, raw arguments so far, complete) from the text so far."""
+        """Re-derive every call's (name, raw arguments so far, complete) from the text so far. A rescan
+        per feed is quadratic in the output's length; tool calls are a few hundred characters, and a
+        derivation from scratch cannot drift from the text the way incremental state could."""
         self._names, self._args = {}, {}
         pos, index = 0, 0
         while (m := _HEAD.search(self._text, pos)) is not None:
