@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -45,6 +46,16 @@ def pytest_unconfigure(config: object) -> None:
 
 
 # ---- shared fixtures: built once per session, used read-only --------------------------------------
+@pytest.fixture(scope="module")
+def single_thread() -> Iterator[None]:
+    """Tiny matmuls: one thread is faster, and immune to OpenMP stalls on a busy 2-core box. A module
+    opts in with `pytestmark = pytest.mark.usefixtures("single_thread")`."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
 # Tests that need another configuration (another dtype, KV budget, thread count) build their own.
 @pytest.fixture(scope="session")
 def tok() -> Tokenizer:

@@ -10,7 +10,6 @@ summation order in the matmuls). Rows must sum to 1 within 1e-5.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -41,12 +40,8 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+# tiny matmuls: one thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -87,13 +86,8 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Tiny matmuls: one thread is faster, and immune to OpenMP stalls on a busy 2-core box."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+# tiny matmuls: one thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _spec(c: Any, family: str) -> GemmaSpec:

@@ -11,7 +11,6 @@ scrambled physical block ids make every block boundary and indirection count.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,13 +69,8 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Tiny matmuls: one thread is faster, and immune to OpenMP stalls on a busy 2-core box."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+# tiny matmuls: one thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @dataclass

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +47,8 @@ from tests.test_model_numerics import Harness, Seq, assert_close, hf_logits, pro
 ORIGINAL = 16  # original_max_position_embeddings of the tiny models: every test runs past it
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+# tiny matmuls: one thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def factors(n: int, low: float, high: float, seed: int) -> list[float]:
