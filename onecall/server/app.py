@@ -4,6 +4,7 @@
     GET  /                       open   the trace viewer (static/viewer.html; its API calls carry the key)
     POST /v1/chat/completions    key    serving_chat.create_chat_completion
     POST /v1/completions         key    serving_completion.create_completion
+    POST /v1/responses           key    serving_responses.create_response (the chat pipeline; no stream yet)
     GET  /v1/models[/{model}]    key    here
     POST /tokenize, /detokenize  key    serving_tokens
     GET  /health                 open   200 when the engine runs; 503 while loading or once dead (and why)
@@ -45,6 +46,7 @@ from onecall.server.serving_chat import create_chat_completion
 from onecall.server.serving_common import ClientDisconnected, random_id
 from onecall.server.serving_completion import create_completion
 from onecall.server.serving_info import get_load, get_model_info, get_server_info
+from onecall.server.serving_responses import create_response
 from onecall.server.serving_tokens import detokenize, tokenize
 from onecall.server.state import EngineLoader, ServerConfig, ServerState
 
@@ -84,6 +86,7 @@ def create_app(
 
     app.add_api_route("/v1/chat/completions", route(create_chat_completion), methods=["POST"])
     app.add_api_route("/v1/completions", route(create_completion), methods=["POST"])
+    app.add_api_route("/v1/responses", route(create_response), methods=["POST"])
     app.add_api_route("/v1/models", route(_list_models), methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", route(_get_model), methods=["GET"])
     app.add_api_route("/tokenize", route(tokenize), methods=["POST"])

@@ -34,6 +34,7 @@ from onecall.server.protocol import (
     TokenizeResponse,
 )
 from onecall.server.protocol_info import LoadResponse, ModelInfoResponse, ServerInfoResponse
+from onecall.server.protocol_responses import ResponseObject, ResponsesRequest
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,12 @@ ROUTES: dict[str, RouteDoc] = {
         "Text completion (stream: text/event-stream of the same object)",
         CompletionRequest,
         CompletionResponse,
+    ),
+    "/v1/responses": RouteDoc(
+        "post",
+        "Responses API on the chat pipeline (stateless: previous_response_id refused; no stream yet)",
+        ResponsesRequest,
+        ResponseObject,
     ),
     "/v1/models": RouteDoc("get", "The served model", response=ModelList),
     "/v1/models/{model}": RouteDoc("get", "One model by name", response=ModelCard),

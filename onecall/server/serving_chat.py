@@ -92,7 +92,7 @@ async def create_chat_completion(state: ServerState, request: Request, request_i
         id=head.id,
         created=head.created,
         model=head.model,
-        choices=[_choice(i, out, req, tokenizer, setup.new_parser()) for i, out in enumerate(finals)],
+        choices=[chat_choice(i, out, req, tokenizer, setup.new_parser()) for i, out in enumerate(finals)],
         usage=gen.usage(),
         trace=gen.trace() if req.trace else None,
     )
@@ -153,7 +153,7 @@ async def prepare_chat(engine: Engine, req: ChatCompletionRequest) -> ChatSetup:
     return ChatSetup(rendered, so, tools, reasoning, opens, keep_special)
 
 
-def _choice(
+def chat_choice(
     index: int,
     out: RequestOutput,
     req: ChatCompletionRequest,

@@ -1,0 +1,245 @@
+"""POST /v1/responses: the Responses API on the chat pipeline.
+
+    input items + instructions  ->  a ChatCompletionRequest (to_chat_request)
+                                ->  serving_chat's prepare_chat, the same params, one Generation
+    the chat choice             ->  output items: a `message` with its output_text, then one
+                                    `function_call` item per tool call
+
+Input items: messages (`role` user / system / developer / assistant; text content as a string or
+input_text / output_text parts), earlier `function_call` items (replayed as the assistant's
+tool_calls) and `function_call_output` items (tool messages). `text.format` (text / json_object /
+json_schema) becomes response_format; function `tools` and `tool_choice` become chat's. The server is
+stateless: `previous_response_id` and `background` are refused by name. Not yet: `stream` (a 400
+pointing at chat completions), non-function tools, non-text input parts (each refused by name).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from onecall.errors import ContextLengthExceededError, InvalidParameterError
+from onecall.server.http_errors import HTTPError
+from onecall.server.params import to_sampling_params
+from onecall.server.protocol import ChatCompletionRequest
+from onecall.server.protocol_responses import (
+    FunctionCallItem,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    OutputTokensDetails,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from onecall.server.serving_chat import chat_choice, prepare_chat
+from onecall.server.serving_common import Generation, cancel_on_disconnect
+from onecall.server.state import ServerState
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+async def create_response(state: ServerState, request: Request, request_id: str) -> Response:
+    # 1. request: what a stateless server cannot do is refused by name
+    req = await state.parse_body(request, ResponsesRequest)
+    if req.previous_response_id is not None:
+        raise InvalidParameterError(
+            "previous_response_id",
+            "is not supported: onecall keeps nothing between calls; send the whole conversation as input",
+        )
+    if req.background:
+        raise InvalidParameterError("background", "is not supported")
+    if req.stream:
+        raise InvalidParameterError(
+            "stream", "is not supported on /v1/responses yet; /v1/chat/completions streams"
+        )
+    chat = to_chat_request(req)
+    engine = state.ready_engine()
+    state.check_model(chat.model)
+    tokenizer = engine.engine.tokenizer
+    # 2. the chat pipeline: tools, template, structured outputs, params
+    setup = await prepare_chat(engine.engine, chat)
+    if setup.keep_special_text:
+        chat = chat.model_copy(update={"skip_special_tokens": False})
+    room = engine.engine.max_model_len - len(setup.rendered.token_ids)
+    params = to_sampling_params(
+        chat, default_max_tokens=max(1, room), structured_outputs=setup.structured_outputs
+    )
+    response_id = f"resp_{request_id}"
+    try:
+        gen = await Generation.start(engine, response_id, setup.rendered, params)
+    except ContextLengthExceededError as e:
+        raise HTTPError(400, str(e), param="input", code="context_length_exceeded") from None
+    (final,) = await cancel_on_disconnect(request, gen.collect())
+    choice = chat_choice(0, final, chat, tokenizer, setup.new_parser())
+    # 3. output items
+    incomplete = choice.finish_reason == "length"
+    output: list[OutputMessage | FunctionCallItem] = []
+    if choice.message.content:
+        output.append(
+            OutputMessage(
+                id=f"msg_{request_id}",
+                status="incomplete" if incomplete else "completed",
+                content=[OutputText(text=choice.message.content)],
+            )
+        )
+    for call in choice.message.tool_calls or ():
+        output.append(
+            FunctionCallItem(
+                id=f"fc_{call.id}",
+                call_id=call.id,
+                name=call.function.name,
+                arguments=call.function.arguments,
+            )
+        )
+    usage = gen.usage()
+    response = ResponseObject(
+        id=response_id,
+        created_at=int(time.time()),
+        status="incomplete" if incomplete else "completed",
+        incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+        model=state.model_name,
+        output=output,
+        instructions=req.instructions,
+        tools=req.tools or [],
+        tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_output_tokens=req.max_output_tokens,
+        text=req.text,
+        metadata=req.metadata or {},
+        usage=ResponseUsage(
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
+            output_tokens=usage.completion_tokens,
+            output_tokens_details=OutputTokensDetails(),
+            total_tokens=usage.total_tokens,
+        ),
+        trace=gen.trace() if req.trace else None,
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request a Responses request stands for; bad items are a 400 naming `input[i]`."""
+    chat: dict[str, Any] = {
+        "model": req.model,
+        "messages": _messages(req),
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "trace": req.trace,
+        "cache_salt": req.cache_salt,
+    }
+    if req.tools is not None:
+        chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(req.tools)]
+    if isinstance(req.tool_choice, dict):
+        if req.tool_choice.get("type") != "function" or not isinstance(req.tool_choice.get("name"), str):
+            raise InvalidParameterError(
+                "tool_choice", "must be auto, none, required or {type: function, name}"
+            )
+        chat["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice["name"]}}
+    elif req.tool_choice is not None:
+        chat["tool_choice"] = req.tool_choice
+    if req.parallel_tool_calls is not None:
+        chat["parallel_tool_calls"] = req.parallel_tool_calls
+    fmt = (req.text or {}).get("format")
+    if fmt is not None:
+        chat["response_format"] = _response_format(fmt)
+    # through the wire path: the same strict validation (and 400s) as a chat request's body
+    try:
+        return ChatCompletionRequest.model_validate_json(
+            json.dumps({k: v for k, v in chat.items() if v is not None})
+        )
+    except ValueError as e:
+        raise InvalidParameterError("input", f"does not make a valid chat request: {e}") from None
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = (
+        [{"role": "system", "content": req.instructions}] if req.instructions else []
+    )
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    if not req.input:
+        raise InvalidParameterError("input", "is empty: give a string or at least one item")
+    for i, item in enumerate(req.input):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise InvalidParameterError(
+                    f"input[{i}].role", f"must be user, system, developer or assistant, got {role!r}"
+                )
+            messages.append(
+                {"role": "system" if role == "developer" else role, "content": _text(i, item.get("content"))}
+            )
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}  # fmt: skip
+            if not all(isinstance(v, str) for v in (call["id"], item.get("name"))):
+                raise InvalidParameterError(f"input[{i}]", "a function_call needs call_id and name strings")
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)  # consecutive calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
+                raise InvalidParameterError(
+                    f"input[{i}]", "a function_call_output needs call_id and output strings"
+                )
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        else:
+            raise InvalidParameterError(
+                f"input[{i}].type",
+                f"{kind!r} is not supported; message, function_call and function_call_output are",
+            )
+    return messages
+
+
+def _text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidParameterError(f"input[{i}].content", "must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if (
+            not isinstance(part, dict)
+            or part.get("type") not in _TEXT_PARTS
+            or not isinstance(part.get("text"), str)
+        ):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidParameterError(
+                f"input[{i}].content[{j}]", f"{kind!r} is not supported; only text parts are"
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise InvalidParameterError(
+            f"tools[{i}].type", f"{tool.get('type')!r} is not supported; only function tools are"
+        )
+    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _response_format(fmt: Any) -> dict[str, Any]:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {"type": "text"}
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise InvalidParameterError("text.format.type", f"must be text, json_object or json_schema, got {kind!r}")
