@@ -1,7 +1,8 @@
 """POST /v1/responses through the official openai client's `responses` methods, in process over the
 tiny engine: the chat pipeline underneath (a forced tool call comes back as a function_call item
 whose arguments parse; a json_schema text.format gives output that validates; the conversation with
-the call's output continues), usage and the trace extension, and every refusal a 400 naming its field.
+the call's output continues), usage and the trace extension, the streamed events adding up to the
+unstreamed response, and every refusal a 400 naming its field.
 """
 
 from __future__ import annotations
@@ -81,11 +82,42 @@ def test_text_tool_calls_and_structured_output() -> None:
     _with_client(test)
 
 
+def test_streamed_events_add_up_to_the_response() -> None:
+    """The openai client reads the stream: created first, the text deltas join to the final text,
+    a forced call arrives as a function_call item, completed last with usage; the same greedy request
+    unstreamed gives the same output."""
+
+    async def test(client: openai.AsyncOpenAI) -> None:
+        for extra in ({}, {"tools": TOOLS, "tool_choice": "required"}):
+            kwargs: dict[str, Any] = dict(
+                model="tiny", input="Weather in Paris?", temperature=0, max_output_tokens=30, **extra
+            )
+            stream = await client.responses.create(stream=True, **kwargs)
+            events = [e async for e in stream]
+            kinds = [e.type for e in events]
+            assert kinds[0] == "response.created" and kinds[-1] in (
+                "response.completed",
+                "response.incomplete",
+            )
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            final = events[-1].response  # type: ignore[union-attr]
+            deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+            assert deltas == final.output_text
+            whole = await client.responses.create(**kwargs)
+            assert [i.type for i in final.output] == [i.type for i in whole.output]
+            assert final.output_text == whole.output_text and final.usage is not None
+            if extra:
+                (call,) = [i for i in final.output if i.type == "function_call"]
+                (same,) = [i for i in whole.output if i.type == "function_call"]
+                assert call.arguments == same.arguments and "response.function_call_arguments.done" in kinds
+
+    _with_client(test)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"stream": True}, "stream"),
         ({"background": True}, "background"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         (

@@ -4,7 +4,7 @@
     GET  /                       open   the trace viewer (static/viewer.html; its API calls carry the key)
     POST /v1/chat/completions    key    serving_chat.create_chat_completion
     POST /v1/completions         key    serving_completion.create_completion
-    POST /v1/responses           key    serving_responses.create_response (the chat pipeline; no stream yet)
+    POST /v1/responses           key    serving_responses.create_response (the chat pipeline, stateless)
     GET  /v1/models[/{model}]    key    here
     POST /tokenize, /detokenize  key    serving_tokens
     GET  /health                 open   200 when the engine runs; 503 while loading or once dead (and why)

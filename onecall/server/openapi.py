@@ -62,7 +62,7 @@ ROUTES: dict[str, RouteDoc] = {
     ),
     "/v1/responses": RouteDoc(
         "post",
-        "Responses API on the chat pipeline (stateless: previous_response_id refused; no stream yet)",
+        "Responses API on the chat pipeline (stateless: previous_response_id refused; stream: its events)",
         ResponsesRequest,
         ResponseObject,
     ),

@@ -52,7 +52,7 @@ class OutputMessage(_Response):
     type: Literal["message"] = "message"
     id: str
     role: Literal["assistant"] = "assistant"
-    status: Literal["completed", "incomplete"]
+    status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
 
 
@@ -62,7 +62,7 @@ class FunctionCallItem(_Response):
     call_id: str
     name: str
     arguments: str
-    status: Literal["completed"] = "completed"
+    status: Literal["in_progress", "completed"] = "completed"
 
 
 class InputTokensDetails(_Response):
@@ -89,7 +89,7 @@ class ResponseObject(_Response):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["completed", "incomplete"]
+    status: Literal["in_progress", "completed", "incomplete"]
     incomplete_details: dict[str, str] | None = None
     model: str
     output: list[OutputMessage | FunctionCallItem]
@@ -102,6 +102,6 @@ class ResponseObject(_Response):
     max_output_tokens: int | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
-    usage: ResponseUsage
+    usage: ResponseUsage | None = None  # None while in progress (streamed response.created)
     error: None = None
     trace: Any = None

@@ -204,7 +204,7 @@ async def _chat_events(
         async for d in gen.deltas():
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
-            delta, finish_reason = _parsed_delta(parsers[d.index], d)
+            delta, finish_reason = parsed_delta(parsers[d.index], d)
             logprobs = _delta_logprobs(tokenizer, d) if req.logprobs and d.token_ids else None
             if delta == ChatDelta() and finish_reason is None and logprobs is None:
                 continue  # the parser holds the text back (a marker may be starting)
@@ -227,7 +227,7 @@ async def _chat_events(
     yield DONE
 
 
-def _parsed_delta(parser: ChoiceParser | None, d: Delta) -> tuple[ChatDelta, str | None]:
+def parsed_delta(parser: ChoiceParser | None, d: Delta) -> tuple[ChatDelta, str | None]:
     """The delta of one engine output, and the choice's finish_reason if it ended."""
     if parser is None:
         return ChatDelta(content=d.text), d.finish_reason

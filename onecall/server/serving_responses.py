@@ -9,21 +9,24 @@ Input items: messages (`role` user / system / developer / assistant; text conten
 input_text / output_text parts), earlier `function_call` items (replayed as the assistant's
 tool_calls) and `function_call_output` items (tool messages). `text.format` (text / json_object /
 json_schema) becomes response_format; function `tools` and `tool_choice` become chat's. The server is
-stateless: `previous_response_id` and `background` are refused by name. Not yet: `stream` (a 400
-pointing at chat completions), non-function tools, non-text input parts (each refused by name).
+stateless: `previous_response_id` and `background` are refused by name. `stream: true` sends the
+Responses events (created, in_progress, output_text deltas as generated, a tool call as an item once
+parsed, the done events, then completed or incomplete with usage). Not yet: non-function tools,
+non-text input parts (each refused by name).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from onecall.errors import ContextLengthExceededError, InvalidParameterError
-from onecall.server.http_errors import HTTPError
+from onecall.server.http_errors import HTTPError, http_error
 from onecall.server.params import to_sampling_params
 from onecall.server.protocol import ChatCompletionRequest
 from onecall.server.protocol_responses import (
@@ -36,8 +39,9 @@ from onecall.server.protocol_responses import (
     ResponsesRequest,
     ResponseUsage,
 )
-from onecall.server.serving_chat import chat_choice, prepare_chat
+from onecall.server.serving_chat import ChatSetup, chat_choice, parsed_delta, prepare_chat
 from onecall.server.serving_common import Generation, cancel_on_disconnect
+from onecall.server.sse import SSEResponse
 from onecall.server.state import ServerState
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -53,10 +57,6 @@ async def create_response(state: ServerState, request: Request, request_id: str)
         )
     if req.background:
         raise InvalidParameterError("background", "is not supported")
-    if req.stream:
-        raise InvalidParameterError(
-            "stream", "is not supported on /v1/responses yet; /v1/chat/completions streams"
-        )
     chat = to_chat_request(req)
     engine = state.ready_engine()
     state.check_model(chat.model)
@@ -74,55 +74,140 @@ async def create_response(state: ServerState, request: Request, request_id: str)
         gen = await Generation.start(engine, response_id, setup.rendered, params)
     except ContextLengthExceededError as e:
         raise HTTPError(400, str(e), param="input", code="context_length_exceeded") from None
+    # 3. the answer: events as the engine makes them, or the whole response
+    head = _Head(response_id, f"msg_{request_id}", int(time.time()), state.model_name, req)
+    if req.stream:
+        await gen.first_outputs(request)
+        return SSEResponse(_events(gen, head, setup), cleanup=gen.close)
     (final,) = await cancel_on_disconnect(request, gen.collect())
     choice = chat_choice(0, final, chat, tokenizer, setup.new_parser())
-    # 3. output items
-    incomplete = choice.finish_reason == "length"
-    output: list[OutputMessage | FunctionCallItem] = []
-    if choice.message.content:
-        output.append(
-            OutputMessage(
-                id=f"msg_{request_id}",
-                status="incomplete" if incomplete else "completed",
-                content=[OutputText(text=choice.message.content)],
-            )
-        )
-    for call in choice.message.tool_calls or ():
-        output.append(
-            FunctionCallItem(
-                id=f"fc_{call.id}",
-                call_id=call.id,
-                name=call.function.name,
-                arguments=call.function.arguments,
-            )
-        )
-    usage = gen.usage()
-    response = ResponseObject(
-        id=response_id,
-        created_at=int(time.time()),
-        status="incomplete" if incomplete else "completed",
-        incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-        model=state.model_name,
-        output=output,
-        instructions=req.instructions,
-        tools=req.tools or [],
-        tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
-        parallel_tool_calls=req.parallel_tool_calls is not False,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        max_output_tokens=req.max_output_tokens,
-        text=req.text,
-        metadata=req.metadata or {},
-        usage=ResponseUsage(
-            input_tokens=usage.prompt_tokens,
-            input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
-            output_tokens=usage.completion_tokens,
-            output_tokens_details=OutputTokensDetails(),
-            total_tokens=usage.total_tokens,
-        ),
-        trace=gen.trace() if req.trace else None,
-    )
+    calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+    response = head.response(gen, choice.message.content or "", calls, choice.finish_reason)
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+class _Head:
+    """What the response object repeats from the request, and how it is built at each stage."""
+
+    def __init__(
+        self, response_id: str, message_id: str, created: int, model: str, req: ResponsesRequest
+    ) -> None:
+        self.id, self.message_id, self.created, self.model, self.req = (
+            response_id,
+            message_id,
+            created,
+            model,
+            req,
+        )
+
+    def response(
+        self, gen: Generation | None, text: str, calls: list[tuple[str, str, str]], finish_reason: str | None
+    ) -> ResponseObject:
+        """The response: in progress (gen None), or final with its output items and usage."""
+        incomplete = finish_reason == "length"
+        status: Any = "in_progress" if gen is None else "incomplete" if incomplete else "completed"
+        output: list[OutputMessage | FunctionCallItem] = []
+        if text:
+            output.append(OutputMessage(id=self.message_id, status=status, content=[OutputText(text=text)]))
+        output += [
+            FunctionCallItem(id=f"fc_{cid}", call_id=cid, name=name, arguments=args)
+            for cid, name, args in calls
+        ]
+        req = self.req
+        return ResponseObject(
+            id=self.id,
+            created_at=self.created,
+            status=status,
+            incomplete_details={"reason": "max_output_tokens"} if gen is not None and incomplete else None,
+            model=self.model,
+            output=output,
+            instructions=req.instructions,
+            tools=req.tools or [],
+            tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_output_tokens=req.max_output_tokens,
+            text=req.text,
+            metadata=req.metadata or {},
+            usage=None if gen is None else _usage(gen),
+            trace=gen.trace() if gen is not None and req.trace else None,
+        )
+
+
+def _usage(gen: Generation) -> ResponseUsage:
+    usage = gen.usage()
+    return ResponseUsage(
+        input_tokens=usage.prompt_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=OutputTokensDetails(),
+        total_tokens=usage.total_tokens,
+    )
+
+
+async def _events(gen: Generation, head: _Head, setup: ChatSetup) -> AsyncGenerator[bytes, None]:
+    """The Responses stream: created, in_progress; the message item's text deltas as the engine makes
+    them; each tool call as an item once the parser gives it; the done events; completed (with usage)."""
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal seq
+        data = json.dumps({"type": kind, "sequence_number": seq, **fields})
+        seq += 1
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def dump(model: ResponseObject | OutputMessage | FunctionCallItem) -> Any:
+        return json.loads(model.model_dump_json())
+
+    parser = setup.new_parser()
+    text, finish, opened = "", None, False
+    calls: dict[int, list[str]] = {}  # call index -> [id, name, arguments so far]
+    part = {"type": "output_text", "text": "", "annotations": []}
+    msg = {"item_id": head.message_id, "output_index": 0, "content_index": 0}
+    try:
+        first = dump(head.response(None, "", [], None))
+        yield event("response.created", response=first)
+        yield event("response.in_progress", response=first)
+        async for d in gen.deltas():
+            delta, finish = parsed_delta(parser, d)
+            if delta.content:
+                if not opened:  # the message item opens with its first text
+                    opened = True
+                    empty = OutputMessage(id=head.message_id, status="in_progress", content=[])
+                    yield event("response.output_item.added", output_index=0, item=dump(empty))
+                    yield event("response.content_part.added", part=part, **msg)
+                text += delta.content
+                yield event("response.output_text.delta", delta=delta.content, logprobs=[], **msg)
+            for c in delta.tool_calls or ():  # a call's id and name first, its argument fragments after
+                entry = calls.setdefault(c.index, ["", "", ""])
+                if c.id:
+                    entry[0] = c.id
+                if c.function is not None:
+                    entry[1] = c.function.name or entry[1]
+                    entry[2] += c.function.arguments or ""
+        whole = [(cid, name, args) for cid, name, args in (calls[k] for k in sorted(calls))]
+        final = head.response(gen, text, whole, finish)
+        if opened:
+            yield event("response.output_text.done", text=text, logprobs=[], **msg)
+            yield event("response.content_part.done", part={**part, "text": text}, **msg)
+            yield event("response.output_item.done", output_index=0, item=dump(final.output[0]))
+        first_call = 1 if opened else 0
+        for k, call in enumerate(final.output[first_call:], start=first_call):
+            assert isinstance(call, FunctionCallItem)
+            added = call.model_copy(update={"arguments": "", "status": "in_progress"})
+            yield event("response.output_item.added", output_index=k, item=dump(added))
+            ids = {"item_id": call.id, "output_index": k}
+            yield event("response.function_call_arguments.delta", delta=call.arguments, **ids)
+            yield event("response.function_call_arguments.done", arguments=call.arguments, **ids)
+            yield event("response.output_item.done", output_index=k, item=dump(call))
+        kind = "response.completed" if final.status == "completed" else "response.incomplete"
+        yield event(kind, response=dump(final))
+    except Exception as e:  # after the 200 went out: the error is an event
+        error = http_error(e, head.id)
+        yield event("error", message=str(e), code=error.status, param=None)
+    finally:
+        await gen.close()
 
 
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
