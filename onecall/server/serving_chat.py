@@ -28,6 +28,7 @@ from fastapi.responses import Response
 from onecall.engine.engine import Engine, RequestOutput
 from onecall.errors import ContextLengthExceededError, InvalidParameterError
 from onecall.sampling_params import StructuredOutputsParams
+from onecall.server.async_engine import AsyncEngine
 from onecall.server.http_errors import HTTPError, http_error
 from onecall.server.params import requested_structured_outputs, template_messages, to_sampling_params
 from onecall.server.protocol import (
@@ -68,20 +69,9 @@ async def create_chat_completion(state: ServerState, request: Request, request_i
     engine = state.ready_engine()  # first: the model's name is known once it is loaded
     state.check_model(req.model)
     tokenizer = engine.engine.tokenizer
-    # 2. tools, render, structured outputs
-    setup = await prepare_chat(engine.engine, req)
-    if setup.keep_special_text:  # the parsers' markers are special tokens: keep them in the text
-        req = req.model_copy(update={"skip_special_tokens": False})
-    # 3. params, add
-    room = engine.engine.max_model_len - len(setup.rendered.token_ids)
-    params = to_sampling_params(
-        req, default_max_tokens=max(1, room), structured_outputs=setup.structured_outputs
-    )
+    # 2.-3. tools, render, structured outputs, params, add
     chat_id = f"chatcmpl-{request_id}"
-    try:
-        gen = await Generation.start(engine, chat_id, setup.rendered, params)
-    except ContextLengthExceededError as e:  # OpenAI names the messages, not a prompt, for chat
-        raise HTTPError(400, str(e), param="messages", code="context_length_exceeded") from None
+    req, setup, gen = await start_chat(engine, req, chat_id, prompt_param="messages")
     # 4. answer
     head = _Head(chat_id, int(time.time()), state.model_name)
     if req.stream:
@@ -97,6 +87,27 @@ async def create_chat_completion(state: ServerState, request: Request, request_i
         trace=gen.trace() if req.trace else None,
     )
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def start_chat(
+    engine: AsyncEngine, req: ChatCompletionRequest, request_id: str, *, prompt_param: str
+) -> tuple[ChatCompletionRequest, ChatSetup, Generation]:
+    """A chat request queued: tools, the rendered prompt and structured outputs (prepare_chat), its
+    params, its Generation. Returns the request as the params were made from it (the parsers'
+    markers kept in the text when they are special tokens). A prompt longer than the window is a 400
+    naming `prompt_param` (chat: messages; the Responses API: input)."""
+    setup = await prepare_chat(engine.engine, req)
+    if setup.keep_special_text:  # the parsers' markers are special tokens: keep them in the text
+        req = req.model_copy(update={"skip_special_tokens": False})
+    room = engine.engine.max_model_len - len(setup.rendered.token_ids)
+    params = to_sampling_params(
+        req, default_max_tokens=max(1, room), structured_outputs=setup.structured_outputs
+    )
+    try:
+        gen = await Generation.start(engine, request_id, setup.rendered, params)
+    except ContextLengthExceededError as e:  # OpenAI names the messages, not a prompt, for chat
+        raise HTTPError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
+    return req, setup, gen
 
 
 @dataclass(frozen=True)

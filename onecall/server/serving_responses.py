@@ -1,7 +1,7 @@
 """POST /v1/responses: the Responses API on the chat pipeline.
 
     input items + instructions  ->  a ChatCompletionRequest (to_chat_request)
-                                ->  serving_chat's prepare_chat, the same params, one Generation
+                                ->  serving_chat's start_chat: the same render, params, Generation
     the chat choice             ->  output items: a `message` with its output_text, then one
                                     `function_call` item per tool call
 
@@ -25,9 +25,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from onecall.errors import ContextLengthExceededError, InvalidParameterError
-from onecall.server.http_errors import HTTPError, http_error
-from onecall.server.params import to_sampling_params
+from onecall.errors import InvalidParameterError
+from onecall.server.http_errors import http_error
 from onecall.server.protocol import ChatCompletionRequest
 from onecall.server.protocol_responses import (
     FunctionCallItem,
@@ -39,7 +38,7 @@ from onecall.server.protocol_responses import (
     ResponsesRequest,
     ResponseUsage,
 )
-from onecall.server.serving_chat import ChatSetup, chat_choice, parsed_delta, prepare_chat
+from onecall.server.serving_chat import ChatSetup, chat_choice, parsed_delta, start_chat
 from onecall.server.serving_common import Generation, cancel_on_disconnect
 from onecall.server.sse import SSEResponse
 from onecall.server.state import ServerState
@@ -61,19 +60,9 @@ async def create_response(state: ServerState, request: Request, request_id: str)
     engine = state.ready_engine()
     state.check_model(chat.model)
     tokenizer = engine.engine.tokenizer
-    # 2. the chat pipeline: tools, template, structured outputs, params
-    setup = await prepare_chat(engine.engine, chat)
-    if setup.keep_special_text:
-        chat = chat.model_copy(update={"skip_special_tokens": False})
-    room = engine.engine.max_model_len - len(setup.rendered.token_ids)
-    params = to_sampling_params(
-        chat, default_max_tokens=max(1, room), structured_outputs=setup.structured_outputs
-    )
+    # 2. the chat pipeline: tools, template, structured outputs, params, add
     response_id = f"resp_{request_id}"
-    try:
-        gen = await Generation.start(engine, response_id, setup.rendered, params)
-    except ContextLengthExceededError as e:
-        raise HTTPError(400, str(e), param="input", code="context_length_exceeded") from None
+    chat, setup, gen = await start_chat(engine, chat, response_id, prompt_param="input")
     # 3. the answer: events as the engine makes them, or the whole response
     head = _Head(response_id, f"msg_{request_id}", int(time.time()), state.model_name, req)
     if req.stream:
