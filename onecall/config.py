@@ -54,6 +54,9 @@ class EngineConfig:
     # On CUDA with the fast kernels: decode steps padded to bucket sizes and replayed as CUDA graphs
     # (engine/decode_graphs.py). False runs every step eagerly.
     cuda_graphs: bool = True
+    # Tensor parallel: the model split over this many processes (engine/tp_workers.py), one per
+    # device on CUDA (cuda:0 .. cuda:N-1, NCCL), N processes on CPU (gloo). 1: this process alone.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -92,6 +95,26 @@ class EngineConfig:
             )
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise InvalidParameterError("num_threads", f"must be an integer >= 1, got {self.num_threads!r}")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidParameterError("tensor_parallel_size", f"must be an integer >= 1, got {n!r}")
+        if n == 1:
+            return
+        dev = self.torch_device
+        if dev.type not in ("cpu", "cuda") or dev.index not in (None, 0):
+            raise InvalidParameterError(
+                "device",
+                f"with tensor_parallel_size {n} rank r runs on cuda:r (or the CPU); give 'cuda' or 'cpu', "
+                f"not {self.device!r}",
+            )
+        if dev.type == "cuda" and torch.cuda.device_count() < n:
+            raise InvalidParameterError(
+                "tensor_parallel_size",
+                f"{n} ranks need {n} CUDA devices, {torch.cuda.device_count()} are visible",
+            )
 
     @property
     def torch_device(self) -> torch.device:

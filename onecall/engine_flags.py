@@ -2,7 +2,8 @@
 (onecall/cli/) and by the lab (lab/cli.py), which import this module and not each other.
 
     add_engine_args(parser)   --model, --dtype, --device, --max-model-len, --kv-cache-gib,
-                              --kv-cache-dtype, --num-threads, --kernels
+                              --kv-cache-dtype, --num-threads, --kernels,
+                              --tensor-parallel-size
     engine_kwargs(args)       -> the EngineConfig / LLM keyword arguments those flags give
 
 Only argparse here: the parsers are built before anything heavy loads.
@@ -39,6 +40,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["fast", "reference"],
         help="fast: oneDNN and the GGUF's own int4 weights on CPU (default); reference: plain torch ops",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=int,
+        default=1,
+        help="split the model over N processes started by onecall (N GPUs with NCCL, or CPU with gloo); "
+        "the heads and intermediate size must divide by N",
+    )
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -52,4 +61,5 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         "num_threads": a.num_threads,
         "kernels": a.kernels,
         "kv_cache_dtype": a.kv_cache_dtype,
+        "tensor_parallel_size": a.tensor_parallel_size,
     }

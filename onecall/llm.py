@@ -59,7 +59,11 @@ class ModelInfo:
 
 
 class LLM:
-    """An engine with a model loaded. `model=None` is the embedded SmolLM2-135M-Instruct."""
+    """An engine with a model loaded. `model=None` is the embedded SmolLM2-135M-Instruct.
+
+    `tensor_parallel_size=N` (an EngineConfig field, like the other keyword arguments) splits the
+    model over N processes that this one starts (engine/tp_workers.py); `close()`, or leaving a
+    `with LLM(...) as llm:` block, stops them (they also stop when this process exits)."""
 
     def __init__(
         self,
@@ -73,6 +77,16 @@ class LLM:
         self.engine = engine or Engine(EngineConfig(model=model, dtype=dtype, device=device, **config_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op with one process). The LLM is unusable after."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ---- prompts -----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None) -> list[RequestOutput]:
@@ -243,6 +257,10 @@ class LLM:
         """(num_layers, num_prompt_tokens) float32: per layer, the attention the prompt's last position
         pays to every position, averaged over heads (rows sum to 1). A separate plain forward
         (model/attention_probe.py): no KV cache, nothing shared with the engine's requests."""
+        if self.engine.config.tensor_parallel_size > 1:
+            raise InvalidParameterError(
+                "tensor_parallel_size", "attention_probs() runs the model in this process alone: use 1"
+            )
         ids = self.engine.prompt_token_ids(prompt)
         if len(ids) > self.engine.max_model_len:
             raise ContextLengthExceededError(len(ids), self.engine.max_model_len)

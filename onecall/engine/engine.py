@@ -144,7 +144,7 @@ class Engine:
         self._last_fault: EngineStepError | None = None  # set by a recovered step, cleared by a good one
         self.dead_reason: str | None = None  # set once the engine refuses to go on (see the docstring)
         backend = default_backend(self.device, self.config.kernels)
-        if self.config.cuda_graphs and backend == "triton":  # the fast kernels on CUDA
+        if self.config.cuda_graphs and backend == "triton" and p.tp_group is None:  # fast kernels, CUDA
             self.enable_static_decode(capture=self.device.type == "cuda", backend=backend)
         else:
             self._build_runner(backend, p.num_blocks)
@@ -157,7 +157,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens
         )
-        self.runner = ModelRunner(p.model, p.kv_cache, self.block_manager, self.device, backend)
+        self.runner = ModelRunner(
+            p.model, p.kv_cache, self.block_manager, self.device, backend, tp_group=p.tp_group
+        )
 
     def enable_static_decode(self, capture: bool, backend: str | None = None) -> None:
         """Run pure-decode steps on static, bucketed buffers (engine/decode_graphs.py), captured as
@@ -178,6 +180,11 @@ class Engine:
             backend=backend,
             capture=capture,
         )
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (also done at exit); a no-op otherwise."""
+        if self.parts.tp_group is not None:
+            self.parts.tp_group.close()
 
     @property
     def grammar(self) -> GrammarBackend:
@@ -322,6 +329,9 @@ class Engine:
         self._note_first_schedule(sched, t0)
         try:
             outputs = self._run_step(sched, t0)
+        except EngineDeadError as e:  # a tensor-parallel rank died: nothing to recover (tp_workers.py)
+            self.dead_reason = str(e)
+            raise
         except Exception as e:
             return self._recover(sched, self._step_error(e))
         self._last_fault = None

@@ -5,6 +5,12 @@
 3. tokenizer + chat template (from GGUF metadata or tokenizer.json)
 4. build DecoderLM on the device, stream the weights in
 5. size the KV pool: budget // bytes per block; the context window is capped by it
+
+With tensor_parallel_size N > 1, rank 0 (this process) refuses a model whose heads do not divide
+by N before any other process exists, then starts ranks 1 .. N-1 (engine/tp_workers.py). Every
+rank builds and loads its own 1/N of the model (load_model) and counts the KV blocks its own budget
+holds for its own KV heads (kv_blocks_in_budget); the ranks take the smallest count, so every
+rank's pool has the same block ids. Rank 0 keeps the scheduler and the tokenizer.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,9 +30,13 @@ from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.gguf import open_gguf
 from onecall.model.kv_cache import PagedKVCache
+from onecall.model.parallel import TensorParallel
 from onecall.model.quants import StoredGroups
 from onecall.model.weights import load_weights
 from onecall.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from onecall.engine.tp_workers import TensorParallelGroup
 
 
 @dataclass
@@ -41,6 +52,7 @@ class LoadedEngineParts:
     dtype: torch.dtype
     load_seconds: float
     kernels: str = "reference"  # what the projections run on (DecoderLM.kernels)
+    tp_group: TensorParallelGroup | None = None  # the other ranks, with tensor_parallel_size > 1
 
     @property
     def model_name(self) -> str:
@@ -53,27 +65,43 @@ def load_engine_parts(config: EngineConfig) -> LoadedEngineParts:
     if config.num_threads is not None and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
 
-    # 1.-3. files, config, tokenizer. The tokenizer builds on a thread while the weights load (the
-    # weight work is torch ops that release the GIL): about 0.2 s of cold start off the critical path.
+    # 1.-2. files and config; under tensor parallel, refuse what does not split, then start the ranks
     files = resolve_model(config.model)
     model_config = ModelConfig.from_hf_config(load_hf_config_dict(files))
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        tokenizer_job = pool.submit(_load_tokenizer, files)
-        model = _load_model(config, files, model_config, dtype, device)
-        tokenizer = tokenizer_job.result()
+    group = None
+    if config.tensor_parallel_size > 1:
+        from onecall.engine.tp_workers import start_group  # it imports this module (load_model)
 
-    # 5. KV pool
-    kv_dtype = config.torch_kv_cache_dtype
-    num_blocks, max_model_len = _size_kv(config, model_config, kv_dtype, device)
-    kv_cache = PagedKVCache(
-        model_config.num_hidden_layers,
-        num_blocks,
-        config.block_size,
-        model_config.num_key_value_heads,
-        model_config.head_dim,
-        kv_dtype,
-        device,
-    )
+        TensorParallel(0, config.tensor_parallel_size).check_divides(model_config)
+        group = start_group(config)  # returns on rank 0 only
+        device = group.device
+    try:
+        # 3.-4. tokenizer and weights. The tokenizer builds on a thread while the weights load (the
+        # weight work is torch ops that release the GIL): about 0.2 s of cold start off the critical path.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            tokenizer_job = pool.submit(_load_tokenizer, files)
+            model = load_model(config, files, model_config, dtype, device, group.tp if group else None)
+            tokenizer = tokenizer_job.result()
+
+        # 5. KV pool: this rank's KV heads; every rank agrees on the smallest pool
+        kv_dtype = config.torch_kv_cache_dtype
+        num_blocks = kv_blocks_in_budget(config, model.config, kv_dtype, device)
+        if group is not None:
+            num_blocks = group.agree_num_blocks(num_blocks)
+        max_model_len = _check_kv(config, model_config, num_blocks, kv_dtype)
+        kv_cache = PagedKVCache(
+            model_config.num_hidden_layers,
+            num_blocks,
+            config.block_size,
+            model.config.num_key_value_heads,
+            model_config.head_dim,
+            kv_dtype,
+            device,
+        )
+    except BaseException:
+        if group is not None:
+            group.close()  # the workers wait for a first step that will never come
+        raise
     return LoadedEngineParts(
         files,
         model_config,
@@ -86,6 +114,7 @@ def load_engine_parts(config: EngineConfig) -> LoadedEngineParts:
         dtype,
         time.perf_counter() - t0,
         model.kernels,
+        group,
     )
 
 
@@ -95,14 +124,16 @@ def _load_tokenizer(files: ModelFiles) -> Tokenizer:
     return Tokenizer.from_hf_folder(files.path)
 
 
-def _load_model(
+def load_model(
     config: EngineConfig,
     files: ModelFiles,
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
+    tp: TensorParallel | None = None,
 ) -> DecoderLM:
-    """4. Build the module tree and stream the weights in. The fast kernels pack each projection as
+    """4. Build the module tree and stream the weights in (with `tp`, this rank's slice of them, on
+    the reference kernels: see DecoderLM). The fast kernels pack each projection as
     it arrives, keeping a GGUF's own 4-bit groups (decoded once on the way in) and its Q8_0 logits
     weight as int8; no dense copy of the projections is ever kept.
 
@@ -111,17 +142,21 @@ def _load_model(
     (Phi-3) picks its short factors when that length is within its original context, as vLLM does."""
     if config.max_model_len is not None and config.max_model_len < model_config.max_position_embeddings:
         model_config = dataclasses.replace(model_config, max_position_embeddings=config.max_model_len)
-    model = DecoderLM(model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast")
+    model = DecoderLM(model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast", tp=tp)
     stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
-    load_weights(model, iter_weights(files, dtype, stored), stored)
+    weights = iter_weights(files, dtype, stored)
+    load_weights(
+        model, weights if model.tp is None else model.tp.shard_weights(weights, model_config), stored
+    )
     return model.eval()
 
 
-def _size_kv(
-    config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> tuple[int, int]:
+def kv_blocks_in_budget(
+    config: EngineConfig, local: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    """How many KV blocks of `local` (this rank's model: its own KV heads) the budget holds."""
     per_block = PagedKVCache.bytes_per_block(
-        mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, dtype
+        local.num_hidden_layers, config.block_size, local.num_key_value_heads, local.head_dim, dtype
     )
     if config.kv_cache_gib is not None:
         budget = int(config.kv_cache_gib * 2**30)
@@ -130,11 +165,21 @@ def _size_kv(
         budget = int(free * DEFAULT_GPU_KV_CACHE_FRACTION)
     else:
         budget = int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
-    num_blocks = budget // per_block
+    return budget // per_block
+
+
+def _check_kv(config: EngineConfig, mc: ModelConfig, num_blocks: int, dtype: torch.dtype) -> int:
+    """The context window the pool allows; refuses a pool of fewer than 2 blocks or a max_model_len
+    it cannot hold."""
     capacity = num_blocks * config.block_size
     if num_blocks < 2:
+        per_block = PagedKVCache.bytes_per_block(
+            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, dtype
+        )
         raise InvalidParameterError(
-            "kv_cache_gib", f"the KV budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes"
+            "kv_cache_gib",
+            f"the KV budget holds {num_blocks} blocks; at least 2 are needed "
+            f"({per_block // config.tensor_parallel_size} bytes each per rank)",
         )
     if config.max_model_len is not None:
         if config.max_model_len > mc.max_position_embeddings:
@@ -148,5 +193,5 @@ def _size_kv(
                 f"{config.max_model_len} tokens need more KV cache than the budget holds ({capacity} tokens); "
                 "raise kv_cache_gib",
             )
-        return num_blocks, config.max_model_len
-    return num_blocks, min(mc.max_position_embeddings, capacity)
+        return config.max_model_len
+    return min(mc.max_position_embeddings, capacity)

@@ -1,22 +1,33 @@
 """ModelRunner: a scheduled batch -> tensors -> model -> logits of the rows that sample.
 
-The only engine module that touches tensors. Per step it
-  1. applies the KV manager's pending copy-on-write slot copies,
-  2. flattens every scheduled chunk into one packed batch, decode rows first (input ids,
-     positions, block tables, sequence and query lengths -> AttentionMetadata),
-  3. runs the model once, and
-  4. returns the logits at the last fed position of each sequence that samples, and
-  5. for a sequence collecting prompt logprobs (engine/sequence.py), the log-softmax of the
-     raw logits at every fed position that predicts a prompt token it has no entry for yet:
-     the chosen prompt token's logprob and its params.prompt_logprobs likeliest alternatives.
-     Chunked prefill collects chunk by chunk; rows go through the logits projection in slices
-     of _PROMPT_LOGPROBS_ROWS, so a long chunk never holds (chunk, vocab) floats at once.
+The only engine module that touches tensors. A step has two halves:
+
+  (a) pack(batch) -> StepInputs: plain ints and lists, nothing from the model folder, so under
+      tensor parallel rank 0 can send them to the other ranks (engine/tp_workers.py):
+        - the KV manager's pending copy-on-write slot copies,
+        - every scheduled chunk flattened into one packed batch, decode rows first (input ids,
+          positions, block tables, sequence and query lengths, run lengths),
+        - the rows that sample, and the rows whose prompt logprobs are collected;
+  (b) run(StepInputs) -> logits: the slot copies, the tensors and AttentionMetadata, one forward
+      over the packed batch, then
+        - for a sequence collecting prompt logprobs (engine/sequence.py), the raw logits at every
+          fed position that predicts a prompt token it has no entry for yet, in slices of
+          _PROMPT_LOGPROBS_ROWS rows, so a long chunk never holds (chunk, vocab) floats at once
+          (rank 0 turns each slice into the chosen token's logprob and the likeliest alternatives),
+        - the logits at the last fed position of each sequence that samples.
+
+Every rank of a tensor-parallel group runs (b) on the same StepInputs, so each makes the same
+collective calls in the same order (the all-reduces in the forward, one vocabulary gather per
+compute_logits). With one process (tensor_parallel_size 1) execute() is (a) then (b) and nothing
+is sent anywhere.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,7 +39,29 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.fast_linear import decode_rows
 from onecall.model.kv_cache import PagedKVCache
 
+if TYPE_CHECKING:
+    from onecall.engine.tp_workers import TensorParallelGroup
+
 _PROMPT_LOGPROBS_ROWS = 256  # positions per logits slice when collecting prompt logprobs
+
+# on_prompt_logits(k, lo, logits): rows lo .. lo + len(logits) - 1 of StepInputs.prompt_rows[k]
+PromptLogitsFn = Callable[[int, int, torch.Tensor], None]
+
+
+@dataclass
+class StepInputs:
+    """One step's packed batch as plain ints: all a rank needs to run the forward and the logits."""
+
+    copies: list[tuple[int, int]]  # (src_slot, dst_slot) copy-on-write, applied before the forward
+    input_ids: list[int]  # (num_tokens,) decode rows first
+    positions: list[int]  # (num_tokens,)
+    block_tables: list[Seq[int]]  # per sequence (rank 0: live views, read-only within the step)
+    seq_lens: list[int]  # per sequence: KV length after this step
+    query_lens: list[int]  # per sequence: tokens fed now
+    run_lengths: list[int]  # per sequence: leading consecutive blocks (BlockManager.first_run_length)
+    sample_rows: list[int]  # packed rows whose logits are sampled, in batch order
+    prompt_rows: list[tuple[int, int]]  # (first packed row, count) per sequence collecting prompt logprobs
+    num_decode: int  # the first num_decode sequences decode one token each
 
 
 @dataclass
@@ -51,27 +84,63 @@ class ModelRunner:
         self,
         model: DecoderLM,
         kv_cache: PagedKVCache,
-        block_manager: BlockManager,
+        block_manager: BlockManager | None,
         device: torch.device,
         attention_backend: str = "paged",
+        *,
+        block_size: int | None = None,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
+        """`block_manager` is None on a tensor-parallel worker, which only run()s (then `block_size`
+        is given); `tp_group` on rank 0 of a tensor-parallel group sends each step to the workers."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_manager = block_manager
+        size = block_manager.block_size if block_manager is not None else block_size
+        assert size is not None, "a worker's runner needs the block size"
+        self.block_size: int = size
         self.device = device
         self.attention_backend = attention_backend  # model/attention.py: "paged", "triton" or "reference"
         self.decode_graphs: DecodeGraphs | None = None  # static-shape decode steps (CUDA graphs)
+        self.tp_group = tp_group
 
     @torch.inference_mode()
     def execute(self, batch: Seq[ScheduledSeq]) -> RunnerOutput:
         """Run one step: the sampling rows' logits, and the prompt logprobs this step collects."""
-        # 1. copy-on-write of partially matched prefix blocks
-        copies = self.block_manager.take_copy_ops()
-        if copies:
-            self.kv_cache.copy_slots([s for s, _ in copies], [d for _, d in copies])
+        step, prompt_seqs = self.pack(batch)
+        if (
+            self.decode_graphs is not None
+            and step.num_decode == len(batch)
+            and len(step.sample_rows) == len(batch)
+            and not step.prompt_rows
+            and not step.copies  # only admissions queue copies, and an admitted sequence prefills
+        ):
+            # every sequence decodes one token: the static buffers (and on CUDA a replayed graph)
+            with decode_rows(step.num_decode):
+                logits = self.decode_graphs.run(
+                    step.input_ids, step.positions, step.block_tables, step.seq_lens, self.block_size
+                )
+            if logits is not None:
+                return RunnerOutput(logits)  # rows are in batch order: decode rows first changed nothing
+        prompt_lps = {i: PromptLogprobs(first_token=position + 1) for i, position, _ in prompt_seqs}
 
-        # 2. pack the chunks, decode rows first: the fast kernels run a request's decode tokens and its
-        #    prompt tokens on fixed kernels whatever else is in the batch (fast_linear.decode_rows)
+        def collect(k: int, lo: int, logits: torch.Tensor) -> None:
+            i, position, num_top = prompt_seqs[k]
+            _add_prompt_logprobs(prompt_lps[i], logits, batch[i].seq.token_ids, position + lo, num_top)
+
+        if self.tp_group is None:
+            logits = self.run(step, collect if prompt_seqs else None)
+        else:
+            logits = self.tp_group.run_step(self, step, collect if prompt_seqs else None)
+        return RunnerOutput(logits, prompt_lps)
+
+    def pack(self, batch: Seq[ScheduledSeq]) -> tuple[StepInputs, list[tuple[int, int, int]]]:
+        """(a) The step's StepInputs, and per StepInputs.prompt_rows entry what only rank 0 needs:
+        (batch index, first position, params.prompt_logprobs)."""
+        assert self.block_manager is not None, "only rank 0 packs steps"
+        bm = self.block_manager
+        # decode rows first: the fast kernels run a request's decode tokens and its prompt tokens on
+        # fixed kernels whatever else is in the batch (fast_linear.decode_rows)
         order = sorted(range(len(batch)), key=lambda i: batch[i].seq.is_prefilling)  # stable
         num_decode = sum(not batch[i].seq.is_prefilling for i in order)
         input_ids: list[int] = []
@@ -81,7 +150,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         last_row: dict[int, int] = {}  # batch index -> its last row in the packed batch
-        prompt_rows: dict[int, tuple[int, int, int]] = {}  # batch index -> (first row, first position, count)
+        prompt_rows: list[tuple[int, int]] = []
+        prompt_seqs: list[tuple[int, int, int]] = []
         for i in order:
             item = batch[i]
             seq, n = item.seq, item.num_new_tokens
@@ -93,78 +163,85 @@ class ModelRunner:
                 end = min(start + n, seq.num_prompt_tokens - 1)
                 assert start <= len(seq.prompt_logprobs) - 1, "prompt logprobs would skip a position"
                 if end > first:
-                    prompt_rows[i] = (len(input_ids) + first - start, first, end - first)
+                    prompt_rows.append((len(input_ids) + first - start, end - first))
+                    prompt_seqs.append((i, first, seq.params.prompt_logprobs or 0))
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            block_tables.append(self.block_manager.block_table_view(seq.seq_id))  # no copy: read-only here
-            run_lengths.append(self.block_manager.first_run_length(seq.seq_id))
+            block_tables.append(bm.block_table_view(seq.seq_id))  # no copy: read-only here
+            run_lengths.append(bm.first_run_length(seq.seq_id))
             seq_lens.append(start + n)
             query_lens.append(n)
             last_row[i] = len(input_ids) - 1
         sample_rows = [last_row[i] for i, item in enumerate(batch) if item.samples]
-        if (
-            self.decode_graphs is not None
-            and num_decode == len(batch)
-            and len(sample_rows) == len(batch)
-            and not prompt_rows
-        ):
-            # every sequence decodes one token: the static buffers (and on CUDA a replayed graph)
-            with decode_rows(num_decode):
-                logits = self.decode_graphs.run(
-                    input_ids, positions, block_tables, seq_lens, self.block_manager.block_size
-                )
-            if logits is not None:
-                return RunnerOutput(logits)  # rows are in batch order: decode rows first changed nothing
-        meta = build_attention_metadata(
+        step = StepInputs(
+            bm.take_copy_ops(),
+            input_ids,
+            positions,
             block_tables,
             seq_lens,
             query_lens,
-            self.block_manager.block_size,
+            run_lengths,
+            sample_rows,
+            prompt_rows,
+            num_decode,
+        )
+        return step, prompt_seqs
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs, on_prompt_logits: PromptLogitsFn | None = None) -> torch.Tensor:
+        """(b) The forward and the logits of one packed step: (num_sample_rows, vocab_size) float32.
+        Every prompt-logprob slice goes through compute_logits (and to `on_prompt_logits`, when given)
+        before the sampling rows do: the same calls, in the same order, on every rank."""
+        # 1. copy-on-write of partially matched prefix blocks
+        if step.copies:
+            self.kv_cache.copy_slots([s for s, _ in step.copies], [d for _, d in step.copies])
+        # 2. tensors and attention metadata
+        meta = build_attention_metadata(
+            step.block_tables,
+            step.seq_lens,
+            step.query_lens,
+            self.block_size,
             self.device,
             backend=self.attention_backend,
-            run_lengths=run_lengths,
+            run_lengths=step.run_lengths,
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-
-        # 3. one forward over the packed batch; 4. logits only where a token is sampled
-        with decode_rows(num_decode):
+        ids_t = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(step.positions, dtype=torch.long, device=self.device)
+        # 3. one forward over the packed batch
+        with decode_rows(step.num_decode):
             hidden = self.model(ids_t, pos_t, self.kv_cache, meta)  # (num_tokens, hidden_size)
-        prompt_lps = {
-            i: self._prompt_logprobs(
-                hidden, batch[i].seq.token_ids, batch[i].seq.params.prompt_logprobs or 0, *rows
-            )
-            for i, rows in prompt_rows.items()
-        }
+        # 4. prompt logprobs' logits, slice by slice
+        for k, (row, count) in enumerate(step.prompt_rows):
+            for lo in range(0, count, _PROMPT_LOGPROBS_ROWS):
+                hi = min(count, lo + _PROMPT_LOGPROBS_ROWS)
+                logits = self.model.compute_logits(hidden[row + lo : row + hi])  # (hi - lo, vocab_size)
+                if on_prompt_logits is not None:
+                    on_prompt_logits(k, lo, logits)
+        # 5. logits only where a token is sampled
+        sample_rows = step.sample_rows
         if not sample_rows:
-            logits = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        elif sample_rows == list(range(len(sample_rows))) and len(sample_rows) == hidden.shape[0]:
-            logits = self.model.compute_logits(hidden)  # every row samples (pure decode): no gather
-        else:
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return RunnerOutput(logits, prompt_lps)
+            return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
+        if sample_rows == list(range(len(sample_rows))) and len(sample_rows) == hidden.shape[0]:
+            return self.model.compute_logits(hidden)  # every row samples (pure decode): no gather
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, token_ids: list[int], num_top: int, row: int, position: int, count: int
-    ) -> PromptLogprobs:
-        """Packed rows row .. row + count - 1 hold positions position .. position + count - 1; each
-        predicts the next prompt token, token_ids[p + 1] (the chunk's last row predicts a token the
-        next chunk feeds: it comes from the sequence, not from this batch)."""
-        out = PromptLogprobs(first_token=position + 1)
-        for lo in range(0, count, _PROMPT_LOGPROBS_ROWS):
-            hi = min(count, lo + _PROMPT_LOGPROBS_ROWS)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[row + lo : row + hi]), dim=-1)
-            # (hi - lo, vocab_size) float32
-            next_ids = token_ids[position + lo + 1 : position + hi + 1]
-            targets = torch.tensor(next_ids, dtype=torch.long, device=self.device)
-            out.logprobs += logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-            if num_top:
-                top_v, top_i = logprobs.topk(num_top, dim=-1)  # (hi - lo, num_top), descending
-                out.top_logprobs += [
-                    list(zip(ids, vals, strict=True))
-                    for ids, vals in zip(top_i.tolist(), top_v.tolist(), strict=True)
-                ]
-            else:
-                out.top_logprobs += [[] for _ in range(hi - lo)]
-        return out
+
+def _add_prompt_logprobs(
+    out: PromptLogprobs, logits: torch.Tensor, token_ids: list[int], position: int, num_top: int
+) -> None:
+    """logits (n, vocab_size) at positions position .. position + n - 1; each predicts the next prompt
+    token, token_ids[p + 1] (a chunk's last row predicts a token the next chunk feeds: it comes from
+    the sequence, not from this batch)."""
+    n = logits.shape[0]
+    logprobs = torch.log_softmax(logits, dim=-1)  # (n, vocab_size) float32
+    targets = torch.tensor(token_ids[position + 1 : position + n + 1], dtype=torch.long, device=logits.device)
+    out.logprobs += logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+    if num_top:
+        top_v, top_i = logprobs.topk(num_top, dim=-1)  # (n, num_top), descending
+        out.top_logprobs += [
+            list(zip(ids, vals, strict=True))
+            for ids, vals in zip(top_i.tolist(), top_v.tolist(), strict=True)
+        ]
+    else:
+        out.top_logprobs += [[] for _ in range(n)]

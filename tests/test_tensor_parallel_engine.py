@@ -1,0 +1,222 @@
+"""Tensor parallel through the engine (engine/tp_workers.py): LLM(tensor_parallel_size=2) on CPU, two
+gloo ranks, against the same model in one process.
+
+The oracle is the engine at tensor_parallel_size 1 with the reference kernels: greedy tokens must be
+equal, token for token, on tiny random Llama, Qwen2 and Qwen3 folders (safetensors, a byte-level
+tokenizer of 257 ids, so the vocabulary does not divide by 2 and rank 1 holds a padding row). The
+batch mixes what makes a step's message non-trivial: a shared prefix (prefix-cache hits, a
+copy-on-write of a partly matched block), prompts longer than the token budget (chunked prefill),
+decode rows next to prefill rows, and prompt logprobs (extra vocabulary gathers that every rank
+must make). Prompt logprobs are compared to 1e-4: the all-reduces sum partial matmuls in another
+order than one matmul does (float32, logits of magnitude ~10).
+
+Faults: the embedded SmolLM2 (9 query, 3 KV heads) is refused for 2 before any process starts; a
+worker killed with SIGKILL makes the next step raise TensorParallelError (an EngineDeadError) naming
+the rank, within a bounded time, and leaves no process behind; a rank 0 killed with SIGKILL takes its
+workers with it.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from onecall import LLM, SamplingParams
+from onecall.config import EngineConfig
+from onecall.engine.engine import RequestOutput
+from onecall.engine.model_runner import StepInputs
+from onecall.engine.tp_workers import TensorParallelError, decode_step, encode_step
+from onecall.engine_flags import add_engine_args, engine_kwargs
+from onecall.errors import EngineDeadError, InvalidParameterError, UnsupportedModelError
+from onecall.text.byte_level import byte_alphabet
+from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_hf_folder
+
+VOCAB = 257  # 256 bytes + <|end|>: odd, so rank 1's vocabulary shard ends in a padding row
+ENGINE: dict[str, Any] = dict(
+    device="cpu", dtype="float32", kernels="reference", num_threads=1, block_size=4, kv_cache_gib=0.01,
+    max_num_batched_tokens=16,
+)  # fmt: skip
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SHARED = [7, 100, 42, 9, 200, 13]  # 6 tokens: a prefix hit of 1.5 blocks, the half block copied on write
+
+
+def tiny_folder(root: Path, arch: str) -> Path:
+    """A Hugging Face folder: config, safetensors weights scaled up (wide logit gaps, so float32
+    reordering cannot flip an argmax), and a byte-level tokenizer.json."""
+    config = tiny_hf_config(arch, vocab_size=VOCAB, eos_token_id=256)
+    state = {
+        name: t if "norm" in name else t * (10.0 if "embed" in name else 5.0)
+        for name, t in random_state_dict(config, seed=7).items()
+    }
+    folder = write_tiny_hf_folder(root / f"tiny-{arch}", state, config, shards=2)
+    vocab = {ch: i for i, ch in byte_alphabet().items()} | {"<|end|>": 256}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment]
+    hf.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    return folder
+
+
+def run_batch(llm: LLM) -> list[RequestOutput]:
+    prompts: list[Any] = [
+        SHARED + [5, 6, 7],
+        SHARED + [1, 2],
+        list(range(30, 70)),  # 40 tokens: three chunks of at most 16
+        [3],
+    ]
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2), GREEDY]
+    out = llm.generate(prompts[:1], params[:1])  # the shared prefix is cached before the batch comes
+    return out + llm.generate(prompts[1:], params[1:])
+
+
+def top_ids(out: RequestOutput) -> list[list[int]]:
+    assert out.prompt_top_logprobs is not None
+    return [[i for i, _ in top or []] for top in out.prompt_top_logprobs]
+
+
+@pytest.mark.slow  # spawns a worker per case
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_two_ranks_give_the_tokens_of_one(arch: str, tmp_path: Path) -> None:
+    folder = str(tiny_folder(tmp_path, arch))
+    with LLM(folder, **ENGINE) as one:
+        want = run_batch(one)
+    with LLM(folder, tensor_parallel_size=2, **ENGINE) as two:
+        assert two.engine.parts.model.config.num_attention_heads == 2  # rank 0 holds half the heads
+        got = run_batch(two)
+        assert two.engine.parts.num_blocks // 2 == one.engine.parts.num_blocks  # half the KV heads a block
+    assert multiprocessing.active_children() == [] and not dist.is_initialized()
+    assert got[1].num_cached_tokens == want[1].num_cached_tokens == 6  # prefix hit, copy-on-write included
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason == "length"
+    w_lp, g_lp = want[2].prompt_logprobs, got[2].prompt_logprobs
+    assert w_lp is not None and g_lp is not None and len(g_lp) == 40 and g_lp[0] is w_lp[0] is None
+    torch.testing.assert_close(torch.tensor(g_lp[1:]), torch.tensor(w_lp[1:]), rtol=0, atol=1e-4)
+    assert top_ids(got[2]) == top_ids(want[2])  # the same alternatives, in the same order
+
+
+def test_the_embedded_smollm2_is_refused_for_two_before_any_process_starts() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"num_attention_heads \(9\), num_key_value_heads \(3\)"):
+        LLM(tensor_parallel_size=2, device="cpu")
+    assert multiprocessing.active_children() == [] and not dist.is_initialized()
+
+
+def test_the_size_is_validated_and_the_flag_reaches_the_config() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
+            EngineConfig(tensor_parallel_size=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidParameterError, match="device"):
+        EngineConfig(tensor_parallel_size=2, device="meta")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["tensor_parallel_size"] == 1
+    kwargs = engine_kwargs(parser.parse_args(["--tensor-parallel-size", "2"]))
+    assert EngineConfig(**kwargs).tensor_parallel_size == 2
+
+
+def test_a_step_survives_the_wire() -> None:
+    step = StepInputs(
+        copies=[(3, 9), (4, 10)], input_ids=[11, 12, 13, 14], positions=[7, 0, 1, 2],
+        block_tables=[[5, 6], [2]], seq_lens=[8, 3], query_lens=[1, 3], run_lengths=[2, 1],
+        sample_rows=[0, 3], prompt_rows=[(1, 2)], num_decode=1,
+    )  # fmt: skip
+    header, payload = encode_step(step)
+    assert header.dtype == payload.dtype == torch.int64 and header.shape == (8,)
+    assert decode_step(header.tolist()[1:], payload.tolist()) == step
+    empty = StepInputs([], [1], [0], [[0]], [1], [1], [1], [], [], 0)
+    header, payload = encode_step(empty)
+    assert decode_step(header.tolist()[1:], payload.tolist()) == empty
+
+
+def _kill_and_step(llm: LLM) -> tuple[BaseException | None, float]:
+    """SIGKILL rank 1, then generate: what was raised, and how long it took (bounded by a thread join)."""
+    group = llm.engine.parts.tp_group
+    assert group is not None
+    (worker,) = group.processes
+    os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    worker.join(timeout=10)
+    raised: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            llm.generate([[1, 2, 3]], GREEDY)
+        except BaseException as e:
+            raised.append(e)
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "rank 0 hung on a dead rank"
+    return (raised[0] if raised else None), time.monotonic() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["before the step", "in the broadcast"])
+def test_a_killed_rank_stops_the_engine_with_a_typed_error(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the step: rank 0 sees the exit code when it starts the step. In the broadcast: that check
+    is skipped, so gloo's closed socket is what fails, and the dead rank is still named."""
+    with LLM(str(tiny_folder(tmp_path, "llama")), tensor_parallel_size=2, **ENGINE) as llm:
+        assert len(llm.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 10
+        if where == "in the broadcast":
+            group = llm.engine.parts.tp_group
+            monkeypatch.setattr(group, "check_workers", lambda: None)
+        error, seconds = _kill_and_step(llm)
+        assert isinstance(error, TensorParallelError) and isinstance(error, EngineDeadError)
+        assert "tensor-parallel rank 1" in str(error) and "exited with code -9" in str(error)
+        assert seconds < 10
+        assert llm.engine.dead_reason == str(error)
+        with pytest.raises(EngineDeadError, match="rank 1"):  # and on every later call, at once
+            llm.generate([[1, 2, 3]], GREEDY)
+    assert multiprocessing.active_children() == [] and not dist.is_initialized()
+
+
+_RANK0_SCRIPT = """
+import os, signal, sys
+from onecall import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, **{engine})
+print(llm.engine.parts.tp_group.processes[0].pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+def test_workers_leave_when_rank_0_is_killed(tmp_path: Path) -> None:
+    folder = tiny_folder(tmp_path, "qwen3")
+    script = _RANK0_SCRIPT.format(engine=repr(ENGINE))
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(folder)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _is_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _is_running(pid), f"worker {pid} outlived rank 0"
+
+
+def _is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whoever adopted it, maybe never here)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
