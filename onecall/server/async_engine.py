@@ -7,6 +7,7 @@
     RequestStream  <-- call_soon_threadsafe --     loop: drain commands; step() while there is
       (an asyncio.Queue of RequestOutput)                work; block on the queue when idle
     stream.abort() -- _Abort -->  ...           -> engine.abort: KV blocks freed, then the future
+    reset_prefix_cache() -- _ResetPrefixCache -->  -> engine.reset_prefix_cache, then the future
 
 Invariants:
 - Every call into the Engine (add_request, abort, step, the reads behind the metrics) happens in
@@ -157,11 +158,16 @@ class _Abort:
 
 
 @dataclass
+class _ResetPrefixCache:
+    future: Future[None] = field(default_factory=Future)
+
+
+@dataclass
 class _Shutdown:
     pass
 
 
-_Command = _Add | _Abort | _Shutdown
+_Command = _Add | _Abort | _ResetPrefixCache | _Shutdown
 
 
 class AsyncEngine:
@@ -237,6 +243,11 @@ class AsyncEngine:
         now = time.perf_counter()
         return await self._add([_NewRequest(rid, p, sp, None, now) for rid, p, sp in items])
 
+    async def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache, on the engine thread between steps (running requests keep their
+        blocks). Raises EngineDeadError when the engine is not running."""
+        await asyncio.wrap_future(self._submit(_ResetPrefixCache()))
+
     async def shutdown(self) -> None:
         """Abort everything in flight (each open stream ends with finish_reason "abort"), stop and
         join the thread. Idempotent; later adds raise EngineDeadError."""
@@ -271,7 +282,7 @@ class AsyncEngine:
         # shield: a cancelled caller must not cancel the command (the thread runs it regardless).
         await asyncio.shield(asyncio.wrap_future(command.future))
 
-    def _submit(self, command: _Add) -> Future[None]:
+    def _submit(self, command: _Add | _ResetPrefixCache) -> Future[None]:
         if not self._submit_if_open(command):
             if self._dead:
                 raise EngineDeadError(self._dead_message())
@@ -327,7 +338,7 @@ class AsyncEngine:
         if isinstance(command, _Shutdown):
             return
         with contextlib.suppress(InvalidStateError):  # answered already, or cancelled by its caller
-            if isinstance(command, _Add):
+            if isinstance(command, _Add | _ResetPrefixCache):
                 command.future.set_exception(EngineDeadError(self._dead_message()))
             else:
                 command.future.set_result(None)  # an abort still "succeeded": nothing runs any more
@@ -340,7 +351,7 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _handle(self, command: _Add | _Abort) -> None:
+    def _handle(self, command: _Add | _Abort | _ResetPrefixCache) -> None:
         # An add whose caller was cancelled before we got here is skipped; an abort always runs.
         wanted = command.future.set_running_or_notify_cancel()
         if isinstance(command, _Abort):
@@ -351,6 +362,11 @@ class AsyncEngine:
                 command.future.set_result(None)
             return
         if not wanted:
+            return
+        if isinstance(command, _ResetPrefixCache):
+            self.engine.reset_prefix_cache()
+            command.future.set_result(None)
+            self._update_metrics([])
             return
         try:
             self._add_now(command)
