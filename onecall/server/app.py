@@ -12,6 +12,9 @@
     GET  /model_info, /get_model_info    key   serving_info: the model's identity and limits (SGLang's names)
     GET  /server_info, /get_server_info  key   serving_info: settings and the engine's live state
     GET  /get_load               key    serving_info: running + waiting requests, KV tokens held
+    POST /v1/chat/completions/render, /v1/completions/render
+                                 key    serving_info: the prompt's token ids, nothing generated (vLLM's)
+    POST /flush_cache            key    serving_info: drop the prefix cache (SGLang's name)
     GET  /openapi.json           open   the OpenAPI 3.1 document (server/openapi.py: bodies from protocol*.py)
     GET  /docs                   open   a self-contained page that lists /openapi.json's routes (works offline)
 
@@ -45,7 +48,14 @@ from onecall.server.protocol import HealthResponse, ModelCard, ModelList
 from onecall.server.serving_chat import create_chat_completion
 from onecall.server.serving_common import ClientDisconnected, random_id
 from onecall.server.serving_completion import create_completion
-from onecall.server.serving_info import get_load, get_model_info, get_server_info
+from onecall.server.serving_info import (
+    flush_cache,
+    get_load,
+    get_model_info,
+    get_server_info,
+    render_chat_completion,
+    render_completion,
+)
 from onecall.server.serving_responses import create_response
 from onecall.server.serving_tokens import detokenize, tokenize
 from onecall.server.state import EngineLoader, ServerConfig, ServerState
@@ -99,6 +109,9 @@ def create_app(
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, route(get_server_info), methods=["GET"])
     app.add_api_route("/get_load", route(get_load), methods=["GET"])
+    app.add_api_route("/v1/chat/completions/render", route(render_chat_completion), methods=["POST"])
+    app.add_api_route("/v1/completions/render", route(render_completion), methods=["POST"])
+    app.add_api_route("/flush_cache", route(flush_cache), methods=["POST"])
     app.add_api_route("/openapi.json", route(_openapi, is_open=True), methods=["GET"])
     app.add_api_route("/docs", route(_docs, is_open=True), methods=["GET"])
     return app

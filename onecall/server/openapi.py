@@ -33,7 +33,14 @@ from onecall.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from onecall.server.protocol_info import LoadResponse, ModelInfoResponse, ServerInfoResponse
+from onecall.server.protocol_info import (
+    FlushCacheResponse,
+    LoadResponse,
+    ModelInfoResponse,
+    RenderList,
+    RenderResponse,
+    ServerInfoResponse,
+)
 from onecall.server.protocol_responses import ResponseObject, ResponsesRequest
 
 
@@ -77,6 +84,16 @@ ROUTES: dict[str, RouteDoc] = {
     "/server_info": RouteDoc("get", "Settings and live engine state", response=ServerInfoResponse),
     "/get_server_info": RouteDoc("get", "Alias of /server_info", response=ServerInfoResponse),
     "/get_load": RouteDoc("get", "Requests in flight and KV tokens held", response=LoadResponse),
+    "/v1/chat/completions/render": RouteDoc(
+        "post",
+        "The prompt's token ids for a chat body, nothing generated",
+        ChatCompletionRequest,
+        RenderResponse,
+    ),
+    "/v1/completions/render": RouteDoc(
+        "post", "The prompts' token ids for a completion body, one per prompt", CompletionRequest, RenderList
+    ),
+    "/flush_cache": RouteDoc("post", "Drop the prefix cache", response=FlushCacheResponse),
     "/health": RouteDoc(
         "get", "200 when the engine runs; 503 loading or dead", response=HealthResponse, needs_key=False
     ),

@@ -3,6 +3,9 @@
     GET /model_info, /get_model_info     ModelInfoResponse   what SGLang's get_model_info answers
     GET /server_info, /get_server_info   ServerInfoResponse  the server's settings and live engine state
     GET /get_load                        LoadResponse        requests in flight (vllm-router reads `load`)
+    POST /v1/chat/completions/render     RenderResponse      the prompt's token ids, nothing generated
+    POST /v1/completions/render          RenderList          one RenderResponse per prompt
+    POST /flush_cache                    FlushCacheResponse  the prefix cache dropped
 
 The names follow SGLang's native API (sgl-router's worker discovery reads `model_path`,
 `served_model_name`, `max_context_length`, `tokenizer_path`, `is_generation`; vllm-router, a fork
@@ -13,7 +16,7 @@ moment of the request: nothing here is configured twice.
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, RootModel
 
 from onecall.server.protocol_base import ResponseModel
 
@@ -87,3 +90,26 @@ class LoadResponse(ResponseModel):
     num_running_reqs: int
     num_waiting_reqs: int
     num_tokens: int = Field(description="KV slots held by live sequences.")
+
+
+class RenderResponse(ResponseModel):
+    """vLLM's render answer (the fields of its GenerateRequest that a text-only server fills): the
+    token ids the same body sent to the completion route would prefill. vllm-router reads
+    `token_ids` to route by the real prompt; without this route it tokenizes through /tokenize."""
+
+    request_id: str
+    token_ids: list[int] = Field(description="The prompt as the engine would see it (template applied).")
+    model: str = Field(description="The served model name.")
+    features: None = Field(default=None, description="Multimodal features: always null (text only).")
+
+
+class RenderList(RootModel[list[RenderResponse]]):
+    """/v1/completions/render: one RenderResponse per prompt, in order (a batch of prompts is a list)."""
+
+
+class FlushCacheResponse(ResponseModel):
+    """POST /flush_cache (SGLang's name; vLLM's is /reset_prefix_cache): the prefix cache was dropped.
+    Running requests keep their KV blocks; later requests start with nothing cached."""
+
+    flushed: bool = True
+    message: str = "prefix cache dropped; running requests keep their blocks"
