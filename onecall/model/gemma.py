@@ -23,9 +23,10 @@ soft-capped, cap * tanh(logits / cap) (final_logit_softcapping; Gemma 3 configs 
 The (1 + weight) norms: the `+ 1` is folded into the weight when it is loaded, so every Gemma norm
 is our plain RMSNorm computing norm(x) * weight, and the native add_rms_norm and the native q/k norm
 in rope_store (model/native.py) run it unchanged. The loader MUST store checkpoint_norm_weight(w) =
-1 + w (in float32) for every `*norm.weight` of a Hugging Face Gemma checkpoint (llama.cpp's GGUF
-converter already stores 1 + w: a GGUF's Gemma norms load as they are). The folded weight is held in
-float32 whatever the model dtype: 1 + w computed and kept in float32 is exactly transformers'
+1 + w (in float32) for every `*norm.weight` of a Hugging Face Gemma checkpoint. llama.cpp's GGUF
+converter stores 1 + w itself; model/gguf.py hands the loader w back (in float64, exactly), so a GGUF
+loads the same way and its norms are not shifted twice. The folded weight is held in float32 whatever
+the model dtype: 1 + w computed and kept in float32 is exactly transformers'
 `1.0 + self.weight.float()`, where a bfloat16 copy would round every channel's scale once more.
 
 Per-layer RoPE: layers of different types rotate with different tables (Gemma 3), so GemmaRotary
@@ -48,7 +49,11 @@ from onecall.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 
 def checkpoint_norm_weight(weight: torch.Tensor) -> torch.Tensor:
     """A Hugging Face Gemma `*norm.weight` w -> the weight our RMSNorm holds: 1 + w in float32 (for the
-    loader: every Gemma norm, including q_norm / k_norm and the final norm)."""
+    loader: every Gemma norm, including q_norm / k_norm and the final norm). A float64 w is what the GGUF
+    reader yields for a norm the converter stored as x = 1 + w (x - 1, exact in float64): adding 1 back
+    in float64 and rounding gives x bit for bit, so a GGUF's norms are never rounded twice."""
+    if weight.dtype == torch.float64:
+        return (1.0 + weight).float()
     return 1.0 + weight.float()
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +28,12 @@ import torch
 
 from onecall.errors import UnsupportedModelError
 from onecall.model.ggml_types import GGML_BLOCK_SIZES, GGMLType, GGUFValueType, ggml_type_name
+from onecall.model.gguf_layout import (
+    GEMMA_ARCHITECTURES,
+    SKIPPED_TENSORS,
+    check_architecture,
+    hf_tensor_name,
+)
 from onecall.model.quants import (
     SUPPORTED_QUANT_TYPES,
     Int4Groups,
@@ -40,8 +45,8 @@ from onecall.model.quants import (
 )
 
 T = GGMLType
-SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
-# llama.cpp's converter interleaves the Q/K rows of these architectures for GGML's RoPE.
+# llama.cpp's converter interleaves the Q/K rows of these architectures for GGML's RoPE (Mixtral is
+# written as llama, so its Q/K are interleaved too; Qwen, Phi-3 and Gemma use NeoX RoPE: not permuted).
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
 
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
@@ -57,33 +62,6 @@ _SCALARS: dict[int, tuple[struct.Struct, str]] = {
         (GGUFValueType.BOOL, "<?", "<u1"),
     ]
 }  # fmt: skip
-
-# GGUF tensor names -> Hugging Face parameter names (the suffix .weight/.bias is kept).
-_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}  # fmt: skip
-# Non-parameter tensors skipped here on purpose: llama-3 RoPE frequency factors, which
-# model/checkpoint.py reads into the config's rope_scaling (llama3, freq_factors) instead.
-SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    """Map one GGUF tensor name to its Hugging Face parameter name."""
-    if m := _BLOCK_RE.fullmatch(gguf_name):
-        layer, part, kind = m.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    else:
-        stem, _, kind = gguf_name.rpartition(".")
-        if stem in _TOP_LEVEL_NAMES and kind in ("weight", "bias"):
-            return f"{_TOP_LEVEL_NAMES[stem]}.{kind}"
-    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no counterpart in onecall's decoder")
-
 
 # ---------------------------------------------------------------- file parsing
 
@@ -206,11 +184,8 @@ class GGUFFile:
 
     def _check_loadable(self) -> list[tuple[TensorInfo, str]]:
         """Refuse before yielding anything: architecture, tensor names and quant types."""
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"GGUF architecture {self.architecture!r} is not supported "
-                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
-            )
+        check_architecture(self.architecture)
+        has_experts = bool(self.metadata.get(f"{self.architecture}.expert_count"))
         plan = []
         for info in self.tensors:
             if info.name in SKIPPED_TENSORS:
@@ -221,21 +196,32 @@ class GGUFFile:
                     f"GGUF tensor {info.name!r} uses quantization type {kind}, which onecall cannot "
                     f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))})"
                 )
-            plan.append((info, hf_tensor_name(info.name)))
+            plan.append((info, hf_tensor_name(info.name, self.architecture, has_experts)))
         return plan
 
     def iter_tensors(
         self, dtype: torch.dtype, stored_out: dict[str, StoredGroups] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, dequantized CPU tensor in `dtype`), one tensor at a time.
+        """Yield (Hugging Face name, dequantized CPU tensor in `dtype`), one tensor at a time, undoing what
+        the converter changed (gguf_layout.py has the names):
+
+        | GGUF                                   | yielded                                              |
+        |----------------------------------------|------------------------------------------------------|
+        | llama (and Mixtral) attn_q / attn_k    | rows un-interleaved (unpermute_qk_rows)              |
+        | stacked experts (E, rows, cols)        | E tensors, `mlp.experts.{e}.gate_proj.weight`, ...   |
+        | Gemma `*norm.weight`, stored as 1 + w  | w in float64, whatever `dtype`: x - 1 is exact there |
+        |                                        | and model/gemma.py's fold adds 1 back in float64, so |
+        |                                        | the loaded norm is the file's float32 x bit for bit  |
 
         With `stored_out`, every 4-bit (Q4_0/Q4_1/Q4_K) 2-D tensor is decoded once into Int4Groups and
         every Q8_0/Q6_K one into Int8Groups, stored there under its name (the fast kernels' exact
-        copy: decode rows of projections, the logits), and expanded from them.
+        copy: decode rows of projections, the logits), and expanded from them. Stacked experts are
+        expanded to dense tensors (model/moe.py runs them in float).
         """
         plan = self._check_loadable()
         num_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count", 0))
         num_kv_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count_kv", num_heads))
+        gemma = self.architecture in GEMMA_ARCHITECTURES
         for info, hf_name in plan:
             heads = 0
             if self.architecture in _PERMUTED_QK_ARCHITECTURES:
@@ -244,6 +230,14 @@ class GGUFFile:
                 elif ".self_attn.k_proj." in hf_name:
                     heads = num_kv_heads
             raw, ggml_type = self.raw_data(info), T(info.ggml_type)
+            if "*" in hf_name:  # stacked experts: one (rows, cols) view per expert
+                stacked = dequantize(raw, ggml_type, info.shape, dtype)
+                for e in range(stacked.shape[0]):
+                    yield hf_name.replace("*", str(e)), stacked[e]
+                continue
+            if gemma and hf_name.endswith("norm.weight"):
+                yield hf_name, dequantize(raw, ggml_type, info.shape, torch.float32).double() - 1.0
+                continue
             groups = int4_groups(raw, ggml_type, info.shape) if stored_out is not None else None
             if groups is not None and stored_out is not None:
                 if heads:

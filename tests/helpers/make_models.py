@@ -289,3 +289,141 @@ def hf_and_ours(hf_config: Any, model_cls: Any, *, weight_scale: float, seed: in
     ours = DecoderLM(ModelConfig.from_hf_config(hf_config.to_dict()), dtype=torch.float32, device="cpu")
     load_weights(ours, hf.state_dict().items())
     return hf, ours
+
+
+# ---------------------------------------------------------------- the newer families, as converted
+# llama.cpp's GGUF architecture for each config.json model_type (Mixtral is written as llama).
+_GGUF_ARCH = {
+    "llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+    "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3",
+}  # fmt: skip
+
+
+def write_converted_gguf(
+    path: str | Path,
+    hf_state_dict: Mapping[str, torch.Tensor],
+    hf_config_dict: Mapping[str, Any],
+    weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+) -> Path:
+    """A transformers model's state dict and config (to_dict()) as llama.cpp's convert_hf_to_gguf.py
+    lays them out, for every family onecall loads (write_tiny_gguf covers the Llama/Qwen basics):
+
+    - names from gguf-py's TensorNameMap for the GGUF architecture (the converter's own table), so
+      Phi-3's fused qkv / gate_up become attn_qkv / ffn_up and Gemma's norms post_attention_norm,
+      ffn_norm (before the MLP) and post_ffw_norm;
+    - MoE experts stacked (num_experts, rows, cols) as ffn_gate_exps / ffn_up_exps / ffn_down_exps
+      (transformers 5's [gate; up] split per expert, as the converter stacks per-expert tensors), the
+      router ffn_gate_inp kept F32 (the converter forces it), expert_count / expert_used_count and
+      Qwen3-MoE's expert_feed_forward_length;
+    - Mixtral (arch llama): Q/K rows permuted (LlamaModel.permute);
+    - Gemma: 1 added to every norm weight, no lm_head, the caps and sliding_window keys, no rope keys
+      for Gemma 2, Gemma 3's global theta, linear factor and sliding theta (rope.freq_base_swa);
+    - Phi-3: rope.dimension_count = int(partial * hidden) // heads, original_context_length, sliding
+      window (0 for none), and for longrope the factor tensors and the derived attn_factor.
+    `weight_type` quantizes every weight of two or more dimensions except the router; 1-D stays F32.
+    Written from the converter's description, independently of onecall's reader.
+    """
+    import math
+
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    cfg = hf_config_dict
+    arch = _GGUF_ARCH[cfg["model_type"]]
+    n, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rope = dict(cfg.get("rope_parameters") or {})
+    global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention")
+    gemma, moe = arch in ("gemma2", "gemma3"), cfg["model_type"] in ("mixtral", "qwen3_moe")
+    # 1. metadata, as each model class's set_gguf_parameters writes it
+    meta: dict[str, Any] = {
+        "context_length": cfg["max_position_embeddings"], "embedding_length": hidden, "block_count": n,
+        "feed_forward_length": cfg["intermediate_size"], "attention.head_count": heads,
+        "attention.head_count_kv": kv_heads, "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
+    }  # fmt: skip
+    if arch != "gemma2":  # Gemma2Model writes no RoPE keys (llama.cpp: base 10000)
+        meta["rope.freq_base"] = float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if arch != "phi3":
+        meta["attention.key_length"] = meta["attention.value_length"] = head_dim
+    if arch in ("llama", "qwen2", "qwen3", "qwen3moe"):
+        meta["rope.dimension_count"] = head_dim
+    if moe:
+        meta["expert_count"] = cfg.get("num_local_experts") or cfg["num_experts"]
+        meta["expert_used_count"] = cfg["num_experts_per_tok"]
+    if arch == "qwen3moe":
+        meta["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+    extra_tensors: dict[str, torch.Tensor] = {}
+    if arch == "phi3":
+        partial = cfg.get("partial_rotary_factor") or global_rope.get("partial_rotary_factor") or 1.0
+        original = (
+            global_rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+        )
+        meta["rope.dimension_count"] = int(partial * hidden) // heads
+        meta["rope.scaling.original_context_length"] = original
+        meta["attention.sliding_window"] = cfg.get("sliding_window") or 0
+        if global_rope.get("long_factor"):
+            scale = cfg["max_position_embeddings"] / original
+            meta["rope.scaling.attn_factor"] = (
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            )
+            extra_tensors["rope_factors_long.weight"] = torch.tensor(global_rope["long_factor"])
+            extra_tensors["rope_factors_short.weight"] = torch.tensor(global_rope["short_factor"])
+    if gemma:
+        meta["attention.sliding_window"] = cfg["sliding_window"]
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(cap):  # Gemma 3 writes its final cap only when set, never an attention cap
+                meta[cap] = float(cfg[cap])
+    if arch == "gemma3":
+        if global_rope.get("rope_type") == "linear":
+            meta["rope.scaling.type"], meta["rope.scaling.factor"] = "linear", float(global_rope["factor"])
+        if local_rope is not None:
+            meta["rope.freq_base_swa"] = float(local_rope["rope_theta"])
+    writer = GGUFWriter(str(path), arch)
+    writer.add_string("general.name", Path(path).stem)
+    for key, value in meta.items():
+        _add_value(writer, f"{arch}.{key}", value)
+    # 2. tensors, renamed by the converter's table
+    name_map = get_tensor_name_map(MODEL_ARCH[arch.upper()], n)
+
+    def gguf_name(hf_name: str) -> str:
+        found = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert found is not None, hf_name
+        return str(found)
+
+    tensors: dict[str, torch.Tensor] = dict(extra_tensors)
+    for name, tensor in hf_state_dict.items():
+        data = tensor.detach().to(torch.float32)
+        if gemma and name == "lm_head.weight":
+            continue  # Gemma{2,3}Model skip it: tied
+        if gemma and name.endswith("norm.weight"):
+            data = data + 1  # the converter stores Gemma's 1 + w
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            data = permute_qk_for_gguf(data, heads)
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            data = permute_qk_for_gguf(data, kv_heads)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        merged = (
+            f"model.layers.{layer}.mlp.experts"
+            if arch == "qwen3moe"
+            else f"layers.{layer}.feed_forward.experts"
+        )
+        gate, up, down = ("gate_proj", "up_proj", "down_proj") if arch == "qwen3moe" else ("w1", "w3", "w2")
+        if name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H): each expert's [gate; up] rows
+            g, u = data.chunk(2, dim=1)
+            tensors[gguf_name(f"{merged}.{gate}.weight")] = g
+            tensors[gguf_name(f"{merged}.{up}.weight")] = u
+        elif name.endswith(".mlp.experts.down_proj"):
+            tensors[gguf_name(f"{merged}.{down}.weight")] = data
+        else:
+            tensors[gguf_name(name)] = data
+    for name, data in tensors.items():
+        array = data.contiguous().numpy()
+        if array.ndim >= 2 and weight_type != GGMLQuantizationType.F32 and ".ffn_gate_inp." not in name:
+            writer.add_tensor(name, quantize(array, weight_type), raw_dtype=weight_type)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

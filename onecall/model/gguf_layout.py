@@ -1,0 +1,383 @@
+"""What llama.cpp's converter (convert_hf_to_gguf.py) writes for each family, read back: GGUF tensor
+names -> Hugging Face parameter names, and `{arch}.*` metadata -> the config.json dict it came from.
+
+| GGUF arch            | HF class                | tensors beyond Llama's                      | restored from llama.cpp's rules          |
+|----------------------|-------------------------|---------------------------------------------|------------------------------------------|
+| llama                | LlamaForCausalLM        | rope_freqs (llama3 RoPE)                    | Q/K rows interleaved (model/gguf.py)     |
+| llama + expert_count | MixtralForCausalLM      | ffn_gate_inp, ffn_{gate,up,down}_exps       | top-2 renormalised; Q/K interleaved      |
+| qwen2, qwen3         | Qwen2/Qwen3ForCausalLM  | q/k/v biases, attn_{q,k}_norm               |                                          |
+| qwen3moe             | Qwen3MoeForCausalLM     | as Mixtral, plus attn_{q,k}_norm            | norm_topk_prob true (llama.cpp always    |
+|                      |                         |                                             | renormalises); every layer routed        |
+| phi3                 | Phi3ForCausalLM         | attn_qkv [q; k; v], ffn_up [gate; up],      | head_dim = hidden / heads; sliding       |
+|                      |                         | rope_factors_long/short (longrope)          | window 0 = none                          |
+| gemma2, gemma3       | Gemma2/Gemma3ForCausalLM| post_attention_norm, ffn_norm (before the   | norms stored as 1 + w; no lm_head (tied);|
+|                      |                         | MLP), post_ffw_norm                         | query_pre_attn_scalar, layer pattern and |
+|                      |                         |                                             | Gemma 3's local RoPE base: see           |
+|                      |                         |                                             | _gemma_keys                              |
+
+A stacked expert tensor (num_experts, rows, cols) maps to a name with "*" for the expert index;
+model/gguf.py yields it as one tensor per expert (the per-expert names model/weights.py stacks).
+Everything the table does not cover is refused by name: other architectures (REFUSED_ARCHITECTURES
+says what the common ones are), unknown tensors, RoPE and MoE keys we would run differently.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from onecall.errors import UnsupportedModelError
+from onecall.model.config import GLOBAL, SLIDING
+from onecall.model.ggml_types import GGMLType
+from onecall.model.quants import dequantize
+
+if TYPE_CHECKING:
+    from onecall.model.gguf import GGUFFile
+
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3"})
+GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
+# Architectures llama.cpp's converter writes that onecall does not run, each named for what it is.
+REFUSED_ARCHITECTURES = {
+    "clip": "a multimodal projector (mmproj) file, not a language model: pass the text model's own GGUF "
+    "(onecall runs text only; Gemma 3's conversion, for one, writes its language model as a gemma3 file)",
+    "gemma": "Gemma 1, whose layer (two norms, no soft-caps) onecall does not implement",
+    "gemma3n": "Gemma 3n (per-layer embeddings, AltUp, LAuReL), which onecall does not implement",
+    "gemma-embedding": "EmbeddingGemma, an embedding model (bidirectional attention), not a causal LM",
+    "qwen2moe": "Qwen1.5/Qwen2-MoE, whose shared expert onecall does not implement (Qwen3-MoE is qwen3moe)",
+    "phimoe": "Phi-3.5-MoE, whose sparsemixer router onecall does not implement",
+}
+_HF_CLASS = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+}  # fmt: skip
+_MODEL_TYPE = {"qwen3moe": "qwen3_moe"}  # config.json's model_type where it differs from the GGUF arch
+
+
+def check_architecture(arch: str) -> None:
+    """Raise UnsupportedModelError naming what a GGUF architecture is, unless onecall runs it."""
+    if arch in SUPPORTED_ARCHITECTURES:
+        return
+    what = REFUSED_ARCHITECTURES.get(arch)
+    if what is not None:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is {what}")
+    raise UnsupportedModelError(
+        f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+    )
+
+
+# ---------------------------------------------------------------- tensor names
+# GGUF tensor names -> Hugging Face parameter names (the suffix .weight/.bias is kept), as the converter
+# renames them (gguf-py's TensorNameMap), per family.
+_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}
+_ATTENTION_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}  # fmt: skip
+_MLP_NAMES = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_LLAMA_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+# Gemma's four norms: GGUF's ffn_norm is the norm before the MLP, as in Llama, which Gemma calls pre_
+_GEMMA_NORMS = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+}  # fmt: skip
+# Phi-3 as stored: q/k/v fused in attn_qkv (separate attn_q/k/v load too, as in llama.cpp), gate and up
+# fused in ffn_up (rows [gate; up]: llama.cpp's phi3 has no ffn_gate); model/weights.py splits both.
+_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# MoE blocks: the router and the stacked experts (num_experts, rows, cols). ffn_gate_up_exps (the
+# converter's --fuse-gate-up-exps) holds each expert's [gate; up] rows, as our stacked parameter does.
+_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_gate_exps": "mlp.experts.*.gate_proj", "ffn_up_exps": "mlp.experts.*.up_proj",
+    "ffn_down_exps": "mlp.experts.*.down_proj",
+}  # fmt: skip
+# Not parameters, skipped by the weight iterator on purpose: llama-3 RoPE frequency factors and Phi-3's
+# longrope factors, which gguf_config_dict reads into the config's rope_scaling instead.
+SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
+
+
+def block_names(architecture: str, has_experts: bool = False) -> dict[str, str]:
+    """GGUF block tensor stem -> Hugging Face module name within a layer, for one architecture.
+    `has_experts`: a llama file with llama.expert_count > 0 (Mixtral); qwen3moe always has them."""
+    if architecture in GEMMA_ARCHITECTURES:
+        return _GEMMA_NORMS | _ATTENTION_NAMES | _MLP_NAMES
+    names = _LLAMA_NORMS | _ATTENTION_NAMES | ({} if architecture == "qwen3moe" else _MLP_NAMES)
+    if architecture == "phi3":
+        del names["ffn_gate"]
+        names |= _PHI3_NAMES
+    if has_experts or architecture == "qwen3moe":
+        names |= _MOE_NAMES
+    return names
+
+
+def hf_tensor_name(gguf_name: str, architecture: str = "llama", has_experts: bool = False) -> str:
+    """One GGUF tensor name -> its Hugging Face parameter name ("*" for a stacked expert index)."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] in ("weight", "bias"):
+        _, layer, stem, kind = parts
+        names = block_names(architecture, has_experts)
+        if stem in names:
+            return f"model.layers.{layer}.{names[stem]}.{kind}"
+        if stem in _MOE_NAMES and architecture == "llama":
+            raise UnsupportedModelError(
+                f"GGUF tensor {gguf_name!r} is an expert tensor, but the file's llama.expert_count is missing or 0"
+            )
+    elif len(parts) == 2 and parts[0] in _TOP_LEVEL_NAMES and parts[1] in ("weight", "bias"):
+        return f"{_TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
+    raise UnsupportedModelError(
+        f"GGUF tensor {gguf_name!r} has no counterpart in onecall's {architecture} decoder"
+    )
+
+
+# ---------------------------------------------------------------- metadata -> config.json
+
+
+def gguf_config_dict(gguf: GGUFFile) -> dict[str, Any]:
+    """The Hugging Face config.json dict a GGUF was converted from (ModelConfig.from_hf_config checks it).
+    Phases: 1. architecture, 2. shapes, 3. RoPE, 4. the family's own keys, 5. token ids."""
+    meta, arch = gguf.metadata, gguf.architecture
+    check_architecture(arch)
+    key = _key_reader(meta, arch)
+    hidden_size, num_heads = key("embedding_length"), key("attention.head_count")
+    if hidden_size is None or num_heads is None:
+        raise UnsupportedModelError(
+            f"{gguf.path.name} lacks {arch}.embedding_length or {arch}.attention.head_count"
+        )
+    head_dim = key("attention.key_length", hidden_size // num_heads)
+    if key("attention.value_length", head_dim) != head_dim:
+        raise UnsupportedModelError(f"{gguf.path.name}: attention key and value head sizes differ")
+    names = {t.name: t for t in gguf.tensors}
+    is_mixtral = arch == "llama" and bool(key("expert_count", 0))
+    family = "mixtral" if is_mixtral else arch
+    embed = names.get(
+        "token_embd.weight"
+    )  # the converter may trim padding rows (Gemma 3): what the model has
+    tokens = meta.get("tokenizer.ggml.tokens")
+    config: dict[str, Any] = {
+        "architectures": [_HF_CLASS[family]],
+        "model_type": _MODEL_TYPE.get(family, family),
+        "vocab_size": embed.shape[0]
+        if embed is not None
+        else key("vocab_size", len(tokens) if tokens else None),
+        "hidden_size": hidden_size,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": key("rope.freq_base", 10000.0),  # llama.cpp's default when the key is absent
+        "max_position_embeddings": key("context_length"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+    }
+    if (rotary_dim := key("rope.dimension_count", head_dim)) != head_dim:
+        config["partial_rotary_factor"] = rotary_dim / head_dim  # ModelConfig allows it for phi3 only
+    if (rope_scaling := _gguf_rope_scaling(gguf, arch)) is not None:
+        config["rope_scaling"] = rope_scaling
+    if arch in GEMMA_ARCHITECTURES:
+        config |= _gemma_keys(arch, key, config)
+    else:
+        config["hidden_act"] = "silu"
+    if is_mixtral or arch == "qwen3moe":
+        config |= _moe_keys(arch, key, config, names)
+    if arch == "phi3":
+        config["sliding_window"] = key("attention.sliding_window") or None  # the converter writes 0 for none
+    for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        if (token_id := meta.get(f"tokenizer.ggml.{gguf_key}")) is not None:
+            config[hf_key] = token_id
+    return {k: v for k, v in config.items() if v is not None or k in _NULLABLE}
+
+
+# keys whose None means "none" (not "absent": hf_config would apply transformers' default)
+_NULLABLE = frozenset({"sliding_window", "final_logit_softcapping"})
+
+
+def _key_reader(meta: dict[str, Any], arch: str) -> Callable[..., Any]:
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if isinstance(value, list):  # per-layer values (e.g. OpenELM's head counts)
+            raise UnsupportedModelError(f"GGUF key {arch}.{name} varies per layer, which is not supported")
+        return value
+
+    return key
+
+
+def _gemma_keys(arch: str, key: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp fixes for Gemma rather than reading it (llama-model.cpp's load_hparams):
+
+    - query_pre_attn_scalar: not written; llama.cpp scales scores by head_dim ** -0.5, except for the
+      27B models (Gemma 2: 46 layers, Gemma 3: 62) by (hidden_size / heads) ** -0.5, as their configs say.
+    - sliding layers: Gemma 2 every other layer from layer 0, Gemma 3 five of every six (none without a
+      sliding_window); Gemma 3's sliding layers rotate at rope.freq_base_swa, else 10000, unscaled.
+    - soft-caps: Gemma 2's attention and final caps default to 50 and 30 (as transformers'); Gemma 3 has
+      no attention cap and its final cap only when the key is written.
+    """
+    n, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    is_27b = (arch, n) in (("gemma2", 46), ("gemma3", 62))
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // heads if is_27b else config["head_dim"],
+    }
+    period = 2 if arch == "gemma2" else 6
+    if (pattern := key("attention.sliding_window_pattern")) is not None and pattern != period:
+        raise UnsupportedModelError(
+            f"GGUF key {arch}.attention.sliding_window_pattern {pattern!r} is not supported; {arch} slides "
+            f"{period - 1} of every {period} layers"
+        )
+    window = key("attention.sliding_window") or None
+    out["sliding_window"] = window
+    out["layer_types"] = [SLIDING if window and i % period < period - 1 else GLOBAL for i in range(n)]
+    local_theta = key("rope.freq_base_swa")
+    if arch == "gemma2":
+        if local_theta not in (None, config["rope_theta"]):
+            raise UnsupportedModelError("GGUF key gemma2.rope.freq_base_swa is not supported (one RoPE base)")
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if (value := key(cap)) is not None:
+                out[cap] = value or None  # 0: no cap
+    else:
+        out["rope_local_base_freq"] = 10000.0 if local_theta is None else local_theta
+        out["final_logit_softcapping"] = key("final_logit_softcapping") or None
+    return out
+
+
+def _moe_keys(
+    arch: str, key: Callable[..., Any], config: dict[str, Any], names: dict[str, Any]
+) -> dict[str, Any]:
+    """The experts as llama.cpp runs them: softmax over every expert, the top expert_used_count,
+    renormalised (llama.cpp's build_moe_ffn for llama and qwen3moe), no shared expert, no scale."""
+    num_experts, top_k = key("expert_count"), key("expert_used_count")
+    if not num_experts or not top_k:
+        raise UnsupportedModelError(f"GGUF lacks {arch}.expert_count or {arch}.expert_used_count")
+    if key("expert_gating_func") not in (None, 1):  # 1: softmax (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE)
+        raise UnsupportedModelError(
+            f"GGUF key {arch}.expert_gating_func {key('expert_gating_func')!r}: only softmax"
+        )
+    for name, neutral in (("expert_shared_count", 0), ("expert_shared_feed_forward_length", 0),
+                          ("expert_weights_scale", 1.0)):  # fmt: skip
+        if key(name, neutral) != neutral:
+            raise UnsupportedModelError(
+                f"GGUF key {arch}.{name} (shared experts, scaled weights) is not supported"
+            )
+    renormalise = bool(key("expert_weights_norm", True))
+    # llama.cpp routes every layer of these architectures (no dense layers: its qwen3moe has no ffn_gate)
+    unrouted = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    if unrouted or not renormalise:
+        raise UnsupportedModelError(
+            f"{arch} GGUF with experts: every layer must be routed (blk.{unrouted[0] if unrouted else 0}"
+            ".ffn_gate_inp) and its top-k renormalised (expert_weights_norm), as llama.cpp runs it"
+        )
+    if arch == "llama":  # Mixtral
+        return {"num_local_experts": num_experts, "num_experts_per_tok": top_k}
+    moe_width = key("expert_feed_forward_length")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": moe_width,
+        "intermediate_size": config["intermediate_size"] or moe_width,  # unused: no dense layers
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+# {arch}.rope.scaling.* keys that only llama.cpp's own yarn variants set, with the value at which they
+# change nothing: any other value is refused rather than ignored.
+_NEUTRAL_YARN_KEYS = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0}
+
+
+def _gguf_rope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """The RoPE scaling the converter wrote -> an HF-style rope_scaling dict (ModelConfig checks it).
+
+    | GGUF                                                | rope_scaling                                  |
+    |-----------------------------------------------------|-----------------------------------------------|
+    | rope.scaling.type linear, .factor (or scale_linear) | linear, factor                                |
+    | rope.scaling.type yarn, .factor,                    | yarn, factor, original_max_position_embeddings|
+    |   .original_context_length, .yarn_beta_fast/_slow   |   beta_fast, beta_slow                        |
+    | tensor rope_freqs.weight (Llama 3.1+: no keys)      | llama3, freq_factors (inv_freq divisors)      |
+    | phi3: tensors rope_factors_long/short,              | longrope, long/short_factor, original_...,    |
+    |   .original_context_length, .attn_factor           |   attention_factor (if not the derived one)   |
+    Anything else (unknown keys or types) is refused by name.
+    """
+    meta = gguf.metadata
+    prefix = f"{arch}.rope.scaling."
+    scaling = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
+    if arch == "phi3":
+        return _phi3_longrope(gguf, scaling)
+    rope_type = scaling.pop("type", None)
+    scaling.pop("finetuned", None)  # informational only
+    for name, neutral in _NEUTRAL_YARN_KEYS.items():
+        if name in scaling and scaling.pop(name) != neutral:
+            raise UnsupportedModelError(
+                f"GGUF key {prefix}{name} (llama.cpp's yarn variant) is not supported"
+            )
+    factor = scaling.pop("factor", None)
+    original = scaling.pop("original_context_length", None)
+    rope: dict[str, Any] | None = None
+    if rope_type == "linear":
+        rope = {"rope_type": "linear", "factor": factor}
+    elif rope_type == "yarn":
+        rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if theirs in scaling:
+                rope[ours] = scaling.pop(theirs)
+    elif rope_type not in (None, "none"):
+        raise UnsupportedModelError(
+            f"GGUF {prefix}type {rope_type!r} is not supported (only linear and yarn)"
+        )
+    if scaling:
+        raise UnsupportedModelError(
+            f"GGUF keys {', '.join(prefix + k for k in sorted(scaling))} are not supported"
+        )
+    if rope is None and (linear := meta.get(f"{arch}.rope.scale_linear")) not in (None, 1.0):
+        rope = {"rope_type": "linear", "factor": linear}
+    freqs = _float_tensor(gguf, "rope_freqs.weight")
+    if freqs is not None:
+        if rope is not None:
+            raise UnsupportedModelError(
+                f"{gguf.path.name} has both rope_freqs.weight and {rope['rope_type']} RoPE scaling"
+            )
+        rope = {"rope_type": "llama3", "freq_factors": freqs}
+    return {k: v for k, v in rope.items() if v is not None} if rope is not None else None
+
+
+def _phi3_longrope(gguf: GGUFFile, scaling: dict[str, Any]) -> dict[str, Any] | None:
+    """Phi-3's longrope as Phi3MiniModel writes it: the two factor sets as tensors, the original context
+    as rope.scaling.original_context_length, and the cos/sin multiplier it derived, as attn_factor
+    (sqrt(1 + ln(factor) / ln(original)), factor = context_length / original: transformers' default,
+    which is kept implicit unless the file says otherwise). Without factor tensors: plain RoPE."""
+    original = scaling.pop("original_context_length", None)
+    attn_factor = scaling.pop("attn_factor", None)
+    if scaling:
+        raise UnsupportedModelError(f"GGUF keys {', '.join('phi3.rope.scaling.' + k for k in sorted(scaling))} "
+                                    "are not supported")  # fmt: skip
+    long, short = (
+        _float_tensor(gguf, "rope_factors_long.weight"),
+        _float_tensor(gguf, "rope_factors_short.weight"),
+    )
+    if long is None and short is None:
+        return None
+    if long is None or short is None or original is None:
+        raise UnsupportedModelError(
+            f"{gguf.path.name}: phi3 longrope needs rope_factors_long, rope_factors_short and "
+            "phi3.rope.scaling.original_context_length"
+        )
+    rope: dict[str, Any] = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                            "original_max_position_embeddings": original}  # fmt: skip
+    factor = gguf.metadata.get("phi3.context_length", original) / original
+    derived = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    if attn_factor is not None and abs(attn_factor - derived) > 1e-6 * derived:  # float32-stored
+        rope["attention_factor"] = attn_factor
+    return rope
+
+
+def _float_tensor(gguf: GGUFFile, name: str) -> list[float] | None:
+    """A small 1-D tensor of the file (RoPE factors) as Python floats, or None if absent."""
+    info = next((t for t in gguf.tensors if t.name == name), None)
+    if info is None:
+        return None
+    values = dequantize(gguf.raw_data(info), GGMLType(info.ggml_type), info.shape, torch.float32)
+    return [float(v) for v in values.flatten().tolist()]

@@ -1,0 +1,293 @@
+"""Phi-3, Gemma 2, Gemma 3, Qwen3-MoE and Mixtral from GGUF files laid out as llama.cpp's converter
+writes them (tests/helpers/make_models.write_converted_gguf: gguf-py's own name table, Q/K permuted for
+Mixtral, Gemma's norms stored as 1 + w, stacked experts, Phi-3's fused qkv / gate_up and longrope
+factor tensors), loaded through onecall as the engine loads them (resolve_model -> config -> DecoderLM
+-> load_weights(iter_weights)).
+
+Each family is a tiny random transformers model (float32, eager attention), saved as a Hugging Face
+folder and converted. Checks:
+  1. the GGUF's config and every loaded parameter equal the folder's, bit for bit (F32 file);
+  2. against transformers (tests/test_model_numerics' ATOL, 1e-4 on logits): prefill, greedy decode
+     through the paged cache (each greedy token transformers' argmax too), a prefix-cache hit;
+  3. a Q8_0 file (every weight of 2+ dimensions, experts included; norms and router F32) against
+     transformers running the same dequantized weights (gguf.quants' round trip), reference kernels and
+     the engine's fast path (pack_on_load with the file's own int8 groups), same tolerance.
+The configs are what a GGUF can say: llama.cpp fixes Gemma's query_pre_attn_scalar to head_dim (27B
+aside), Gemma 3's layer pattern to 5 sliding : 1 global, and always renormalises Qwen3-MoE's top-k,
+so the transformers models here are built that way (test_gguf_config_rules checks the rules).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from onecall.errors import UnsupportedModelError
+from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+from onecall.model.config import GLOBAL, SLIDING, ModelConfig
+from onecall.model.decoder import DecoderLM
+from onecall.model.gguf import GGUFFile
+from onecall.model.gguf_layout import gguf_config_dict
+from onecall.model.quants import StoredGroups
+from onecall.model.weights import load_weights
+from tests.helpers.make_models import write_converted_gguf, write_tiny_hf_folder
+from tests.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt
+
+Q8_0 = GGMLQuantizationType.Q8_0
+_TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-6, attn_implementation="eager",
+)  # fmt: skip
+_GEMMA: dict[str, Any] = dict(head_dim=16, intermediate_size=128, sliding_window=8, query_pre_attn_scalar=16)
+FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    # longrope past a 16-token original context (long factors on both sides), 12 of 16 dims rotated,
+    # every layer within an 8-token window
+    "phi3": (Phi3Config, Phi3ForCausalLM, dict(
+        num_hidden_layers=2, intermediate_size=128, pad_token_id=0, eos_token_id=2, sliding_window=8,
+        partial_rotary_factor=0.75, original_max_position_embeddings=16,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                         "long_factor": [1.0, 2.0, 4.0, 6.0, 9.0, 12.0]})),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(
+        num_hidden_layers=2, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, **_GEMMA)),
+    # six layers: llama.cpp's 5 sliding : 1 global; the global RoPE linearly scaled, the local at 1e4
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        num_hidden_layers=6, layer_types=[SLIDING] * 5 + [GLOBAL], final_logit_softcapping=3.0,
+        rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                         GLOBAL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, **_GEMMA)),
+    # every layer routed: llama.cpp's qwen3moe has no dense layers (mlp_only_layers cannot be converted)
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=6,
+        num_experts_per_tok=2, norm_topk_prob=True, rope_theta=1e6)),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(
+        num_hidden_layers=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6)),
+}  # fmt: skip
+
+# tiny matmuls: one thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def random_hf(family: str, seed: int = 0) -> Any:
+    """A transformers model of `family` with every parameter random (norms 1 + 0.2 N, the rest 0.15 N)."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    hf = model_cls(config_cls(**_TINY, **extra)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return hf
+
+
+def load(path: Path, stored: dict[str, StoredGroups] | None = None) -> DecoderLM:
+    """What the engine does with a model path (engine/engine_parts.py), float32 on CPU."""
+    files = resolve_model(path)
+    model = DecoderLM(ModelConfig.from_hf_config(load_hf_config_dict(files)), pack_on_load=stored is not None)
+    load_weights(model, iter_weights(files, torch.float32, stored), stored)
+    return model.eval()
+
+
+@dataclass
+class Converted:
+    family: str
+    hf: Any
+    folder: Path
+    gguf: Path
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Converted:
+    family = request.param
+    hf = random_hf(family)
+    tmp = tmp_path_factory.mktemp(family)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}  # tied tensors unshared
+    folder = write_tiny_hf_folder(tmp / "hf", state, hf.config.to_dict(), shards=1)
+    gguf = write_converted_gguf(tmp / f"{family}.gguf", state, hf.config.to_dict())
+    return Converted(family, hf, folder, gguf)
+
+
+def _factors_in_float32(config: ModelConfig) -> ModelConfig:
+    """A GGUF holds longrope's factors as float32 tensors (transformers computes with them in float32)."""
+    rope = config.rope_scaling
+    if rope is None or rope.long_factor is None or rope.short_factor is None:
+        return config
+    long, short = (tuple(float(np.float32(x)) for x in f) for f in (rope.long_factor, rope.short_factor))
+    return dataclasses.replace(
+        config, rope_scaling=dataclasses.replace(rope, long_factor=long, short_factor=short)
+    )
+
+
+def test_the_gguf_loads_the_folders_model(converted: Converted) -> None:
+    from_folder, from_gguf = load(converted.folder), load(converted.gguf)
+    assert from_gguf.config == _factors_in_float32(from_folder.config)
+    folder_params = dict(from_folder.named_parameters())
+    for name, param in from_gguf.named_parameters():
+        assert torch.equal(param, folder_params[name]), name  # Gemma norms: 1 + w, added once
+
+
+def _check_against_transformers(model: DecoderLM, hf: Any, decode_steps: int = 4) -> None:
+    """Prefill 21 tokens (past every window and Phi-3's original context), greedy decode, a prefix hit."""
+    harness = Harness(model)
+    seq = Seq(prompt(21, seed=5))
+    (logits,) = harness.step([(seq, 21)])
+    assert_close(logits, hf_logits(hf, seq.tokens))
+    steps = []
+    for _ in range(decode_steps):
+        seq.tokens.append(int(logits[-1].argmax()))
+        (logits,) = harness.step([(seq, 1)])
+        steps.append(logits[-1])
+    ref = hf_logits(hf, seq.tokens)
+    assert seq.tokens[21:] == ref[20 : 20 + decode_steps].argmax(-1).tolist()  # transformers' greedy tokens
+    for i, step_logits in enumerate(steps):
+        assert_close(step_logits, ref[21 + i])
+    shared = 20  # whole blocks: the second sequence reads the first's cached blocks
+    other = Seq(seq.tokens[:shared] + prompt(5, seed=6), num_cached=shared)
+    other.block_table = seq.block_table[: shared // 4]
+    (logits,) = harness.step([(other, len(other.tokens) - shared)])
+    assert_close(logits, hf_logits(hf, other.tokens)[shared:])
+
+
+def test_the_gguf_matches_transformers(converted: Converted) -> None:
+    _check_against_transformers(load(converted.gguf), converted.hf)
+
+
+def _dequantized_q8_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights a Q8_0 conversion holds: every tensor of 2+ dimensions but the router round-tripped
+    through gguf's Q8_0 (blocks of 32 along rows, so Q/K permutation and expert stacking commute)."""
+    out = {}
+    for name, t in state.items():
+        if t.ndim >= 2 and not name.endswith(".mlp.gate.weight"):
+            t = torch.from_numpy(gguf_dequantize(gguf_quantize(t.float().numpy(), Q8_0), Q8_0)).reshape(
+                t.shape
+            )
+        out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_q8_0_gguf_matches_transformers_on_its_weights(family: str, tmp_path: Path) -> None:
+    hf = random_hf(family, seed=1)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    path = write_converted_gguf(
+        tmp_path / f"{family}.q8_0.gguf", state, hf.config.to_dict(), weight_type=Q8_0
+    )
+    hf.load_state_dict(_dequantized_q8_0(state))  # transformers on exactly the file's weights
+    _check_against_transformers(load(path), hf, decode_steps=2)
+    stored: dict[str, StoredGroups] = {}
+    fast = load(path, stored)  # the engine's fast path: packed projections, the file's int8 groups
+    assert stored and "onednn" in fast.kernels
+    seq = Seq(prompt(21, seed=7))
+    (got,) = Harness(fast).step([(seq, 21)])
+    assert_close(got, hf_logits(hf, seq.tokens))
+
+
+# ---------------------------------------------------------------- metadata rules and refusals
+
+
+def _metadata_gguf(
+    path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, np.ndarray] | None = None
+) -> Path:
+    writer = GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _shapes(arch: str, layers: int, hidden: int = 64, heads: int = 4, **extra: Any) -> dict[str, Any]:
+    return {f"{arch}.block_count": layers, f"{arch}.embedding_length": hidden, f"{arch}.attention.head_count": heads,
+            f"{arch}.attention.head_count_kv": 2, f"{arch}.feed_forward_length": 128, f"{arch}.context_length": 256,
+            f"{arch}.attention.key_length": 16, f"{arch}.attention.value_length": 16,
+            f"{arch}.vocab_size": 32, **{f"{arch}.{k}": v for k, v in extra.items()}}  # fmt: skip
+
+
+def _config(path: Path) -> ModelConfig:
+    return ModelConfig.from_hf_config(gguf_config_dict(GGUFFile(path)))
+
+
+def test_gguf_config_rules(tmp_path: Path) -> None:
+    """llama.cpp's per-architecture rules where the converter writes no key."""
+    # Gemma 2: scale by head_dim ** -0.5, except the 46-layer 27B (hidden / heads); even layers slide
+    g2 = _config(_metadata_gguf(tmp_path / "g2.gguf", "gemma2", _shapes("gemma2", 4)
+                                | {"gemma2.attention.sliding_window": 8}))  # fmt: skip
+    assert g2.gemma is not None and g2.gemma.query_pre_attn_scalar == 16.0
+    assert g2.gemma.layer_types == (SLIDING, GLOBAL) * 2 and g2.gemma.sliding_window == 8
+    assert (g2.gemma.attn_logit_softcapping, g2.gemma.final_logit_softcapping) == (50.0, 30.0)  # llama.cpp's
+    assert g2.rope_theta == 10000.0 and g2.tie_word_embeddings
+    g27 = _config(_metadata_gguf(tmp_path / "g27.gguf", "gemma2", _shapes("gemma2", 46, hidden=4608, heads=32)
+                                 | {"gemma2.attention.sliding_window": 4096}))  # fmt: skip
+    assert g27.gemma is not None and g27.gemma.query_pre_attn_scalar == 144.0
+    # Gemma 3: 5 sliding : 1 global, the local base 10000 without freq_base_swa; no window: all global
+    g3 = _config(_metadata_gguf(tmp_path / "g3.gguf", "gemma3", _shapes("gemma3", 7)
+                                | {"gemma3.attention.sliding_window": 512, "gemma3.rope.freq_base": 1e6}))  # fmt: skip
+    assert g3.gemma is not None and g3.gemma.layer_types == (SLIDING,) * 5 + (GLOBAL, SLIDING)
+    assert g3.gemma.rope_local_base_freq == 10000.0 and g3.rope_theta == 1e6
+    assert g3.gemma.final_logit_softcapping is None and g3.qk_norm
+    g3_full = _config(_metadata_gguf(tmp_path / "g3f.gguf", "gemma3", _shapes("gemma3", 2)))
+    assert g3_full.gemma is not None and g3_full.gemma.layer_types == (GLOBAL, GLOBAL)
+    # Gemma 3 trims the embedding's padding rows: the vocabulary is the embedding's
+    trimmed = _metadata_gguf(tmp_path / "g3v.gguf", "gemma3", _shapes("gemma3", 2),
+                             {"token_embd.weight": np.zeros((30, 64), dtype=np.float32)})  # fmt: skip
+    assert _config(trimmed).vocab_size == 30
+
+
+@pytest.mark.parametrize(
+    ("arch", "meta", "match"),
+    [
+        ("clip", {}, "multimodal projector"),
+        ("gemma3n", {}, "Gemma 3n"),
+        ("gemma", {}, "Gemma 1"),
+        ("qwen2moe", {}, "shared expert"),
+        ("gemma3", {"gemma3.attention.sliding_window_pattern": 4}, "sliding_window_pattern"),
+        (
+            "qwen3moe",
+            {"qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2, "qwen3moe.expert_gating_func": 2},
+            "expert_gating_func",
+        ),  # fmt: skip
+        ("qwen3moe", {"qwen3moe.expert_count": 4}, "expert_used_count"),
+        ("phi3", {"phi3.rope.scaling.factor": 2.0}, r"phi3\.rope\.scaling\.factor"),
+    ],
+)
+def test_what_a_gguf_cannot_say_is_refused_by_name(
+    arch: str, meta: dict[str, Any], match: str, tmp_path: Path
+) -> None:
+    path = _metadata_gguf(tmp_path / "x.gguf", arch, _shapes(arch, 2) | meta)
+    with pytest.raises(UnsupportedModelError, match=match):
+        gguf_config_dict(GGUFFile(path))
+
+
+def test_phi3_longrope_needs_both_factor_sets(tmp_path: Path) -> None:
+    factors = {"rope_factors_long.weight": np.ones(6, dtype=np.float32)}
+    path = _metadata_gguf(tmp_path / "p.gguf", "phi3", _shapes("phi3", 2), factors)
+    with pytest.raises(UnsupportedModelError, match="rope_factors_short"):
+        gguf_config_dict(GGUFFile(path))
