@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
@@ -220,3 +221,70 @@ def _is_running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "\nState:\tZ" not in status
+
+
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """`pid`'s tensor-parallel workers (multiprocessing's resource tracker is a spawned child too)."""
+    out = []
+    for child in _children(pid):
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            out.append(child)
+    return out
+
+
+def _serve(folder: Path) -> Any:
+    from tests.helpers.server_process import ServerProcess
+
+    return ServerProcess(
+        "--model", str(folder), "--tensor-parallel-size", "2", "--kernels", "reference", "--device", "cpu",
+        "--kv-cache-gib", "0.01",
+    ).start()  # fmt: skip
+
+
+def _complete(server: Any) -> httpx.Response:
+    body = {"model": "tiny-qwen2", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+    return httpx.post(server.url("/v1/completions"), json=body, timeout=30)
+
+
+@pytest.mark.server
+def test_the_server_answers_503_once_a_rank_is_killed(tmp_path: Path) -> None:
+    from tests.helpers.server_process import assert_error
+
+    server = _serve(tiny_folder(tmp_path, "qwen2"))
+    try:
+        assert _complete(server).status_code == 200
+        (worker,) = _spawned_workers(server._proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        err = assert_error(_complete(server), 503, type="service_unavailable_error", code="engine_dead")
+        assert "tensor-parallel rank 1" in err["message"] and "code -9" in err["message"], err
+        health = assert_error(
+            httpx.get(server.url("/health"), timeout=5), 503, type="service_unavailable_error"
+        )
+        assert "tensor-parallel rank 1" in health["message"], health
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+@pytest.mark.server
+def test_a_stopped_server_leaves_no_worker_behind(tmp_path: Path) -> None:
+    server = _serve(tiny_folder(tmp_path, "qwen2"))
+    try:
+        assert _complete(server).status_code == 200
+        (worker,) = _spawned_workers(server._proc.pid)
+    finally:
+        assert server.stop() == 0, server.log()
+    assert not _is_running(worker)

@@ -118,6 +118,10 @@ class TensorParallelGroup:
         self._comm_device = device  # NCCL moves CUDA tensors only; gloo CPU ones
         self.dead_reason: str | None = None
         self._closed = False
+        # True while a step runs (on the engine's thread). close() from another thread then (exit after
+        # a step hung) must not broadcast into the same group: it terminates the workers instead,
+        # which also makes the stuck collective raise.
+        self._in_step = False
 
     # ---- each step ----
     def run_step(
@@ -128,6 +132,7 @@ class TensorParallelGroup:
         self.check_workers()
         if self.dead_reason is not None:
             raise TensorParallelError(self.dead_reason)
+        self._in_step = True
         try:
             header, payload = encode_step(step)
             self._broadcast(header)
@@ -136,6 +141,8 @@ class TensorParallelGroup:
         except Exception as e:
             self._die(f"{type(e).__name__}: {e}")
             raise TensorParallelError(self.dead_reason) from e
+        finally:
+            self._in_step = False
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The smallest KV pool any rank's budget holds (every rank calls this once, after loading)."""
@@ -187,10 +194,11 @@ class TensorParallelGroup:
         if self._closed:
             return
         self._closed = True
-        if self.dead_reason is None and self._exited_worker() is None:
+        graceful = self.dead_reason is None and not self._in_step and self._exited_worker() is None
+        if graceful:
             with contextlib.suppress(Exception):  # a worker died meanwhile: terminated below
                 self._broadcast(torch.tensor([SHUTDOWN] + [0] * (_HEADER_LEN - 1), dtype=torch.int64))
-        deadline = time.monotonic() + (_CLOSE_TIMEOUT_S if self.dead_reason is None else 0.0)
+        deadline = time.monotonic() + (_CLOSE_TIMEOUT_S if graceful else 0.0)
         for p in self._processes:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
