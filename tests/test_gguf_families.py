@@ -291,3 +291,40 @@ def test_phi3_longrope_needs_both_factor_sets(tmp_path: Path) -> None:
     path = _metadata_gguf(tmp_path / "p.gguf", "phi3", _shapes("phi3", 2), factors)
     with pytest.raises(UnsupportedModelError, match="rope_factors_short"):
         gguf_config_dict(GGUFFile(path))
+
+
+def test_a_split_part_is_refused_whatever_its_name(tmp_path: Path) -> None:
+    meta = _shapes("llama", 2) | {"split.no": 1, "split.count": 3}
+    path = _metadata_gguf(tmp_path / "model.gguf", "llama", meta)
+    with pytest.raises(UnsupportedModelError, match="part 2 of 3 of a split GGUF"):
+        gguf_config_dict(GGUFFile(path))
+    with pytest.raises(UnsupportedModelError, match="split GGUF"):
+        next(GGUFFile(path).iter_tensors(torch.float32))
+
+
+def test_a_folder_with_a_projector_beside_the_text_model_loads_the_text_model(tmp_path: Path) -> None:
+    """Gemma 3's conversion writes the language model (gemma3) and the vision projector (mmproj, clip)."""
+    hf = random_hf("gemma3")
+    text = write_converted_gguf(tmp_path / "gemma3.gguf", dict(hf.state_dict()), hf.config.to_dict())
+    projector = _metadata_gguf(tmp_path / "mmproj-gemma3.gguf", "clip", {"clip.has_vision_encoder": 1})
+    assert resolve_model(tmp_path).path == text
+    with pytest.raises(UnsupportedModelError, match="multimodal projector"):
+        gguf_config_dict(GGUFFile(projector))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tensor_names_invert_the_converters_table(family: str) -> None:
+    """gguf-py's TensorNameMap (what the converter renames with) and gguf_layout's names agree on every
+    parameter that is not a stacked expert."""
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    from onecall.model.gguf_layout import hf_tensor_name
+
+    hf = random_hf(family)
+    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(family, family)
+    name_map = get_tensor_name_map(MODEL_ARCH[arch.upper()], hf.config.num_hidden_layers)
+    for hf_name in hf.state_dict():
+        if ".experts." in hf_name or (family.startswith("gemma") and hf_name == "lm_head.weight"):
+            continue  # experts: stacked, checked by the round trips; Gemma's lm_head: not converted
+        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None and hf_tensor_name(gguf_name, arch, family == "mixtral") == hf_name

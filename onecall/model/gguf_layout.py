@@ -57,8 +57,14 @@ _HF_CLASS = {
 _MODEL_TYPE = {"qwen3moe": "qwen3_moe"}  # config.json's model_type where it differs from the GGUF arch
 
 
-def check_architecture(arch: str) -> None:
-    """Raise UnsupportedModelError naming what a GGUF architecture is, unless onecall runs it."""
+def check_loadable(arch: str, metadata: dict[str, Any], file_name: str) -> None:
+    """Raise UnsupportedModelError naming what a GGUF is, unless onecall runs it: one part of a split
+    model (split.count > 1, whatever the file is called), or an architecture we do not implement."""
+    if (count := metadata.get("split.count", 1)) > 1:
+        raise UnsupportedModelError(
+            f"{file_name} is part {metadata.get('split.no', 0) + 1} of {count} of a split GGUF; merge the parts "
+            "first (`llama-gguf-split --merge FIRST_PART OUT.gguf`) and pass the merged file"
+        )
     if arch in SUPPORTED_ARCHITECTURES:
         return
     what = REFUSED_ARCHITECTURES.get(arch)
@@ -139,7 +145,7 @@ def gguf_config_dict(gguf: GGUFFile) -> dict[str, Any]:
     """The Hugging Face config.json dict a GGUF was converted from (ModelConfig.from_hf_config checks it).
     Phases: 1. architecture, 2. shapes, 3. RoPE, 4. the family's own keys, 5. token ids."""
     meta, arch = gguf.metadata, gguf.architecture
-    check_architecture(arch)
+    check_loadable(arch, meta, gguf.path.name)
     key = _key_reader(meta, arch)
     hidden_size, num_heads = key("embedding_length"), key("attention.head_count")
     if hidden_size is None or num_heads is None:
