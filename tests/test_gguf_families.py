@@ -328,3 +328,15 @@ def test_tensor_names_invert_the_converters_table(family: str) -> None:
             continue  # experts: stacked, checked by the round trips; Gemma's lm_head: not converted
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None and hf_tensor_name(gguf_name, arch, family == "mixtral") == hf_name
+
+
+def test_mixtral_with_one_tensor_per_expert_loads(tmp_path: Path) -> None:
+    """Mixtral GGUFs converted before experts were stacked (blk.N.ffn_gate.E.weight), which llama.cpp
+    still loads: the same parameters as the stacked file."""
+    hf = random_hf("mixtral")
+    state, config = dict(hf.state_dict()), hf.config.to_dict()
+    legacy = load(write_converted_gguf(tmp_path / "legacy.gguf", state, config, per_expert_tensors=True))
+    assert "blk.0.ffn_up.3.weight" in GGUFFile(tmp_path / "legacy.gguf").tensor_names()
+    stacked = dict(load(write_converted_gguf(tmp_path / "stacked.gguf", state, config)).named_parameters())
+    for name, param in legacy.named_parameters():
+        assert torch.equal(param, stacked[name]), name

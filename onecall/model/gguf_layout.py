@@ -100,6 +100,7 @@ _MOE_NAMES = {
     "ffn_gate_exps": "mlp.experts.*.gate_proj", "ffn_up_exps": "mlp.experts.*.up_proj",
     "ffn_down_exps": "mlp.experts.*.down_proj",
 }  # fmt: skip
+_LEGACY_EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 # Not parameters, skipped by the weight iterator on purpose: llama-3 RoPE frequency factors and Phi-3's
 # longrope factors, which gguf_config_dict reads into the config's rope_scaling instead.
 SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
@@ -133,6 +134,13 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama", has_experts: boo
             )
     elif len(parts) == 2 and parts[0] in _TOP_LEVEL_NAMES and parts[1] in ("weight", "bias"):
         return f"{_TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
+    elif (
+        len(parts) == 5 and parts[0] == "blk" and parts[3].isdigit() and has_experts and parts[4] == "weight"
+    ):
+        # Mixtral GGUFs from before stacked experts (llama.cpp still loads them): blk.N.ffn_gate.E.weight
+        _, layer, stem, expert, _ = parts
+        if stem in _LEGACY_EXPERT_NAMES:
+            return f"model.layers.{layer}.mlp.experts.{expert}.{_LEGACY_EXPERT_NAMES[stem]}.weight"
     raise UnsupportedModelError(
         f"GGUF tensor {gguf_name!r} has no counterpart in onecall's {architecture} decoder"
     )

@@ -304,6 +304,7 @@ def write_converted_gguf(
     hf_state_dict: Mapping[str, torch.Tensor],
     hf_config_dict: Mapping[str, Any],
     weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    per_expert_tensors: bool = False,
 ) -> Path:
     """A transformers model's state dict and config (to_dict()) as llama.cpp's convert_hf_to_gguf.py
     lays them out, for every family onecall loads (write_tiny_gguf covers the Llama/Qwen basics):
@@ -321,6 +322,7 @@ def write_converted_gguf(
     - Phi-3: rope.dimension_count = int(partial * hidden) // heads, original_context_length, sliding
       window (0 for none), and for longrope the factor tensors and the derived attn_factor.
     `weight_type` quantizes every weight of two or more dimensions except the router; 1-D stays F32.
+    `per_expert_tensors`: Mixtral as converters wrote it before stacked experts (blk.N.ffn_gate.E.weight).
     Written from the converter's description, independently of onecall's reader.
     """
     import math
@@ -408,7 +410,13 @@ def write_converted_gguf(
             else f"layers.{layer}.feed_forward.experts"
         )
         gate, up, down = ("gate_proj", "up_proj", "down_proj") if arch == "qwen3moe" else ("w1", "w3", "w2")
-        if name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H): each expert's [gate; up] rows
+        if per_expert_tensors and ".mlp.experts." in name:
+            parts = data.chunk(2, dim=1) if name.endswith("gate_up_proj") else (data,)
+            stems = ("ffn_gate", "ffn_up") if name.endswith("gate_up_proj") else ("ffn_down",)
+            for stem, stacked in zip(stems, parts, strict=True):
+                for e, expert in enumerate(stacked):
+                    tensors[f"blk.{layer}.{stem}.{e}.weight"] = expert
+        elif name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H): each expert's [gate; up] rows
             g, u = data.chunk(2, dim=1)
             tensors[gguf_name(f"{merged}.{gate}.weight")] = g
             tensors[gguf_name(f"{merged}.{up}.weight")] = u
