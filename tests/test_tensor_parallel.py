@@ -9,7 +9,8 @@ partial matmuls in another order than one matmul does (float32). Greedy tokens m
 
 What is exercised: row/column splits with biases (q/k/v bias on every rank, o_proj's bias once),
 Qwen3's replicated q/k norms, tied and untied embeddings, and a vocabulary (97) that does not divide
-by 2 (the last rank's padding rows never reach the logits).
+by 2 (the last rank's padding rows never reach the logits). Loading: a rank reads only its part of
+each split tensor from safetensors (get_slice), and gets what slicing the whole tensors gives.
 """
 
 from __future__ import annotations
@@ -149,3 +150,54 @@ def test_each_rank_holds_its_slice() -> None:
         assert embed.shape == (49, 32)  # ceil(97 / 2) rows on both ranks
         assert torch.equal(embed[: 97 - 49 * rank], state["model.embed_tokens.weight"][49 * rank :][:49])
     assert tp.shard_config(config).num_attention_heads == 2
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_each_rank_reads_only_its_slice_from_safetensors(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """engine_parts.iter_rank_weights gives what shard_weights gives over the whole tensors, and reads
+    every split tensor through get_slice: get_tensor only for replicated ones and fused projections."""
+    from onecall.engine import engine_parts
+    from onecall.model.checkpoint import resolve_model
+    from onecall.model.parallel import is_fused
+    from tests.helpers.make_models import write_tiny_hf_folder
+
+    hf, state = _checkpoint(arch)
+    files = resolve_model(str(write_tiny_hf_folder(tmp_path / arch, state, hf, shards=2)))
+    config = ModelConfig.from_hf_config(hf)
+    whole: list[str] = []
+    real_open = engine_parts.safe_open
+
+    class Recording:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self) -> Recording:
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.file.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return list(self.file.keys())
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            whole.append(name)
+            return self.file.get_tensor(name)
+
+        def get_slice(self, name: str) -> Any:
+            return self.file.get_slice(name)
+
+    monkeypatch.setattr(engine_parts, "safe_open", Recording)
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        whole.clear()
+        got = dict(engine_parts.iter_rank_weights(files, torch.float32, tp, config))
+        want = dict(tp.shard_weights(iter(state.items()), config))
+        assert got.keys() == want.keys()
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), (rank, name)
+        assert whole and all(is_fused(n) or tp.shard_slice(n, config) is None for n in whole), whole
+        assert any(tp.shard_slice(n, config) is not None for n in got)  # some tensors were split

@@ -17,20 +17,28 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 
 from onecall.config import DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
 from onecall.errors import InvalidParameterError
-from onecall.model.checkpoint import ModelFiles, iter_weights, load_hf_config_dict, resolve_model
+from onecall.model.checkpoint import (
+    ModelFiles,
+    iter_weights,
+    load_hf_config_dict,
+    resolve_model,
+    safetensors_shards,
+)
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.gguf import open_gguf
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.parallel import TensorParallel
+from onecall.model.parallel import TensorParallel, is_fused
 from onecall.model.quants import StoredGroups
 from onecall.model.weights import load_weights
 from onecall.text.tokenizer import Tokenizer
@@ -144,11 +152,40 @@ def load_model(
         model_config = dataclasses.replace(model_config, max_position_embeddings=config.max_model_len)
     model = DecoderLM(model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast", tp=tp)
     stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
-    weights = iter_weights(files, dtype, stored)
-    load_weights(
-        model, weights if model.tp is None else model.tp.shard_weights(weights, model_config), stored
-    )
+    if model.tp is None:
+        weights = iter_weights(files, dtype, stored)
+    elif files.kind == "hf":
+        weights = iter_rank_weights(files, dtype, model.tp, model_config)
+    else:  # a GGUF's tensors are read (and dequantized) whole, then sliced
+        weights = model.tp.shard_weights(iter_weights(files, dtype), model_config)
+    load_weights(model, weights, stored)
     return model.eval()
+
+
+def iter_rank_weights(
+    files: ModelFiles, dtype: torch.dtype, tp: TensorParallel, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A safetensors checkpoint's tensors as `tp.shard_weights` gives them, reading from disk only
+    this rank's part of each split tensor (safetensors' get_slice); replicated tensors and fused
+    projections (split first, at the full model's sizes) are read whole. `config`: the full model's."""
+    for path in safetensors_shards(files.path):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names = f.keys()  # a safe_open handle is not iterable
+            for name in names:
+                if is_fused(name):
+                    yield from tp.shard_weights(iter([(name, _cast(f.get_tensor(name), dtype))]), config)
+                    continue
+                part = tp.shard_slice(name, config)
+                if part is None:
+                    yield name, _cast(f.get_tensor(name), dtype)
+                    continue
+                view = f.get_slice(name)
+                rows = view[part.start : part.stop] if part.dim == 0 else view[:, part.start : part.stop]
+                yield name, part.pad_rows(_cast(rows, dtype))
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def kv_blocks_in_budget(

@@ -16,7 +16,8 @@ holds 1/N of every layer (Megatron's split, as vLLM and SGLang do it):
 
 So each rank's model is an ordinary DecoderLM built from `shard_config` (H/N query heads, KVH/N KV
 heads, I/N intermediate, ceil(V/N) vocabulary rows), loaded from `shard_weights` over the checkpoint's
-tensors, and its forward adds three collectives per layer pair at most: after o_proj, after down_proj,
+tensors (or, from safetensors, by reading only `shard_slice` of each: engine_parts.iter_rank_weights),
+and its forward adds three collectives per layer pair at most: after o_proj, after down_proj,
 and once for the embedding; compute_logits gathers the vocabulary shards. Each rank's KV cache holds
 its own KV heads. Models whose heads or intermediate size do not divide by N are refused by name
 (KV heads are not replicated across ranks).
@@ -34,6 +35,32 @@ import torch.distributed as dist
 
 from onecall.errors import UnsupportedModelError
 from onecall.model.config import ModelConfig
+
+_FUSED = (".self_attn.qkv_proj.", ".mlp.gate_up_proj.")  # weights.split_fused_weights splits these
+
+
+def is_fused(name: str) -> bool:
+    """A checkpoint tensor holding several projections (Phi-3's qkv_proj, gate_up_proj)."""
+    return any(f in name for f in _FUSED)
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """A rank's part of a checkpoint tensor: [start, stop) along `dim` (0: rows, 1: columns), then
+    `pad` zero rows (the last rank's vocabulary padding; o_proj's bias on ranks > 0 is 0 rows + all
+    padding)."""
+
+    dim: int
+    start: int
+    stop: int
+    pad: int = 0
+
+    def pad_rows(self, part: torch.Tensor) -> torch.Tensor:
+        """`part` (the [start, stop) slice, as read) with the padding rows; contiguous."""
+        if self.pad:
+            zeros = torch.zeros(self.pad, *part.shape[1:], dtype=part.dtype, device=part.device)
+            part = torch.cat((part, zeros))
+        return part.contiguous()
 
 
 @dataclass(frozen=True)
@@ -117,33 +144,40 @@ class TensorParallel:
 
     def shard(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         """This rank's slice of one checkpoint tensor, by its Hugging Face name."""
+        part = self.shard_slice(name, config)
+        if part is None:
+            return tensor
+        return part.pad_rows(tensor.narrow(part.dim, part.start, part.stop - part.start))
+
+    def shard_slice(self, name: str, config: ModelConfig) -> ShardSlice | None:
+        """Which part of the checkpoint tensor `name` this rank holds (None: all of it). A loader can
+        read just that part (safetensors' get_slice) instead of the whole tensor. Fused projections
+        (is_fused) must be split into their parts first."""
         r, n, d = self.rank, self.world_size, config.head_dim
         if n == 1:
-            return tensor
+            return None
+        assert not is_fused(name), f"{name}: split fused projections before sharding"
         q_rows = config.num_attention_heads // n * d
         kv_rows = config.num_key_value_heads // n * d
         inter = config.intermediate_size // n
         part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
         if part == "q_proj":
-            return tensor[r * q_rows : (r + 1) * q_rows].contiguous()
+            return ShardSlice(0, r * q_rows, (r + 1) * q_rows)
         if part in ("k_proj", "v_proj"):
-            return tensor[r * kv_rows : (r + 1) * kv_rows].contiguous()
+            return ShardSlice(0, r * kv_rows, (r + 1) * kv_rows)
         if part in ("gate_proj", "up_proj"):
-            return tensor[r * inter : (r + 1) * inter].contiguous()
+            return ShardSlice(0, r * inter, (r + 1) * inter)
         if part == "o_proj":
-            if name.endswith(".bias"):
-                return tensor if r == 0 else torch.zeros_like(tensor)
-            return tensor[:, r * q_rows : (r + 1) * q_rows].contiguous()
+            if name.endswith(".bias"):  # added once, by rank 0: zeros elsewhere
+                return None if r == 0 else ShardSlice(0, 0, 0, pad=config.hidden_size)
+            return ShardSlice(1, r * q_rows, (r + 1) * q_rows)
         if part == "down_proj":
-            return tensor[:, r * inter : (r + 1) * inter].contiguous()
+            return ShardSlice(1, r * inter, (r + 1) * inter)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             start, size = self.vocab_shard(config.vocab_size)
-            rows = tensor[start : start + size]
-            if rows.shape[0] < size:  # the last rank: pad to the common shard size
-                pad = torch.zeros(size - rows.shape[0], *tensor.shape[1:], dtype=tensor.dtype)
-                rows = torch.cat((rows, pad))
-            return rows.contiguous()
-        return tensor  # norms (incl. q_norm/k_norm): replicated
+            stop = min(start + size, config.vocab_size)  # the last rank: padded to the common size
+            return ShardSlice(0, start, stop, pad=start + size - stop)
+        return None  # norms (incl. q_norm/k_norm): replicated
 
     def embed(self, embedding: torch.nn.Embedding, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Vocabulary-parallel lookup: each rank looks up the ids it owns (zeros elsewhere), then the
