@@ -9,9 +9,10 @@ folder and converted. Checks:
   1. the GGUF's config and every loaded parameter equal the folder's, bit for bit (F32 file);
   2. against transformers (tests/test_model_numerics' ATOL, 1e-4 on logits): prefill, greedy decode
      through the paged cache (each greedy token transformers' argmax too), a prefix-cache hit;
-  3. a Q8_0 file (every weight of 2+ dimensions, experts included; norms and router F32) against
-     transformers running the same dequantized weights (gguf.quants' round trip), reference kernels and
-     the engine's fast path (pack_on_load with the file's own int8 groups), same tolerance.
+  3. Q8_0 and Q4_0 files (every weight of 2+ dimensions, experts included; norms and router F32)
+     against transformers running the same dequantized weights (gguf.quants' round trip): the reference
+     kernels within ATOL, and the engine's fast path (pack_on_load), whose decode rows run the file's
+     own groups (FAST_DECODE_ATOL).
 The configs are what a GGUF can say: llama.cpp fixes Gemma's query_pre_attn_scalar to head_dim (27B
 aside), Gemma 3's layer pattern to 5 sliding : 1 global, and always renormalises Qwen3-MoE's top-k,
 so the transformers models here are built that way (test_gguf_config_rules checks the rules).
@@ -47,6 +48,7 @@ from onecall.errors import UnsupportedModelError
 from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.config import GLOBAL, SLIDING, ModelConfig
 from onecall.model.decoder import DecoderLM
+from onecall.model.fast_linear import FastLinear
 from onecall.model.gguf import GGUFFile
 from onecall.model.gguf_layout import gguf_config_dict
 from onecall.model.quants import StoredGroups
@@ -54,7 +56,7 @@ from onecall.model.weights import load_weights
 from tests.helpers.make_models import write_converted_gguf, write_tiny_hf_folder
 from tests.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt
 
-Q8_0 = GGMLQuantizationType.Q8_0
+Q8_0, Q4_0 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0
 _TINY: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
     rms_norm_eps=1e-6, attn_implementation="eager",
@@ -171,34 +173,52 @@ def test_the_gguf_matches_transformers(converted: Converted) -> None:
     _check_against_transformers(load(converted.gguf), converted.hf)
 
 
-def _dequantized_q8_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The weights a Q8_0 conversion holds: every tensor of 2+ dimensions but the router round-tripped
-    through gguf's Q8_0 (blocks of 32 along rows, so Q/K permutation and expert stacking commute)."""
+def _dequantized(state: dict[str, torch.Tensor], qtype: GGMLQuantizationType) -> dict[str, torch.Tensor]:
+    """The weights a quantized conversion holds: every tensor of 2+ dimensions but the router round-
+    tripped through gguf's quantizer (blocks of 32 along rows, so Q/K permutation, fused parts and
+    expert stacking all commute with it)."""
     out = {}
     for name, t in state.items():
         if t.ndim >= 2 and not name.endswith(".mlp.gate.weight"):
-            t = torch.from_numpy(gguf_dequantize(gguf_quantize(t.float().numpy(), Q8_0), Q8_0)).reshape(
+            t = torch.from_numpy(gguf_dequantize(gguf_quantize(t.float().numpy(), qtype), qtype)).reshape(
                 t.shape
             )
         out[name] = t
     return out
 
 
+# The fast path's decode rows against transformers: Q8_0 runs the native int8 kernel on float32
+# activations (exact products: summation order only, ATOL); Q4_0 the native int4 kernel, whose
+# activations are rounded to int16 per group of 32 in every projection of every layer (measured: up to
+# 2.2e-3 on Gemma, whose inputs are scaled by sqrt(hidden_size); 3e-4 to 1e-3 on the others). Stored
+# groups in a wrong row order (Phi-3's split or partial-rotary permutation left out) are off by > 2.
+FAST_DECODE_ATOL = {Q8_0: 1e-4, Q4_0: 1e-2}
+
+
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_q8_0_gguf_matches_transformers_on_its_weights(family: str, tmp_path: Path) -> None:
+def test_a_quantized_gguf_matches_transformers_on_its_weights(
+    family: str, qtype: GGMLQuantizationType, tmp_path: Path
+) -> None:
     hf = random_hf(family, seed=1)
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    path = write_converted_gguf(
-        tmp_path / f"{family}.q8_0.gguf", state, hf.config.to_dict(), weight_type=Q8_0
-    )
-    hf.load_state_dict(_dequantized_q8_0(state))  # transformers on exactly the file's weights
+    path = write_converted_gguf(tmp_path / f"{family}.gguf", state, hf.config.to_dict(), weight_type=qtype)
+    hf.load_state_dict(_dequantized(state, qtype))  # transformers on exactly the file's weights
     _check_against_transformers(load(path), hf, decode_steps=2)
+    # the engine's fast path: packed projections, decode rows on the file's own groups (Phi-3's fused
+    # qkv / gate_up split into parts, Phi-4-style partial rotary rows permuted with them)
     stored: dict[str, StoredGroups] = {}
-    fast = load(path, stored)  # the engine's fast path: packed projections, the file's int8 groups
-    assert stored and "onednn" in fast.kernels
-    seq = Seq(prompt(21, seed=7))
-    (got,) = Harness(fast).step([(seq, 21)])
-    assert_close(got, hf_logits(hf, seq.tokens))
+    fast = load(path, stored)
+    projections = [m for m in fast.modules() if isinstance(m, FastLinear)]
+    assert projections and all(m.has_decode_kernel for m in projections)
+    harness, seq = Harness(fast), Seq(prompt(21, seed=7))
+    (logits,) = harness.step([(seq, 21)])  # > INT4_MAX_ROWS rows: oneDNN float32
+    assert_close(logits, hf_logits(hf, seq.tokens))
+    for _ in range(2):
+        seq.tokens.append(int(logits[-1].argmax()))
+        (logits,) = harness.step([(seq, 1)])  # one row: the stored groups' kernel
+        diff = (logits[-1] - hf_logits(hf, seq.tokens)[-1]).abs().max().item()
+        assert diff <= FAST_DECODE_ATOL[qtype], f"max abs diff {diff:.2e}"
 
 
 # ---------------------------------------------------------------- metadata rules and refusals

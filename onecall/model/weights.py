@@ -16,7 +16,7 @@ Two rewrites happen on the way in, both to Hugging Face-named tensors, before an
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, MutableMapping
 
 import torch
 
@@ -25,7 +25,7 @@ from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.gemma import checkpoint_norm_weight
 from onecall.model.packing import install, new_packer
-from onecall.model.quants import StoredGroups
+from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 from onecall.model.rope import partial_rotary_permutation
 
 
@@ -100,7 +100,7 @@ def _moe_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
 def load_weights(
     model: DecoderLM,
     weights: Iterable[tuple[str, torch.Tensor]],
-    stored_weights: Mapping[str, StoredGroups] | None = None,
+    stored_weights: MutableMapping[str, StoredGroups] | None = None,
 ) -> None:
     """Copy Hugging Face-named tensors into the model's (partly fused) parameters, casting dtype and
     device. With pack_on_load, projections go to the fast kernels instead (with `stored_weights`, which
@@ -110,7 +110,7 @@ def load_weights(
     or (at the end) any parameter left unloaded.
     """
     table = weight_table(model)
-    weights = split_fused_weights(weights, model.config)
+    weights = split_fused_weights(weights, model.config, stored_weights)
     if model.config.moe is not None:
         weights = _moe_names(weights)
     if model.config.rotary_dim != model.config.head_dim:
@@ -162,12 +162,16 @@ def load_weights(
 
 
 def split_fused_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+    weights: Iterable[tuple[str, torch.Tensor]],
+    config: ModelConfig,
+    stored_weights: MutableMapping[str, StoredGroups] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint that stores fused projections (Phi-3: `self_attn.qkv_proj` rows [q; k; v],
     `mlp.gate_up_proj` rows [gate; up], as ours) yields each part under its separate Hugging Face name
     (row views, no copy); every other tensor passes through. Sizes from `config` (the full model's:
-    tensor parallel shards after this)."""
+    tensor parallel shards after this). A fused tensor's stored groups (a quantized Phi-3 GGUF's
+    attn_qkv / ffn_up) are split the same way, each part's rows stored under its name before it is
+    yielded, so the fast kernels find them as they find separately stored parts."""
     c = config
     q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
     sizes = {
@@ -184,10 +188,21 @@ def split_fused_weights(
             raise UnsupportedModelError(
                 f"tensor {name!r} has {tensor.shape[0]} rows, expected {total} ({' + '.join(p for p, _ in sizes[fused])})"
             )
+        groups = stored_weights.get(name) if stored_weights is not None else None
         start = 0
         for part, rows in sizes[fused]:
-            yield name.replace(fused, part), tensor[start : start + rows]
+            part_name = name.replace(fused, part)
+            if groups is not None and stored_weights is not None:
+                stored_weights[part_name] = _stored_rows(groups, torch.arange(start, start + rows))
+            yield part_name, tensor[start : start + rows]
             start += rows
+
+
+def _stored_rows(groups: StoredGroups, index: torch.Tensor) -> StoredGroups:
+    """The given rows of a stored weight (groups run along a row, so rows split and permute freely)."""
+    if isinstance(groups, Int4Groups):
+        return groups.select_rows(index)
+    return Int8Groups(groups.q[index], groups.scale[index], groups.group_size)
 
 
 _ROTATED = (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.q_norm.", ".self_attn.k_norm.")
@@ -196,25 +211,23 @@ _ROTATED = (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.q_norm.", ".
 def _partial_rotary_layout(
     weights: Iterable[tuple[str, torch.Tensor]],
     config: ModelConfig,
-    stored_weights: Mapping[str, StoredGroups] | None,
+    stored_weights: MutableMapping[str, StoredGroups] | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Permute every head of q and k (weights, biases, q/k norms) into the layout under which the
-    partial rotary head is plain full-width RoPE (rope.partial_rotary_permutation)."""
+    partial rotary head is plain full-width RoPE (rope.partial_rotary_permutation); a stored copy of
+    those rows (a quantized Phi-4-mini GGUF) is permuted with them, so the fast kernels see one layout."""
     perm = partial_rotary_permutation(config.head_dim, config.rotary_dim)
     for name, tensor in weights:
         if any(part in name for part in _ROTATED):
-            if stored_weights is not None and name in stored_weights:
-                # Never reached today (only phi3 has partial rotary, and phi3 GGUFs are refused), but a
-                # stored copy of these rows would escape the permutation: refuse rather than run it.
-                raise UnsupportedModelError(
-                    f"partial rotary with stored quantized groups ({name}) is not supported"
-                )
             if tensor.shape[0] % config.head_dim:
                 raise UnsupportedModelError(
                     f"tensor {name!r} has {tensor.shape[0]} rows, not whole heads of {config.head_dim}"
                 )
             heads = tensor.reshape(-1, config.head_dim, *tensor.shape[1:])
             tensor = heads[:, perm].reshape(tensor.shape)
+            if stored_weights is not None and name in stored_weights:
+                rows = torch.arange(tensor.shape[0]).reshape(-1, config.head_dim)[:, perm].flatten()
+                stored_weights[name] = _stored_rows(stored_weights[name], rows)
         yield name, tensor
 
 
