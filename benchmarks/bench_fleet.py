@@ -21,8 +21,9 @@ Scenarios
              conversations sent to 1 replica alone (no router): the hit rate a perfectly placed fleet
              could reach. After each routed run, POST /flush_cache through the router (it fans out)
   kill       2 replicas, cache_aware; users converse until each replica served --warm requests, then
-             one replica is SIGKILLed and they go on for --after seconds. Failures are split into those
-             in flight at the kill (streams the router cannot move) and those sent after it
+             one replica is SIGKILLed while it runs a request, and they go on for --after seconds.
+             Failures are split into those in flight at the kill (a stream already answering cannot
+             move) and those sent after it (the router still choosing the dead replica)
   autoscale  1 replica behind the router; a supervisor starts a 2nd, waits for its /health, adds it
              (POST /add_worker?url=), lets it serve --warm requests, removes it (POST /remove_worker?url=:
              no new requests go to it), waits until its /get_load reads 0 twice (drained), SIGTERMs it
@@ -158,6 +159,7 @@ class Fleet:
         self.replicas: dict[str, Process] = {}
         self.router: Process | None = None
         self.router_url = ""
+        self.router_metrics_url = ""
 
     async def add_replicas(self, n: int) -> list[str]:
         """Start n replicas side by side; returns their URLs once each answers /health."""
@@ -183,12 +185,25 @@ class Fleet:
             "warning",
         ]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers]
-        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        prometheus_port = free_port()
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]
         cmd += [] if self.args.router_defaults else FAILOVER_FLAGS
         self.router = Process(f"router-{policy}", cmd)
         self.router_url = f"http://127.0.0.1:{port}"
+        self.router_metrics_url = f"http://127.0.0.1:{prometheus_port}/metrics"
         await self.router.wait_http(f"{self.router_url}/v1/models", self.args.timeout)
         return self.router_url
+
+    async def router_failures(self) -> dict[str, float]:
+        """The router's own counters of retries and of failed attempts per worker (Prometheus text)."""
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(self.router_metrics_url, timeout=10)).text
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name.endswith("_total") and ("retr" in name or 'outcome="failure"' in line):
+                found[line.rsplit(" ", 1)[0]] = float(line.rsplit(" ", 1)[1])
+        return found
 
     def not_found(self) -> dict[str, int]:
         """404s the replicas logged, by path (uvicorn's access log), dead and stopped replicas included."""
@@ -244,11 +259,13 @@ class Workload:
     async def converse(self, client: openai.AsyncOpenAI, model: str, conversation: int) -> None:
         """T turns on a growing transcript; a failed turn ends the conversation."""
         topic = TOPICS[conversation % len(TOPICS)]
-        series = f" This is talk number {conversation // len(TOPICS)}." if conversation >= len(TOPICS) else ""
-        system = (
+        # a user's later conversations start differently (a prefix shared with an earlier one would
+        # pull it to that conversation's replica), the first ones as in earlier runs of this script
+        opening = f"Talk {conversation // len(TOPICS)}. " if conversation >= len(TOPICS) else ""
+        system = opening + (
             f"You are a patient teacher who only talks about {topic}. Answer briefly and plainly, in "
             f"simple words, and stay on the subject of {topic} whatever the user asks. " * 3
-        ) + series
+        )
         messages: list[dict[str, str]] = [{"role": "system", "content": system}]
         for question in QUESTIONS[: self.args.turns]:
             messages.append({"role": "user", "content": f"About {topic}: {question}"})
@@ -379,7 +396,8 @@ async def run_single(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_kill(args: argparse.Namespace) -> dict[str, Any]:
-    """Phases: 1. both replicas warm  2. SIGKILL the second  3. --after seconds on the survivor."""
+    """Phases: 1. both replicas warm  2. SIGKILL the second while it runs a request  3. --after
+    seconds on the survivor."""
     fleet = Fleet(args)
     try:
         urls = await fleet.add_replicas(2)
@@ -391,24 +409,34 @@ async def run_kill(args: argparse.Namespace) -> dict[str, Any]:
                 return all([await served(client, u) >= args.warm for u in urls])
 
             await wait_until("every replica served --warm requests", warm, args.timeout)
-            split = await split_of(urls)  # the victim's count as it dies
-        victim = fleet.replicas[urls[1]]
+            # the victim: the replica that served more (it holds more conversations), caught busy
+            counts = [await served(client, u) for u in urls]
+            victim, survivor = (urls[0], urls[1]) if counts[0] >= counts[1] else (urls[1], urls[0])
+
+            async def busy() -> bool:
+                return int((await client.get(f"{victim}/get_load")).json()["load"]) > 0
+
+            await wait_until("a request running on the victim", busy, args.timeout, interval=0.05)
+            split = await split_of([victim])  # its count as it dies
         t_kill = time.perf_counter()
-        victim.stop(signal.SIGKILL)
+        fleet.replicas[victim].stop(signal.SIGKILL)
         await asyncio.sleep(args.after)
         work.stop.set()
         seconds = await task
-        split.update(await split_of(urls[:1]))
+        split.update(await split_of([survivor]))
         failed = [r for r in work.records if r.error]
         result = summarize("kill one of 2", work.records, seconds, split)
         return {
             **result,
             "replicas": 2,
+            "killed": victim.rsplit(":", 1)[1],
             "router_flags": "defaults" if args.router_defaults else "failover",
+            "in_flight_at_kill": sum(r.start < t_kill < (r.end or math.inf) for r in work.records),
             "failed_in_flight_at_kill": sum(r.start < t_kill for r in failed),
             "failed_sent_after_kill": sum(r.start >= t_kill for r in failed),
             "sent_after_kill": sum(r.start >= t_kill for r in work.records),
             "last_failure_s_after_kill": round(max(r.end for r in failed) - t_kill, 2) if failed else None,
+            "router_failures": await fleet.router_failures(),
             "not_found": fleet.not_found(),
         }
     finally:
@@ -446,7 +474,8 @@ async def run_autoscale(args: argparse.Namespace) -> dict[str, Any]:
             r.raise_for_status()
             event("added to the router")
             await warm(second, args.warm)
-            event(f"second replica served {args.warm}")
+            at_removal = await served(client, second)
+            event(f"second replica served {at_removal}")
             r = await client.post(f"{router}/remove_worker", params={"url": second})
             r.raise_for_status()
             event("removed from the router")
@@ -462,6 +491,7 @@ async def run_autoscale(args: argparse.Namespace) -> dict[str, Any]:
             await wait_until("the removed replica drained", drained, args.timeout)
             event("drained (load 0 twice)")
             split = await split_of([second])
+            drained_requests = split[second.rsplit(":", 1)[1]] - at_removal
             code = await asyncio.to_thread(fleet.replicas[second].stop)
             event(f"stopped (exit {code})")
             await asyncio.sleep(args.after)
@@ -469,7 +499,14 @@ async def run_autoscale(args: argparse.Namespace) -> dict[str, Any]:
         seconds = await task
         split.update(await split_of([first]))
         result = summarize("autoscale 1-2-1", work.records, seconds, split)
-        return {**result, "replicas": "1-2-1", "events": events, "not_found": fleet.not_found()}
+        return {
+            **result,
+            "replicas": "1-2-1",
+            "events": events,
+            "finished_after_removal": drained_requests,
+            "router_failures": await fleet.router_failures(),
+            "not_found": fleet.not_found(),
+        }
     finally:
         fleet.close()
 
