@@ -51,6 +51,7 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.fast_linear import FastLinear
 from onecall.model.gguf import GGUFFile
 from onecall.model.gguf_layout import gguf_config_dict
+from onecall.model.moe import Experts
 from onecall.model.quants import StoredGroups
 from onecall.model.weights import load_weights
 from tests.helpers.make_models import write_converted_gguf, write_tiny_hf_folder
@@ -206,11 +207,13 @@ def test_a_quantized_gguf_matches_transformers_on_its_weights(
     hf.load_state_dict(_dequantized(state, qtype))  # transformers on exactly the file's weights
     _check_against_transformers(load(path), hf, decode_steps=2)
     # the engine's fast path: packed projections, decode rows on the file's own groups (Phi-3's fused
-    # qkv / gate_up split into parts, Phi-4-style partial rotary rows permuted with them)
+    # qkv / gate_up split into parts, Phi-4-style partial rotary rows permuted with them; each routed
+    # expert's groups)
     stored: dict[str, StoredGroups] = {}
     fast = load(path, stored)
     projections = [m for m in fast.modules() if isinstance(m, FastLinear)]
     assert projections and all(m.has_decode_kernel for m in projections)
+    assert all(m.stored is not None for m in fast.modules() if isinstance(m, Experts))  # experts too
     harness, seq = Harness(fast), Seq(prompt(21, seed=7))
     (logits,) = harness.step([(seq, 21)])  # > INT4_MAX_ROWS rows: oneDNN float32
     assert_close(logits, hf_logits(hf, seq.tokens))

@@ -197,3 +197,47 @@ def test_the_fast_kernels_run_a_moe_model() -> None:
     (got,) = Harness(fast).step([(Seq(prompt(19, seed=9)), 19)])
     (want,) = Harness(ours).step([(Seq(prompt(19, seed=9)), 19)])
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_stored_experts_run_decode_rows_only(kind: str) -> None:
+    """A quantized GGUF's experts (Experts.use_stored): within the engine's decode_rows(n) scope, a
+    step's first n tokens run every routed expert on its stored groups (the native kernels), the rest
+    on the float32 weights. The float32 weights are the groups' own values, so both match the reference
+    (int8: float32 activations, summation order only; int4: int16 activations per group of 32, a
+    relative step of 2**-15); poisoning the stored groups then changes the decode tokens' rows only."""
+    from onecall.model import native
+    from onecall.model.fast_linear import decode_rows
+    from onecall.model.quants import Int4Groups, Int8Groups
+    from tests.helpers.int4 import quantize_int4, quantize_int8
+
+    if native.load() is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    hidden, inter, num_experts = 64, 32, 6
+    moe = SparseMoE(hidden, inter, num_experts, 2, True, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    quantize = quantize_int8 if kind == "int8" else quantize_int4
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.randn(num_experts, hidden, generator=gen))
+        gate_up = [quantize(torch.randn(2 * inter, hidden, generator=gen) * 0.2) for _ in range(num_experts)]
+        down = [quantize(torch.randn(hidden, inter, generator=gen) * 0.2) for _ in range(num_experts)]
+        moe.experts.gate_up_proj.copy_(torch.stack([g.dequantize() for g in gate_up]))
+        moe.experts.down_proj.copy_(torch.stack([g.dequantize() for g in down]))
+        x = torch.randn(7, hidden, generator=gen)
+        ref = moe(x)  # nothing stored: float32 for every row
+        assert moe.experts.use_stored(list(gate_up), list(down)) and moe.experts.stored is not None
+        with decode_rows(2):
+            got = moe(x)
+        tol = 1e-5 if kind == "int8" else 2e-3
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+        # rows 2-6 in float32 (an expert's matmul over fewer rows: summation order only)
+        torch.testing.assert_close(got[2:], ref[2:], rtol=1e-5, atol=1e-5)
+        moe.experts.use_stored(
+            [Int8Groups(g.q, g.scale * 0, g.group_size) if isinstance(g, Int8Groups) else
+             Int4Groups(g.q, g.scale * 0, g.offset * 0, g.group_size) for g in gate_up],
+            list(down),
+        )  # fmt: skip
+        with decode_rows(2):
+            poisoned = moe(x)
+        torch.testing.assert_close(poisoned[2:], ref[2:], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(poisoned[:2], ref[:2], atol=1e-2)

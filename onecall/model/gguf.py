@@ -230,10 +230,8 @@ class GGUFFile:
                 elif ".self_attn.k_proj." in hf_name:
                     heads = num_kv_heads
             raw, ggml_type = self.raw_data(info), T(info.ggml_type)
-            if "*" in hf_name:  # stacked experts: one (rows, cols) view per expert
-                stacked = dequantize(raw, ggml_type, info.shape, dtype)
-                for e in range(stacked.shape[0]):
-                    yield hf_name.replace("*", str(e)), stacked[e]
+            if "*" in hf_name:  # stacked experts: one (rows, cols) tensor per expert
+                yield from self._experts(info, hf_name, raw, dtype, stored_out)
                 continue
             if gemma and hf_name.endswith("norm.weight"):
                 yield hf_name, dequantize(raw, ggml_type, info.shape, torch.float32).double() - 1.0
@@ -258,6 +256,32 @@ class GGUFFile:
                 continue
             tensor = dequantize(raw, ggml_type, info.shape, dtype)
             yield hf_name, unpermute_qk_rows(tensor, heads) if heads else tensor
+
+    @staticmethod
+    def _experts(
+        info: TensorInfo,
+        hf_name: str,
+        raw: torch.Tensor,
+        dtype: torch.dtype,
+        stored_out: dict[str, StoredGroups] | None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A stacked expert tensor (num_experts, rows, cols) as one tensor per expert; with `stored_out`,
+        each expert's 4-bit or int8 groups stored under its name first, as for a 2-D weight."""
+        ggml_type, (num_experts, *shape) = T(info.ggml_type), info.shape
+        if stored_out is None:
+            stacked = dequantize(raw, ggml_type, info.shape, dtype)
+            for e in range(num_experts):
+                yield hf_name.replace("*", str(e)), stacked[e]
+            return
+        per_expert = raw.view(num_experts, -1)  # experts outermost: each one's blocks are contiguous
+        for e in range(num_experts):
+            name, one = hf_name.replace("*", str(e)), per_expert[e]
+            groups = int4_groups(one, ggml_type, tuple(shape)) or int8_groups(one, ggml_type, tuple(shape))
+            if groups is None:
+                yield name, dequantize(one, ggml_type, tuple(shape), dtype)
+                continue
+            stored_out[name] = groups
+            yield name, groups.dequantize().to(dtype)
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:

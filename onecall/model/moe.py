@@ -16,15 +16,29 @@ over the rows routed to it, and adds the weighted results back with index_add_. 
 received a row run: at batch 1 that is top_k of num_experts. Reading the per-expert counts back
 (.tolist()) is one host sync per layer; on CPU it is free, on a GPU it is what keeps this path out of
 CUDA graph capture (a grouped-GEMM kernel would remove it).
+
+A quantized GGUF's experts (Q4_0/Q4_1/Q4_K, Q8_0/Q6_K) keep their own groups on the fast path
+(Experts.use_stored, called by model/weights.py): decode rows then run each routed expert on the
+native int4/int8 kernels FastLinear uses (model/native.py), reading a quarter or an eighth of float32's
+bytes; prompt rows stay on the float32 weights, as every projection's do (model/fast_linear.py). Which
+rows are decode is the step's (fast_linear.num_decode_rows): the batch's first n tokens, and since an
+expert's rows are its tokens in ascending order, its decode rows come first.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onecall.model import native
+from onecall.model.fast_linear import num_decode_rows
 from onecall.model.layers import Linear
+from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
+
+ExpertGroups = native.Q4Packed | Int8Groups  # one expert weight in the form its decode kernel reads
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +68,25 @@ class Experts(nn.Module):
         e, h, i = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device))  # [gate; up]
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device))
+        # per expert (gate_up, down) in the checkpoint's own groups, for decode rows (use_stored)
+        self.stored: list[tuple[ExpertGroups, ExpertGroups]] | None = None
+        self._lib: ctypes.CDLL | None = None
+
+    def use_stored(self, gate_up: list[StoredGroups], down: list[StoredGroups]) -> bool:
+        """Run decode rows on every expert's stored groups (gate_up: rows [gate; up]); False, and nothing
+        kept, where the native kernels do not take them (no native library, a group size or K they do
+        not run): those experts run in float32 for every row, as before."""
+        lib = native.load()
+        if lib is None or len(gate_up) != self.num_experts or len(down) != self.num_experts:
+            return False
+        packed = []
+        for gu, d in zip(gate_up, down, strict=True):
+            a, b = _for_kernel(gu, self.gate_up_proj.shape[1:]), _for_kernel(d, self.down_proj.shape[1:])
+            if a is None or b is None:
+                return False
+            packed.append((a, b))
+        self.stored, self._lib = packed, lib
+        return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x (num_tokens, hidden); weights, experts (num_tokens, top_k) -> (num_tokens, hidden)."""
@@ -61,6 +94,13 @@ class Experts(nn.Module):
         flat = experts.reshape(-1)  # assignment a = token * top_k + j
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens ascending within
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        # assignments of the step's decode tokens (the first num_decode), per expert: its first rows
+        num_decode = num_decode_rows(x.shape[0]) if self.stored is not None else 0
+        decode_counts = (
+            torch.bincount(flat[: num_decode * top_k], minlength=self.num_experts).tolist()
+            if num_decode
+            else [0] * self.num_experts
+        )
         tokens = order // top_k
         scale = weights.reshape(-1)[order].unsqueeze(1)  # (num_assignments, 1)
         out = torch.zeros_like(x)
@@ -69,11 +109,38 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start : start + count]
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # (count, hidden)
+            gate, up = self._project(x[rows], e, 0, decode_counts[e]).chunk(2, dim=-1)
+            y = self._project(F.silu(gate) * up, e, 1, decode_counts[e])  # (count, hidden)
             out.index_add_(0, rows, y * scale[start : start + count])
             start += count
         return out
+
+    def _project(self, h: torch.Tensor, e: int, which: int, num_decode: int) -> torch.Tensor:
+        """Expert e's gate_up (which 0) or down (1) projection of rows h, the first num_decode of them on
+        the stored groups' kernel, the rest in float32."""
+        weight = (self.gate_up_proj if which == 0 else self.down_proj)[e]
+        if num_decode == 0:
+            return F.linear(h, weight)
+        assert self.stored is not None and self._lib is not None
+        groups, threads = self.stored[e][which], torch.get_num_threads()
+        head = h[:num_decode].contiguous()
+        if isinstance(groups, Int8Groups):
+            y = native.q8_gemm(self._lib, head, groups.q, groups.scale, None, threads, groups.group_size)
+        else:
+            y = native.q4_gemm(self._lib, head, groups, None, threads)
+        return y if num_decode == h.shape[0] else torch.cat((y, F.linear(h[num_decode:], weight)))
+
+
+def _for_kernel(groups: StoredGroups, shape: torch.Size) -> ExpertGroups | None:
+    """One expert weight's stored groups in the native kernels' form, or None if they do not run it."""
+    rows, cols = shape
+    if tuple(groups.q.shape) != (rows, cols) or cols % 32:
+        return None
+    if isinstance(groups, Int8Groups) and groups.group_size in (16, 32):
+        return Int8Groups(groups.q.contiguous(), groups.scale.float().contiguous(), groups.group_size)
+    if isinstance(groups, Int4Groups) and groups.group_size == 32:
+        return native.pack_q4(groups.q, groups.scale.float().contiguous(), groups.offset.float().contiguous())
+    return None
 
 
 class SparseMoE(nn.Module):

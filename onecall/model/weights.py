@@ -16,7 +16,7 @@ Two rewrites happen on the way in, both to Hugging Face-named tensors, before an
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 
 import torch
 
@@ -24,6 +24,7 @@ from onecall.errors import UnsupportedModelError
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.gemma import checkpoint_norm_weight
+from onecall.model.moe import SparseMoE
 from onecall.model.packing import install, new_packer
 from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 from onecall.model.rope import partial_rotary_permutation
@@ -156,9 +157,35 @@ def load_weights(
             raise UnsupportedModelError(f"checkpoint is missing tensors: {shown}")
         if packer is not None:
             install(model, packer)
+            _use_stored_experts(model, {} if stored_weights is None else stored_weights)
     finally:
         if packer is not None:
             packer.close()
+
+
+def _use_stored_experts(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> None:
+    """Hand every MoE layer whose experts all came with stored groups (a quantized GGUF) those groups,
+    gate and up stacked per expert as the parameter is, for its decode rows (model/moe.py)."""
+    for i, layer in enumerate(model.model.layers):
+        mlp = layer.mlp
+        if not isinstance(mlp, SparseMoE):
+            continue
+        base = f"model.layers.{i}.mlp.experts"
+        gate_up, down = [], []
+        for e in range(mlp.experts.num_experts):
+            gate, up, d = (stored.get(f"{base}.{e}.{p}_proj.weight") for p in ("gate", "up", "down"))
+            if gate is None or up is None or d is None or type(gate) is not type(up):
+                break
+            if gate.group_size != up.group_size:
+                break
+            gate_up.append(
+                Int4Groups.cat([gate, up])  # type: ignore[list-item]
+                if isinstance(gate, Int4Groups)
+                else Int8Groups(torch.cat((gate.q, up.q)), torch.cat((gate.scale, up.scale)), gate.group_size)
+            )
+            down.append(d)
+        else:
+            mlp.experts.use_stored(gate_up, down)
 
 
 def split_fused_weights(
