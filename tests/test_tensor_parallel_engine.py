@@ -214,6 +214,35 @@ def test_workers_leave_when_rank_0_is_killed(tmp_path: Path) -> None:
     assert not _is_running(pid), f"worker {pid} outlived rank 0"
 
 
+_TORCHRUN_SCRIPT = """
+import os, sys
+from onecall import LLM, SamplingParams
+engine, prompts = {engine}, [[1, 2, 3], list(range(40, 70))]
+greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+if os.environ["RANK"] == "0":
+    with LLM(sys.argv[1], **engine) as one:
+        want = [o.token_ids for o in one.generate(prompts, greedy)]
+llm = LLM(sys.argv[1], tensor_parallel_size=2, **engine)  # rank 1 serves steps in here, then exits 0
+got = [o.token_ids for o in llm.generate(prompts, greedy)]
+print("tokens equal:", got == want, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_ranks_join_through_its_variables(tmp_path: Path) -> None:
+    """torchrun starts both processes (RANK, WORLD_SIZE, MASTER_ADDR/PORT): nothing is spawned, rank 1
+    runs the worker loop inside LLM() and leaves with exit code 0 when rank 0 exits."""
+    from tests.helpers.server_process import free_port
+
+    script = tmp_path / "tp.py"
+    script.write_text(_TORCHRUN_SCRIPT.format(engine=repr(ENGINE)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), str(script), str(tiny_folder(tmp_path, "qwen3"))]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n").count("tokens equal: True") == 1, proc.stdout  # rank 0 prints it
+
+
 def _is_running(pid: int) -> bool:
     """Alive and not a zombie (an orphan's exit is reaped by whoever adopted it, maybe never here)."""
     try:

@@ -54,7 +54,8 @@ def load_llm(a: argparse.Namespace) -> Any:
 
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(a))
-    print(f"loaded {llm.info.model_name} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    ranks = f" on {a.tensor_parallel_size} tensor-parallel ranks" if a.tensor_parallel_size > 1 else ""
+    print(f"loaded {llm.info.model_name}{ranks} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return llm
 
 

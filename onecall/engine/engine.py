@@ -19,7 +19,10 @@ sampler or the detokenizer) fails only the requests of its batch:
 
 If the step right after such a recovery fails too, or the bookkeeping does not add up
 after it, step() raises EngineDeadError, and does on every later call: a fault that
-repeats is not the requests' fault, and state that drifted cannot be trusted.
+repeats is not the requests' fault, and state that drifted cannot be trusted. Under tensor
+parallel, a rank that dies (or a step that fails while the ranks run it) raises
+TensorParallelError, an EngineDeadError, at once: the ranks are out of step, nothing is
+recovered (engine/tp_workers.py).
 """
 
 from __future__ import annotations

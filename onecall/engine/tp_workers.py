@@ -40,6 +40,7 @@ loop inside start_group() and then leaves the process with SystemExit(0). torchr
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import multiprocessing.connection
@@ -99,9 +100,9 @@ def set_cpu_threads(config: EngineConfig) -> None:
         )
 
 
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r's device: cuda:r on CUDA, the CPU otherwise."""
-    return torch.device("cuda", rank) if config.torch_device.type == "cuda" else torch.device("cpu")
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """Rank r's device on its machine: cuda:r on CUDA, the CPU otherwise."""
+    return torch.device("cuda", local_rank) if config.torch_device.type == "cuda" else torch.device("cpu")
 
 
 # ---- rank 0 --------------------------------------------------------------------------------------
@@ -257,8 +258,6 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
         group.dead_reason = group.dead_reason or "the group did not start"
         group.close()
         raise
-    import atexit
-
     atexit.register(group.close)
     return group
 
@@ -283,14 +282,17 @@ def _join_torchrun(config: EngineConfig) -> TensorParallelGroup:
             "tensor_parallel_size",
             f"is {config.tensor_parallel_size}, but torchrun started WORLD_SIZE={world_size} processes",
         )
-    device = rank_device(config, rank)
+    device = rank_device(config, int(os.environ.get("LOCAL_RANK", rank)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    set_cpu_threads(config)
     dist.init_process_group(backend_for(device), rank=rank, world_size=world_size, timeout=_GROUP_TIMEOUT)
     if rank != 0:
-        _serve_steps(config, rank, world_size)
+        _serve_steps(config, device, rank, world_size)
         raise SystemExit(0)
-    return TensorParallelGroup(TensorParallel(0, world_size), device, [], [])
+    group = TensorParallelGroup(TensorParallel(0, world_size), device, [], [])
+    atexit.register(group.close)
+    return group
 
 
 # ---- ranks 1 .. N-1 -------------------------------------------------------------------------------
@@ -316,7 +318,7 @@ def _worker_entry(launch: _Launch, parent: Connection) -> None:
         timeout=_GROUP_TIMEOUT,
     )
     try:
-        _serve_steps(launch.config, launch.rank, launch.world_size)
+        _serve_steps(launch.config, device, launch.rank, launch.world_size)
     except RuntimeError as e:  # a collective failed: rank 0 (or another rank) is gone
         print(f"onecall: tensor-parallel rank {launch.rank} stops: {e}", file=sys.stderr)
         os._exit(1)
@@ -329,7 +331,7 @@ def _exit_with_parent(parent: Connection) -> None:
     os._exit(0)
 
 
-def _serve_steps(config: EngineConfig, rank: int, world_size: int) -> None:
+def _serve_steps(config: EngineConfig, device: torch.device, rank: int, world_size: int) -> None:
     """Load this rank's slice, agree on the KV pool, then run every step rank 0 sends until SHUTDOWN."""
     from onecall.engine.engine_parts import kv_blocks_in_budget, load_model
     from onecall.engine.model_runner import ModelRunner
@@ -338,7 +340,7 @@ def _serve_steps(config: EngineConfig, rank: int, world_size: int) -> None:
     from onecall.model.config import ModelConfig
     from onecall.model.kv_cache import PagedKVCache
 
-    device, dtype = rank_device(config, rank), config.torch_dtype
+    dtype = config.torch_dtype
     set_cpu_threads(config)
     files = resolve_model(config.model)
     model = load_model(
