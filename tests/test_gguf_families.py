@@ -91,11 +91,11 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def random_hf(family: str, seed: int = 0) -> Any:
+def random_hf(family: str, seed: int = 0, **overrides: Any) -> Any:
     """A transformers model of `family` with every parameter random (norms 1 + 0.2 N, the rest 0.15 N)."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    hf = model_cls(config_cls(**_TINY, **extra)).eval()
+    hf = model_cls(config_cls(**(_TINY | overrides), **extra)).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
@@ -222,6 +222,33 @@ def test_a_quantized_gguf_matches_transformers_on_its_weights(
         (logits,) = harness.step([(seq, 1)])  # one row: the stored groups' kernel
         diff = (logits[-1] - hf_logits(hf, seq.tokens)[-1]).abs().max().item()
         assert diff <= FAST_DECODE_ATOL[qtype], f"max abs diff {diff:.2e}"
+
+
+@pytest.mark.parametrize(("family", "qtype"), [("gemma3", Q8_0), ("phi3", Q4_0), ("qwen3_moe", Q4_0)])
+def test_the_engine_serves_a_converted_gguf(family: str, qtype: GGMLQuantizationType, tmp_path: Path) -> None:
+    """What a user runs: LLM(model=file.gguf) on the default (fast) kernels, the file carrying the
+    embedded model's tokenizer; greedy tokens from a token-id prompt equal transformers' greedy tokens on
+    the file's (dequantized) weights."""
+    from onecall import LLM, SamplingParams
+
+    tokenizer = {
+        k: v for k, v in GGUFFile(resolve_model(None).path).metadata.items() if k.startswith("tokenizer.")
+    }
+    hf = random_hf(family, seed=2, vocab_size=len(tokenizer["tokenizer.ggml.tokens"]))
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    path = write_converted_gguf(
+        tmp_path / f"{family}.gguf", state, hf.config.to_dict(), weight_type=qtype, extra_metadata=tokenizer
+    )
+    hf.load_state_dict(_dequantized(state, qtype))
+    ids = torch.randint(3, hf.config.vocab_size, (21,), generator=torch.Generator().manual_seed(9)).tolist()
+    want = list(ids)
+    for _ in range(8):
+        want.append(int(hf_logits(hf, want)[-1].argmax()))
+    with LLM(model=str(path), kv_cache_gib=0.01) as llm:
+        out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+        kernels = llm.info.kernels
+    assert "onednn" in kernels and ("MoE layers" in kernels) == (family == "qwen3_moe")
+    assert out.token_ids == want[21:]
 
 
 # ---------------------------------------------------------------- metadata rules and refusals

@@ -157,19 +157,23 @@ def load_weights(
             raise UnsupportedModelError(f"checkpoint is missing tensors: {shown}")
         if packer is not None:
             install(model, packer)
-            _use_stored_experts(model, {} if stored_weights is None else stored_weights)
+            if experts := _use_stored_experts(model, {} if stored_weights is None else stored_weights):
+                model.kernels += f", experts {experts}"
     finally:
         if packer is not None:
             packer.close()
 
 
-def _use_stored_experts(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> None:
+def _use_stored_experts(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> str:
     """Hand every MoE layer whose experts all came with stored groups (a quantized GGUF) those groups,
-    gate and up stacked per expert as the parameter is, for its decode rows (model/moe.py)."""
+    gate and up stacked per expert as the parameter is, for its decode rows (model/moe.py). Returns
+    what that gave, for DecoderLM.kernels ("native int4 decode (3 of 3 MoE layers)"), or ""."""
+    moe_layers, used, kinds = 0, 0, set()
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
         if not isinstance(mlp, SparseMoE):
             continue
+        moe_layers += 1
         base = f"model.layers.{i}.mlp.experts"
         gate_up, down = [], []
         for e in range(mlp.experts.num_experts):
@@ -184,8 +188,11 @@ def _use_stored_experts(model: DecoderLM, stored: Mapping[str, StoredGroups]) ->
                 else Int8Groups(torch.cat((gate.q, up.q)), torch.cat((gate.scale, up.scale)), gate.group_size)
             )
             down.append(d)
-        else:
-            mlp.experts.use_stored(gate_up, down)
+        else:  # every expert has its groups
+            if mlp.experts.use_stored(gate_up, down):
+                used += 1
+                kinds |= {"int4" if isinstance(g, Int4Groups) else "int8" for g in gate_up + down}
+    return f"native {'+'.join(sorted(kinds))} decode ({used} of {moe_layers} MoE layers)" if used else ""
 
 
 def split_fused_weights(

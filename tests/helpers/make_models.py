@@ -305,6 +305,7 @@ def write_converted_gguf(
     hf_config_dict: Mapping[str, Any],
     weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
     per_expert_tensors: bool = False,
+    extra_metadata: Mapping[str, Any] | None = None,
 ) -> Path:
     """A transformers model's state dict and config (to_dict()) as llama.cpp's convert_hf_to_gguf.py
     lays them out, for every family onecall loads (write_tiny_gguf covers the Llama/Qwen basics):
@@ -323,6 +324,7 @@ def write_converted_gguf(
       window (0 for none), and for longrope the factor tensors and the derived attn_factor.
     `weight_type` quantizes every weight of two or more dimensions except the router; 1-D stays F32.
     `per_expert_tensors`: Mixtral as converters wrote it before stacked experts (blk.N.ffn_gate.E.weight).
+    `extra_metadata`: more key/value pairs under their full names (a tokenizer's `tokenizer.ggml.*`).
     Written from the converter's description, independently of onecall's reader.
     """
     import math
@@ -384,6 +386,8 @@ def write_converted_gguf(
     writer.add_string("general.name", Path(path).stem)
     for key, value in meta.items():
         _add_value(writer, f"{arch}.{key}", value)
+    for key, value in (extra_metadata or {}).items():
+        _add_value(writer, key, value)
     # 2. tensors, renamed by the converter's table
     name_map = get_tensor_name_map(MODEL_ARCH[arch.upper()], n)
 
