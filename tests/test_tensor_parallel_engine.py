@@ -19,7 +19,6 @@ workers with it.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -98,9 +97,10 @@ def test_two_ranks_give_the_tokens_of_one(arch: str, tmp_path: Path) -> None:
         want = run_batch(one)
     with LLM(folder, tensor_parallel_size=2, **ENGINE) as two:
         assert two.engine.parts.model.config.num_attention_heads == 2  # rank 0 holds half the heads
+        workers = two.engine.parts.tp_group.processes  # type: ignore[union-attr]
         got = run_batch(two)
         assert two.engine.parts.num_blocks // 2 == one.engine.parts.num_blocks  # half the KV heads a block
-    assert multiprocessing.active_children() == [] and not dist.is_initialized()
+    assert [w.returncode for w in workers] == [0] and not dist.is_initialized()  # left on SHUTDOWN
     assert got[1].num_cached_tokens == want[1].num_cached_tokens == 6  # prefix hit, copy-on-write included
     for w, g in zip(want, got, strict=True):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason == "length"
@@ -113,7 +113,8 @@ def test_two_ranks_give_the_tokens_of_one(arch: str, tmp_path: Path) -> None:
 def test_the_embedded_smollm2_is_refused_for_two_before_any_process_starts() -> None:
     with pytest.raises(UnsupportedModelError, match=r"num_attention_heads \(9\), num_key_value_heads \(3\)"):
         LLM(tensor_parallel_size=2, device="cpu")
-    assert multiprocessing.active_children() == [] and not dist.is_initialized()
+    assert not dist.is_initialized()
+    assert not [pid for pid in _children(os.getpid()) if b"worker_main" in _cmdline(pid)]
 
 
 def test_the_size_is_validated_and_the_flag_reaches_the_config() -> None:
@@ -150,8 +151,8 @@ def _kill_and_step(llm: LLM) -> tuple[BaseException | None, float]:
     group = llm.engine.parts.tp_group
     assert group is not None
     (worker,) = group.processes
-    os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
-    worker.join(timeout=10)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
     raised: list[BaseException] = []
 
     def step() -> None:
@@ -177,6 +178,7 @@ def test_a_killed_rank_stops_the_engine_with_a_typed_error(
     is skipped, so gloo's closed socket is what fails, and the dead rank is still named."""
     with LLM(str(tiny_folder(tmp_path, "llama")), tensor_parallel_size=2, **ENGINE) as llm:
         assert len(llm.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 10
+        workers = llm.engine.parts.tp_group.processes  # type: ignore[union-attr]
         if where == "in the broadcast":
             group = llm.engine.parts.tp_group
             monkeypatch.setattr(group, "check_workers", lambda: None)
@@ -187,7 +189,7 @@ def test_a_killed_rank_stops_the_engine_with_a_typed_error(
         assert llm.engine.dead_reason == str(error)
         with pytest.raises(EngineDeadError, match="rank 1"):  # and on every later call, at once
             llm.generate([[1, 2, 3]], GREEDY)
-    assert multiprocessing.active_children() == [] and not dist.is_initialized()
+    assert [w.returncode for w in workers] == [-signal.SIGKILL] and not dist.is_initialized()
 
 
 _RANK0_SCRIPT = """
@@ -201,10 +203,12 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 @pytest.mark.slow
 def test_workers_leave_when_rank_0_is_killed(tmp_path: Path) -> None:
+    """Also: a script that builds the LLM at top level, with no `if __name__ == "__main__"` guard."""
     folder = tiny_folder(tmp_path, "qwen3")
-    script = _RANK0_SCRIPT.format(engine=repr(ENGINE))
+    script = tmp_path / "unguarded.py"
+    script.write_text(_RANK0_SCRIPT.format(engine=repr(ENGINE)))
     proc = subprocess.run(
-        [sys.executable, "-c", script, str(folder)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     pid = int(proc.stdout.split()[0])
@@ -265,14 +269,16 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except FileNotFoundError:
+        return b""
+
+
 def _spawned_workers(pid: int) -> list[int]:
-    """`pid`'s tensor-parallel workers (multiprocessing's resource tracker is a spawned child too)."""
-    out = []
-    for child in _children(pid):
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            out.append(child)
-    return out
+    """`pid`'s tensor-parallel workers."""
+    return [child for child in _children(pid) if b"worker_main" in _cmdline(child)]
 
 
 def _serve(folder: Path) -> Any:

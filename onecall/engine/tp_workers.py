@@ -3,14 +3,19 @@ what happens when one dies.
 
     rank 0 (this process: Engine, scheduler, API, trace)       ranks 1 .. N-1 (started here)
     ----------------------------------------------------       -----------------------------
-    start_group(): check the heads divide (engine_parts),      _worker_entry -> run_worker():
-      spawn N-1 daemon processes, wait for each to check in      join the group, load 1/N of the
-      at the TCP store, join the group                           weights, agree on the KV pool
+    start_group(): (engine_parts checked the heads divide)     worker_main():
+      start N-1 `python -c` processes, wait for each to          join the group, load 1/N of the
+      check in at the TCP store, join the group                  weights, agree on the KV pool
     load 1/N of the weights; agree_num_blocks (all-reduce MIN)
     every step: ModelRunner.pack -> run_step():                loop: receive_step() ->
       broadcast header (+ payload) -> ModelRunner.run            ModelRunner.run (the same
                                                                  collectives, in the same order)
-    close(): broadcast SHUTDOWN, join (terminate if need be)   SHUTDOWN: leave the group, exit 0
+    close(): broadcast SHUTDOWN, wait (terminate if need be)   SHUTDOWN: leave the group, exit 0
+
+Workers are fresh interpreters (`python -c "...worker_main()"`, the config as JSON in argv), not
+multiprocessing's spawn: spawn re-runs the parent's main script in the child, so a script that
+builds LLM(tensor_parallel_size=2) at top level, without an `if __name__ == "__main__"` guard, would
+fail. The config is EngineConfig's plain fields; nothing from the model folder is sent.
 
 The step on the wire (two broadcasts of int64 tensors, nothing pickled): a header of _HEADER_LEN
 ints, [kind, num_copies, num_tokens, num_seqs, num_table_entries, num_sample_rows,
@@ -23,17 +28,17 @@ worker waits in the header broadcast for as long as the server is idle.
 
 Faults (rank 0 must never hang on a dead rank, and no rank outlives rank 0):
 - A worker that exits (crash, OOM kill, kill -9) closes its sockets: gloo raises in rank 0's next
-  or current collective at once. run_step() turns any exception of a step that was sent into
-  TensorParallelError (an EngineDeadError, so the server answers 503 and /health says why), naming
-  the rank and its exit code when a worker is gone, and closes the group: the remaining workers are
-  terminated. An exception on rank 0 in the middle of a step is fatal the same way, because the
-  ranks would be out of step. A rank that hangs (not dies) hangs the step: the server's step
-  watchdog (--step-timeout) declares the engine dead.
-- Workers are daemon processes (multiprocessing terminates them when rank 0 exits normally), and
-  each watches a pipe from rank 0 on a thread: rank 0 gone (even by SIGKILL), the pipe reads EOF and
-  the worker exits at once.
+  or current collective at once, and a worker found exited before a step stops the engine without
+  one. run_step() turns any exception of a step into TensorParallelError (an EngineDeadError, so
+  the server answers 503 and /health says why), naming the rank and its exit code when a worker is
+  gone, and closes the group: the other workers are terminated. An exception on rank 0 in the
+  middle of a step is fatal the same way, because the ranks would be out of step. A rank that hangs
+  (not dies) hangs the step: the server's step watchdog (--step-timeout) declares the engine dead.
+- Rank 0 holds each worker's stdin open and never writes to it; a thread in the worker reads it.
+  Rank 0 gone, however it died (SIGKILL included), the read ends and the worker exits at once.
+  A normal exit of rank 0 closes the group first (atexit).
 
-Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, WORLD_SIZE == N), nothing is spawned:
+Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, WORLD_SIZE == N), nothing is started:
 the group is joined through those variables, rank 0 returns, and every other rank runs the worker
 loop inside start_group() and then leaves the process with SystemExit(0). torchrun watches the ranks.
 """
@@ -42,27 +47,25 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
-import multiprocessing.connection
+import json
 import os
+import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from onecall.config import EngineConfig
 from onecall.errors import EngineDeadError, InvalidParameterError
 from onecall.model.parallel import TensorParallel
 
 if TYPE_CHECKING:
-    from multiprocessing.connection import Connection
-    from multiprocessing.process import BaseProcess
-
     from onecall.engine.model_runner import ModelRunner, PromptLogitsFn, StepInputs
 
 SHUTDOWN, STEP = 0, 1
@@ -75,17 +78,6 @@ _READY_KEY = "onecall_tp_ready"
 
 class TensorParallelError(EngineDeadError):
     """A tensor-parallel rank died or a step failed across the ranks; the engine cannot go on."""
-
-
-@dataclass(frozen=True)
-class _Launch:
-    """What a spawned worker is given (our own plain values; the model is read from config.model)."""
-
-    config: EngineConfig
-    rank: int
-    world_size: int
-    host: str
-    port: int
 
 
 def backend_for(device: torch.device) -> str:
@@ -110,12 +102,11 @@ class TensorParallelGroup:
     """Rank 0's handle on the group: its own TensorParallel, the step broadcast, the workers' health."""
 
     def __init__(
-        self, tp: TensorParallel, device: torch.device, processes: list[BaseProcess], pipes: list[Connection]
+        self, tp: TensorParallel, device: torch.device, processes: list[subprocess.Popen[bytes]]
     ) -> None:
         self.tp = tp
         self.device = device
-        self._processes = processes  # ranks 1 .. N-1 when spawned here; empty under torchrun
-        self._pipes = pipes  # rank 0's ends of the workers' parent-death pipes
+        self._processes = processes  # ranks 1 .. N-1 when started here; empty under torchrun
         self._comm_device = device  # NCCL moves CUDA tensors only; gloo CPU ones
         self.dead_reason: str | None = None
         self._closed = False
@@ -133,6 +124,8 @@ class TensorParallelGroup:
         self.check_workers()
         if self.dead_reason is not None:
             raise TensorParallelError(self.dead_reason)
+        if self._closed:
+            raise TensorParallelError("the tensor-parallel group was closed (LLM.close or Engine.close)")
         self._in_step = True
         try:
             header, payload = encode_step(step)
@@ -160,28 +153,28 @@ class TensorParallelGroup:
 
     # ---- faults and shutdown ----
     @property
-    def processes(self) -> list[BaseProcess]:
+    def processes(self) -> list[subprocess.Popen[bytes]]:
         """The workers this process started (ranks 1 .. N-1, in order); empty under torchrun."""
         return list(self._processes)
 
     def check_workers(self) -> None:
         """A worker that exited since the last step (found without a collective) kills the group."""
-        if self.dead_reason is None and (gone := self._exited_worker()) is not None:
+        if self.dead_reason is None and not self._closed and (gone := self._exited_worker()) is not None:
             self.dead_reason = f"{gone}; the engine stopped"
             self.close()
 
     def _exited_worker(self) -> str | None:
         for rank, p in enumerate(self._processes, start=1):
-            if p.exitcode is not None:
-                return f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+            if p.poll() is not None:
+                return f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}"
         return None
 
     def _die(self, error: str) -> None:
         """A step or collective failed: name the dead rank if there is one (a worker that closed its
         sockets may take a moment to be reaped), then stop every worker."""
-        if self._processes:
-            multiprocessing.connection.wait([p.sentinel for p in self._processes], timeout=2.0)
-        gone = self._exited_worker()
+        deadline = time.monotonic() + 2.0
+        while (gone := self._exited_worker()) is None and self._processes and time.monotonic() < deadline:
+            time.sleep(0.02)
         self.dead_reason = (
             f"{gone}; the engine stopped ({error})"
             if gone
@@ -201,15 +194,17 @@ class TensorParallelGroup:
                 self._broadcast(torch.tensor([SHUTDOWN] + [0] * (_HEADER_LEN - 1), dtype=torch.int64))
         deadline = time.monotonic() + (_CLOSE_TIMEOUT_S if graceful else 0.0)
         for p in self._processes:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if p.poll() is None:
                 p.terminate()
-                p.join(timeout=2.0)
-            if p.is_alive():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=2.0)
+            if p.poll() is None:
                 p.kill()
-                p.join()
-        for pipe in self._pipes:
-            pipe.close()
+                p.wait()
+            if p.stdin is not None:
+                p.stdin.close()
         if dist.is_initialized():
             # a broken NCCL communicator may refuse: this process is leaving it anyway
             with contextlib.suppress(Exception):
@@ -231,23 +226,23 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
     device = rank_device(config, 0)
     set_cpu_threads(config)
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    processes: list[BaseProcess] = []
-    pipes: list[Connection] = []
-    group = TensorParallelGroup(TensorParallel(0, n), device, processes, pipes)
+    processes: list[subprocess.Popen[bytes]] = []
+    group = TensorParallelGroup(TensorParallel(0, n), device, processes)
+    config_json = json.dumps(dataclasses.asdict(config))
+    # onecall importable in the worker as it is here (also from a source tree that is not installed)
+    source_root = str(Path(__file__).resolve().parents[2])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")])),
+    }
     try:
         for rank in range(1, n):
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(
-                target=_worker_entry,
-                args=(_Launch(config, rank, n, "127.0.0.1", store.port), theirs),
-                name=f"onecall-tp{rank}",
-                daemon=True,
+            argv = [config_json, str(rank), str(n), str(store.port)]
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _WORKER_COMMAND, *argv], stdin=subprocess.PIPE, env=env
+                )
             )
-            p.start()
-            theirs.close()
-            processes.append(p)
-            pipes.append(ours)
         _wait_for_workers(group, store, n - 1)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -290,44 +285,43 @@ def _join_torchrun(config: EngineConfig) -> TensorParallelGroup:
     if rank != 0:
         _serve_steps(config, device, rank, world_size)
         raise SystemExit(0)
-    group = TensorParallelGroup(TensorParallel(0, world_size), device, [], [])
+    group = TensorParallelGroup(TensorParallel(0, world_size), device, [])
     atexit.register(group.close)
     return group
 
 
 # ---- ranks 1 .. N-1 -------------------------------------------------------------------------------
-def _worker_entry(launch: _Launch, parent: Connection) -> None:
-    """A spawned worker's main: watch rank 0, join the group, then serve steps until SHUTDOWN."""
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+_WORKER_COMMAND = "import sys; from onecall.engine.tp_workers import worker_main; worker_main(sys.argv[1:])"
+
+
+def worker_main(argv: list[str]) -> None:
+    """A started worker's main (argv: config JSON, rank, world size, the store's port on 127.0.0.1):
+    watch rank 0, join the group, then serve steps until SHUTDOWN."""
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    config = EngineConfig(**json.loads(argv[0]))
+    rank, world_size, port = int(argv[1]), int(argv[2]), int(argv[3])
     store = dist.TCPStore(
-        launch.host,
-        launch.port,
-        launch.world_size,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S),
+        "127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
     )
-    device = rank_device(launch.config, launch.rank)
+    device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store.add(_READY_KEY, 1)
     dist.init_process_group(
-        backend_for(device),
-        store=store,
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=_GROUP_TIMEOUT,
+        backend_for(device), store=store, rank=rank, world_size=world_size, timeout=_GROUP_TIMEOUT
     )
     try:
-        _serve_steps(launch.config, device, launch.rank, launch.world_size)
+        _serve_steps(config, device, rank, world_size)
     except RuntimeError as e:  # a collective failed: rank 0 (or another rank) is gone
-        print(f"onecall: tensor-parallel rank {launch.rank} stops: {e}", file=sys.stderr)
+        print(f"onecall: tensor-parallel rank {rank} stops: {e}", file=sys.stderr)
         os._exit(1)
 
 
-def _exit_with_parent(parent: Connection) -> None:
-    """Block on the pipe from rank 0; EOF means rank 0 is gone (however it died): leave now."""
-    with contextlib.suppress(EOFError, OSError):
-        parent.recv()
+def _exit_with_parent() -> None:
+    """Block reading stdin, which rank 0 holds open and never writes: its end means rank 0 is gone."""
+    with contextlib.suppress(OSError):
+        while os.read(0, 4096):  # the raw descriptor: sys.stdin's lock would block the interpreter's exit
+            pass
     os._exit(0)
 
 
