@@ -23,8 +23,11 @@ num_prompt_rows, num_decode], then, for a STEP, one payload tensor with the Step
 end to end in that order (copies as src, dst pairs; block tables as their lengths, then their ids;
 prompt rows as row, count pairs).
 
-Backends: gloo on CPU, NCCL on CUDA (rank r on cuda:r). The group's timeout is long on purpose: a
-worker waits in the header broadcast for as long as the server is idle.
+Backends: the model's collectives run on gloo on CPU, NCCL on CUDA (rank r on cuda:r). The step
+messages (and the KV agreement) always go through a gloo group of CPU tensors (the default group
+on CPU; a second group, control_group(), on CUDA), as vLLM sends its metadata: an idle worker then
+waits on a socket, not in a spinning NCCL kernel, and a dead peer closes that socket. The groups'
+timeout is long on purpose: a worker waits in the header broadcast as long as the server is idle.
 
 Faults (rank 0 must never hang on a dead rank, and no rank outlives rank 0):
 - A worker that exits (crash, OOM kill, kill -9) closes its sockets: gloo raises in rank 0's next
@@ -97,6 +100,14 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if config.torch_device.type == "cuda" else torch.device("cpu")
 
 
+def control_group(device: torch.device) -> dist.ProcessGroup | None:
+    """The group the step messages go through: gloo (None: the default group, already gloo on CPU).
+    Every rank calls this once, at the same point, after the default group is up."""
+    if backend_for(device) == "gloo":
+        return None
+    return dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
+
+
 # ---- rank 0 --------------------------------------------------------------------------------------
 class TensorParallelGroup:
     """Rank 0's handle on the group: its own TensorParallel, the step broadcast, the workers' health."""
@@ -107,13 +118,18 @@ class TensorParallelGroup:
         self.tp = tp
         self.device = device
         self._processes = processes  # ranks 1 .. N-1 when started here; empty under torchrun
-        self._comm_device = device  # NCCL moves CUDA tensors only; gloo CPU ones
+        self._control: dist.ProcessGroup | None = None  # gloo, CPU tensors: the step messages (joined())
         self.dead_reason: str | None = None
         self._closed = False
         # True while a step runs (on the engine's thread). close() from another thread then (exit after
         # a step hung) must not broadcast into the same group: it terminates the workers instead,
         # which also makes the stuck collective raise.
         self._in_step = False
+
+    def joined(self) -> TensorParallelGroup:
+        """Called once the default group is up: make the control group (see control_group)."""
+        self._control = control_group(self.device)
+        return self
 
     # ---- each step ----
     def run_step(
@@ -140,16 +156,16 @@ class TensorParallelGroup:
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The smallest KV pool any rank's budget holds (every rank calls this once, after loading)."""
-        t = torch.tensor([num_blocks], dtype=torch.int64, device=self._comm_device)
+        t = torch.tensor([num_blocks], dtype=torch.int64)
         try:
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._control)
         except Exception as e:
             self._die(f"{type(e).__name__}: {e}")
             raise TensorParallelError(f"while the ranks loaded the model: {self.dead_reason}") from e
         return int(t.item())
 
     def _broadcast(self, values: torch.Tensor) -> None:
-        dist.broadcast(values.to(self._comm_device), src=0)
+        dist.broadcast(values, src=0, group=self._control)
 
     # ---- faults and shutdown ----
     @property
@@ -249,6 +265,7 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
         dist.init_process_group(
             backend_for(device), store=store, rank=0, world_size=n, timeout=_GROUP_TIMEOUT
         )
+        group.joined()
     except BaseException:
         group.dead_reason = group.dead_reason or "the group did not start"
         group.close()
@@ -283,9 +300,9 @@ def _join_torchrun(config: EngineConfig) -> TensorParallelGroup:
     set_cpu_threads(config)
     dist.init_process_group(backend_for(device), rank=rank, world_size=world_size, timeout=_GROUP_TIMEOUT)
     if rank != 0:
-        _serve_steps(config, device, rank, world_size)
+        _serve_steps(config, device, rank, world_size, control_group(device))
         raise SystemExit(0)
-    group = TensorParallelGroup(TensorParallel(0, world_size), device, [])
+    group = TensorParallelGroup(TensorParallel(0, world_size), device, []).joined()
     atexit.register(group.close)
     return group
 
@@ -311,7 +328,7 @@ def worker_main(argv: list[str]) -> None:
         backend_for(device), store=store, rank=rank, world_size=world_size, timeout=_GROUP_TIMEOUT
     )
     try:
-        _serve_steps(config, device, rank, world_size)
+        _serve_steps(config, device, rank, world_size, control_group(device))
     except RuntimeError as e:  # a collective failed: rank 0 (or another rank) is gone
         print(f"onecall: tensor-parallel rank {rank} stops: {e}", file=sys.stderr)
         os._exit(1)
@@ -325,7 +342,9 @@ def _exit_with_parent() -> None:
     os._exit(0)
 
 
-def _serve_steps(config: EngineConfig, device: torch.device, rank: int, world_size: int) -> None:
+def _serve_steps(
+    config: EngineConfig, device: torch.device, rank: int, world_size: int, control: dist.ProcessGroup | None
+) -> None:
     """Load this rank's slice, agree on the KV pool, then run every step rank 0 sends until SHUTDOWN."""
     from onecall.engine.engine_parts import kv_blocks_in_budget, load_model
     from onecall.engine.model_runner import ModelRunner
@@ -343,31 +362,29 @@ def _serve_steps(config: EngineConfig, device: torch.device, rank: int, world_si
     )  # fmt: skip
     local = model.config
     kv_dtype = config.torch_kv_cache_dtype
-    blocks = torch.tensor(
-        [kv_blocks_in_budget(config, local, kv_dtype, device)], dtype=torch.int64, device=device
-    )
-    dist.all_reduce(blocks, op=dist.ReduceOp.MIN)  # rank 0's agree_num_blocks
+    blocks = torch.tensor([kv_blocks_in_budget(config, local, kv_dtype, device)], dtype=torch.int64)
+    dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=control)  # rank 0's agree_num_blocks
     kv_cache = PagedKVCache(
         local.num_hidden_layers, int(blocks.item()), config.block_size, local.num_key_value_heads,
         local.head_dim, kv_dtype, device,
     )  # fmt: skip
     backend = default_backend(device, config.kernels)
     runner = ModelRunner(model, kv_cache, None, device, backend, block_size=config.block_size)
-    while (step := receive_step(device)) is not None:
+    while (step := receive_step(control)) is not None:
         runner.run(step)
     dist.destroy_process_group()
 
 
-def receive_step(device: torch.device) -> StepInputs | None:
+def receive_step(control: dist.ProcessGroup | None) -> StepInputs | None:
     """The next step rank 0 broadcasts; None for SHUTDOWN."""
-    header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=device)
-    dist.broadcast(header, src=0)
+    header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=control)
     kind, *sizes = header.tolist()
     if kind == SHUTDOWN:
         return None
     assert kind == STEP, f"unknown tensor-parallel message {kind}"
-    payload = torch.empty(_payload_len(sizes), dtype=torch.int64, device=device)
-    dist.broadcast(payload, src=0)
+    payload = torch.empty(_payload_len(sizes), dtype=torch.int64)
+    dist.broadcast(payload, src=0, group=control)
     return decode_step(sizes, payload.tolist())
 
 
