@@ -208,7 +208,7 @@ def test_fast_linear_within_its_written_tolerance(rows: int, bias: bool) -> None
     with torch.no_grad():
         ref, got = lin(x), fast(x)
     w = groups.dequantize()
-    if rows <= INT4_MAX_ROWS and fast.decode_kernel == "native int4":
+    if fast.decode_kernel == "native int4":  # every row, prompt rows too: int16 activation steps
         step = x.view(rows, -1, 32).abs().amax(-1) / 32767
         bound = (step / 2) @ w.abs().view(96, -1, 32).sum(-1).T + 1e-5 * (x.abs() @ w.abs().T) + 1e-6
     elif rows <= INT4_MAX_ROWS:
@@ -246,30 +246,33 @@ def test_engine_greedy_tokens_match_the_reference_path(arch: str, int8_group: in
     for rid in prompts:
         assert fast[rid].token_ids == ref[rid].token_ids
         diffs = [abs(a - b) for a, b in zip(fast[rid].logprobs, ref[rid].logprobs, strict=True)]
-        assert diffs[0] < 1e-4  # the prompt's logits: a prefill chunk of > INT4_MAX_ROWS rows (oneDNN)
+        # the prompt's logits, a prefill chunk of > INT4_MAX_ROWS rows: float32 on oneDNN (summation
+        # order only), or, where the native kernel takes every row of a 4-bit weight, int16 activation
+        # steps (2^-15 of each group's largest value; 8e-4 to 1.5e-3 measured on logits of ~50 here)
+        assert diffs[0] < (1e-2 if native.load() is not None else 1e-4)
         assert max(diffs) < 0.5  # decode rows: bfloat16 activations on logits of magnitude ~50 here
 
 
 @pytest.mark.slow
 def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
     """The streaming load (pack_on_load) of the real 4-bit GGUF: every projection gets the file's own
-    int4 groups, no dense projection weight is left in the model, and a prefill (oneDNN, float32,
-    > INT4_MAX_ROWS rows) matches the reference kernels' logits to float32 summation-order tolerance."""
+    int4 groups, no dense projection weight is left in the model, and a prefill (> INT4_MAX_ROWS rows:
+    the native int4 kernel with int16 activation steps, else oneDNN float32) matches the reference
+    kernels' top logprobs (1e-2 with int16 steps: 1.4e-3 measured over 30 layers; else 1e-3)."""
     from onecall.config import EngineConfig
     from onecall.engine.engine_parts import load_engine_parts
 
     fast = load_engine_parts(EngineConfig(kernels="fast", kv_cache_gib=0.05))
     ref = load_engine_parts(EngineConfig(kernels="reference", kv_cache_gib=0.05))
     num_layers = fast.model_config.num_hidden_layers
-    kind, logits_kernel, step = (
-        ("native int4", "native q8", ", native decode step")
+    n = 4 * num_layers
+    projections, logits_kernel, step = (
+        (f"native int4 ({n} of {n} projections, every row)", "native q8", ", native decode step")
         if native.load()
-        else ("torch int4", "onednn float32", "")
+        else (f"onednn float32 + torch int4 decode ({n} of {n} projections)", "onednn float32", "")
     )
-    assert fast.kernels == (
-        f"onednn float32 + {kind} decode ({4 * num_layers} of {4 * num_layers} projections), "
-        f"{logits_kernel} logits{step}"  # the embedded GGUF's tied embedding is Q8_0: kept as int8
-    )
+    # the embedded GGUF's tied embedding is Q8_0: kept as int8
+    assert fast.kernels == f"{projections}, {logits_kernel} logits{step}"
     assert (fast.model.native_step is not None) == bool(step)
     head = fast.model.fast_lm_head
     if head is not None and head.q8 is not None:
@@ -290,5 +293,6 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
     got = dict(logits["fast"].top_logprobs[0])
     want = dict(logits["ref"].top_logprobs[0])
     assert set(got) == set(want)
+    tolerance = 1e-2 if native.load() is not None else 1e-3
     for token, lp in want.items():
-        assert abs(got[token] - lp) < 1e-3, (token, got[token], lp)
+        assert abs(got[token] - lp) < tolerance, (token, got[token], lp)

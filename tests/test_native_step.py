@@ -108,7 +108,7 @@ def test_native_step_takes_only_all_decode_steps_on_the_4bit_kernel() -> None:
     mixed = build_attention_metadata(tables[:2], [6, 3], [1, 3], BLOCK, "cpu")
     assert step.accepts(decode, cache, 2)
     assert not step.accepts(mixed, cache, 4)  # a prompt chunk shares the step: the per-op path
-    with decode_rows(0):  # the rows are planned as prompt rows (oneDNN): not this path's kernels
+    with decode_rows(0):  # the rows are planned as prompt rows: the per-op path takes them
         assert not step.accepts(decode, cache, 2)
     bf16 = PagedKVCache(
         c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.bfloat16, "cpu"

@@ -1,17 +1,22 @@
 """Fast CPU matmuls behind one switch (EngineConfig.kernels = "fast"); nn.Linear is the reference.
 
 Decode on a CPU is bound by how fast the weights stream through the cores; torch's default
-float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection, two kernels:
+float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection:
 
-* prefill rows: oneDNN with the float32 weight prepacked once into its blocked layout
+* a weight the checkpoint stored in 4-bit groups of 32 (GGUF Q4_0/Q4_1/Q4_K, see quants.Int4Groups):
+  every row, decode and prompt alike, runs the native kernel on the file's own 4-bit weights
+  (model/native.py, csrc/quant_gemm.c: int16 activations per group of 32, exact integer dot
+  products), at an eighth of float32's bytes. At a prompt's many rows the kernel is compute-bound:
+  its int16 multiply-adds ran 1.0-1.2x oneDNN's float32 GEMM on this AVX2 machine (one thread,
+  benchmarks/bench_kernels.py), and one kernel for every row makes a row's result independent of
+  the batch by construction. No float32 copy is packed for such a weight (the load skips oneDNN's
+  reorder: cold start and memory).
+* otherwise, prompt rows: oneDNN with the float32 weight prepacked once into its blocked layout
   (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`). Same float32 math as the
   reference, only the summation order differs; a row's result does not depend on how many rows
   share the call (checked in tests), so chunked prefill gives the same bits as one chunk.
-* decode rows, when the checkpoint stored the weight in 4-bit groups of 32 (GGUF Q4_0/Q4_1/Q4_K,
-  see quants.Int4Groups): the file's own 4-bit weights, at an eighth of float32's bytes. The
-  native kernel (model/native.py, csrc/quant_gemm.c: int16 activations per group of 32,
-  exact integer dot products) where it builds, else torch's `_weight_int4pack_mm_for_cpu` (bfloat16
-  activations, scales and zeros). Both are row-independent too.
+* decode rows of a 4-bit weight the native kernel cannot take (no compiler, groups of 64...):
+  torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations, scales and zeros); prompt rows oneDNN.
 * decode rows of a weight stored in int8 groups (GGUF Q8_0, groups of 32; Q6_K, groups of 16: see
   quants.Int8Groups): the native int8 kernel, float32 activations (exact products). A fused
   projection whose parts were stored in different types (Q4_K_M files keep v in Q6_K beside q/k in
@@ -125,8 +130,9 @@ class FastLinear(nn.Module):
         )
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
-        # Opaque oneDNN tensor, packed for decode-sized batches (it serves any batch size).
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ONEDNN_PACK_ROWS)
+        # Opaque oneDNN tensor, packed for decode-sized batches (it serves any batch size); None when
+        # every row runs the native 4-bit kernel.
+        self.packed: torch.Tensor | None = None
         self.group_size = 0
         # native q4 kernel: the groups in its layout, scales and offsets float16 where exact, else float32
         self.q4: native.Q4Packed | None = None
@@ -140,6 +146,8 @@ class FastLinear(nn.Module):
             stored = [(0, self.out_features, stored)]
         if stored:
             self._pack_stored(list(stored))
+        if self.q4 is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ONEDNN_PACK_ROWS)
 
     def _pack_stored(self, parts: list[tuple[int, int, StoredGroups]]) -> None:
         assert parts[0][0] == 0 and parts[-1][1] == self.out_features, "parts must cover every row"
@@ -206,7 +214,8 @@ class FastLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        num_small = num_decode_rows(rows) if self.has_decode_kernel else 0
+        # every row on the native 4-bit kernel; else decode rows on the stored groups, prompt rows oneDNN
+        num_small = rows if self.q4 is not None else num_decode_rows(rows) if self.has_decode_kernel else 0
         if num_small == rows:
             y = self._decode(x2)
         elif num_small == 0:
@@ -216,6 +225,7 @@ class FastLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def _onednn(self, x2: torch.Tensor) -> torch.Tensor:
+        assert self.packed is not None, "no oneDNN weight: every row runs the native 4-bit kernel"
         return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
 
     def _decode(self, x2: torch.Tensor) -> torch.Tensor:
@@ -244,9 +254,9 @@ class FastLinear(nn.Module):
 
     def weight_bytes_read(self, rows: int) -> int:
         """Bytes of weights one call over `rows` rows (outside a decode_rows scope) streams."""
+        if self.q4 is not None:
+            return self.q4.nbytes
         if self.has_decode_kernel and rows <= INT4_MAX_ROWS:
-            if self.q4 is not None:
-                return self.q4.nbytes
             if self.parts:
                 return sum(
                     _nbytes(g.q) + _nbytes(g.scale) if isinstance(g, Int8Groups) else g.nbytes
@@ -256,7 +266,10 @@ class FastLinear(nn.Module):
         return self.in_features * self.out_features * 4
 
     def extra_repr(self) -> str:
-        kind = f"{self.decode_kernel} decode + onednn" if self.has_decode_kernel else "onednn"
+        if self.q4 is not None:
+            kind = "native int4, every row"
+        else:
+            kind = f"{self.decode_kernel} decode + onednn" if self.has_decode_kernel else "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, kernels={kind}"
 
 

@@ -51,11 +51,18 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
             if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.native = lib
         model.native_step = NativeDecodeStep.build(model.model)
-    kinds = sorted({k for m in modules if (k := m.decode_kernel) is not None})
-    num_stored = sum(m.has_decode_kernel for m in modules)
-    decode = f" + {'/'.join(kinds)} decode ({num_stored} of {len(modules)} projections)" if kinds else ""
+    pieces = []
+    every_row = sum(m.q4 is not None for m in modules)  # every row on the native 4-bit kernel
+    if every_row:
+        pieces.append(f"native int4 ({every_row} of {len(modules)} projections, every row)")
+    rest = [m for m in modules if m.q4 is None]  # prompt rows on oneDNN, decode rows maybe stored groups
+    if rest:
+        kinds = sorted({k for m in rest if (k := m.decode_kernel) is not None})
+        num_stored = sum(m.has_decode_kernel for m in rest)
+        decode = f" + {'/'.join(kinds)} decode ({num_stored} of {len(modules)} projections)" if kinds else ""
+        pieces.append(f"onednn float32{decode}")
     step = ", native decode step" if model.native_step is not None else ""
-    model.kernels = f"onednn float32{decode}, {model.fast_lm_head.kernel} logits{step}"
+    model.kernels = f"{', '.join(pieces)}, {model.fast_lm_head.kernel} logits{step}"
 
 
 @torch.no_grad()

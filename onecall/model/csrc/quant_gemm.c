@@ -60,10 +60,7 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Quantize x (M, K) to int16 per group of 32: step d = absmax / ACT_MAX, q = round-to-nearest-even(x / d)
- * (the default rounding mode, as nearbyintf), and the group's float32 sum (fixed order: 8 lanes, then
- * a fixed horizontal sum). */
-static int quantize_rows(const float *x, int64_t M, int64_t K, QuantRows *r) {
+static int alloc_rows(int64_t M, int64_t K, QuantRows *r) {
     const int64_t G = K / 32;
     r->q = malloc(sizeof(int16_t) * (size_t)(M * K));
     r->d = malloc(sizeof(float) * (size_t)(M * G));
@@ -72,27 +69,33 @@ static int quantize_rows(const float *x, int64_t M, int64_t K, QuantRows *r) {
         free_rows(r);
         return -1;
     }
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            const float *p = x + m * K + g * 32;
-            const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
-            const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
-            const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                           _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-            const float amax = hmax8(a);
-            const float d = amax / ACT_MAX, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            const __m256 iv = _mm256_set1_ps(inv);
-            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv));
-            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
-            /* packs works per 128-bit lane: 0xD8 puts the four quarters back in order */
-            int16_t *out = r->q + m * K + g * 32;
-            _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
-            _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8));
-            r->d[m * G + g] = d;
-            r->sum[m * G + g] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-        }
     return 0;
+}
+
+/* Quantize row m of x (M, K) to int16 per group of 32: step d = absmax / ACT_MAX, q = round-to-nearest-even(x / d)
+ * (the default rounding mode, as nearbyintf), and the group's float32 sum (fixed order: 8 lanes, then
+ * a fixed horizontal sum). */
+static inline void quantize_row(const float *x, int64_t m, int64_t K, QuantRows *r) {
+    const int64_t G = K / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t g = 0; g < G; g++) {
+        const float *p = x + m * K + g * 32;
+        const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+        const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
+        const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        const float amax = hmax8(a);
+        const float d = amax / ACT_MAX, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv));
+        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
+        /* packs works per 128-bit lane: 0xD8 puts the four quarters back in order */
+        int16_t *out = r->q + m * K + g * 32;
+        _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
+        _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8));
+        r->d[m * G + g] = d;
+        r->sum[m * G + g] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    }
 }
 
 /* 8 scales or offsets of one group (one per weight row of a block), as float32 */
@@ -121,6 +124,8 @@ static inline __attribute__((always_inline)) __m256 load8(const void *p, const i
  * adds does not matter. Every output goes through the same operations in the same order whatever MT, M
  * and the thread count are: batch invariance. */
 #define Q4_MAX_TILE 8
+#define Q4_PAIR_TILE 4  /* rows per q4_block2 tile: 2 x 4 int32 accumulators + weights stay in registers */
+#define Q4_ROW_CHUNK 64 /* activation rows per pass over the weights (64 x K int16: 72-192 KiB for K 576-1536) */
 static inline __attribute__((always_inline)) void q4_block(const int MT, const QuantRows *r, int64_t m0, int64_t nb,
                                                            int64_t K, int64_t N, const uint8_t *qs, const void *scale,
                                                            const void *offset, const float *bias, float *y,
@@ -167,19 +172,109 @@ static inline __attribute__((always_inline)) void q4_block(const int MT, const Q
     }
 }
 
+/* Two adjacent blocks (16 weight rows) x MT activation rows: the same per-output operations, in the same
+ * order, as q4_block on each block (so a row's bits do not depend on which tile computed it), with each
+ * broadcast activation pair feeding both blocks' madds. */
+static inline __attribute__((always_inline)) void q4_block2(const int MT, const QuantRows *r, int64_t m0, int64_t nb,
+                                                            int64_t K, int64_t N, const uint8_t *qs,
+                                                            const void *scale, const void *offset, const float *bias,
+                                                            float *y, const int f16) {
+    const int64_t G = K / 32, es = f16 ? 2 : 4;
+    const uint8_t *wq0 = qs + nb * G * 128, *wq1 = wq0 + G * 128;
+    const char *wsc0 = (const char *)scale + nb * G * 8 * es, *wof0 = (const char *)offset + nb * G * 8 * es;
+    const char *wsc1 = wsc0 + G * 8 * es, *wof1 = wof0 + G * 8 * es;
+    const __m256i low4 = _mm256_set1_epi16(0x0F);
+    __m256 acc0[Q4_PAIR_TILE], oacc0[Q4_PAIR_TILE], acc1[Q4_PAIR_TILE], oacc1[Q4_PAIR_TILE];
+    for (int i = 0; i < MT; i++) acc0[i] = oacc0[i] = acc1[i] = oacc1[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *wg0 = wq0 + g * 128, *wg1 = wq1 + g * 128;
+        if (Q4_PREFETCH) {
+            _mm_prefetch((const char *)(wg0 + Q4_PREFETCH * 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wg0 + Q4_PREFETCH * 128 + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wg1 + Q4_PREFETCH * 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wg1 + Q4_PREFETCH * 128 + 64), _MM_HINT_T0);
+        }
+        __m256i a0[Q4_PAIR_TILE], a1[Q4_PAIR_TILE];
+        for (int i = 0; i < MT; i++) a0[i] = a1[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i wb0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg0 + c * 16)));
+            const __m256i wb1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg1 + c * 16)));
+            const __m256i lo0 = _mm256_and_si256(wb0, low4), lo1 = _mm256_and_si256(wb1, low4);
+            for (int i = 0; i < MT; i++) {
+                int32_t xl; /* the column pair's two int16 values (low nibbles' columns), broadcast */
+                memcpy(&xl, r->q + (m0 + i) * K + g * 32 + 2 * c, 4);
+                const __m256i b = _mm256_set1_epi32(xl);
+                a0[i] = _mm256_add_epi32(a0[i], _mm256_madd_epi16(lo0, b));
+                a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(lo1, b));
+            }
+            const __m256i hi0 = _mm256_srli_epi16(wb0, 4), hi1 = _mm256_srli_epi16(wb1, 4);
+            for (int i = 0; i < MT; i++) {
+                int32_t xh; /* the high nibbles' columns 16 + 2c, 17 + 2c */
+                memcpy(&xh, r->q + (m0 + i) * K + g * 32 + 16 + 2 * c, 4);
+                const __m256i b = _mm256_set1_epi32(xh);
+                a0[i] = _mm256_add_epi32(a0[i], _mm256_madd_epi16(hi0, b));
+                a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(hi1, b));
+            }
+        }
+        const __m256 sc0 = load8(wsc0 + g * 8 * es, f16), of0 = load8(wof0 + g * 8 * es, f16);
+        const __m256 sc1 = load8(wsc1 + g * 8 * es, f16), of1 = load8(wof1 + g * 8 * es, f16);
+        for (int i = 0; i < MT; i++) {
+            const int64_t m = m0 + i;
+            const __m256 d = _mm256_broadcast_ss(r->d + m * G + g), s = _mm256_broadcast_ss(r->sum + m * G + g);
+            acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[i]), _mm256_mul_ps(sc0, d), acc0[i]);
+            oacc0[i] = _mm256_fmadd_ps(of0, s, oacc0[i]);
+            acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[i]), _mm256_mul_ps(sc1, d), acc1[i]);
+            oacc1[i] = _mm256_fmadd_ps(of1, s, oacc1[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        float out[16];
+        _mm256_storeu_ps(out, _mm256_add_ps(acc0[i], oacc0[i]));
+        _mm256_storeu_ps(out + 8, _mm256_add_ps(acc1[i], oacc1[i]));
+        const int64_t n0 = nb * 8, n_end = n0 + 16 < N ? n0 + 16 : N;
+        for (int64_t n = n0; n < n_end; n++) y[(m0 + i) * N + n] = bias ? out[n - n0] + bias[n] : out[n - n0];
+    }
+}
+
+/* Rows [m0, m_end) against one unit of weight rows: blocks 2u and 2u + 1 (q4_block2), or the last block
+ * alone when the number of blocks is odd. */
+static inline __attribute__((always_inline)) void q4_unit(const QuantRows *r, int64_t m0, int64_t m_end,
+                                                          int64_t u, int64_t blocks, int64_t K, int64_t N,
+                                                          const uint8_t *qs, const void *scale,
+                                                          const void *offset, const float *bias, float *y,
+                                                          const int f16) {
+    const int64_t nb = 2 * u;
+    int64_t m = m0;
+    if (nb + 1 < blocks) {
+        for (; m + 4 <= m_end; m += 4) q4_block2(4, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+        for (; m + 2 <= m_end; m += 2) q4_block2(2, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+        if (m < m_end) q4_block2(1, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+        return;
+    }
+    for (; m + 8 <= m_end; m += 8) q4_block(8, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+    for (; m + 4 <= m_end; m += 4) q4_block(4, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+    for (; m + 2 <= m_end; m += 2) q4_block(2, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+    if (m < m_end) q4_block(1, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+}
+
+/* One parallel region: the rows are quantized (split across the threads), then, chunk by chunk of
+ * Q4_ROW_CHUNK rows (a chunk's int16 activations stay in L2 while every weight unit passes over them;
+ * a long prompt's rows would not), the weight units are split across the threads. */
 static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs,
                                                          const void *scale, const void *offset, int64_t N,
                                                          const float *bias, float *y, int num_threads, const int f16) {
     QuantRows r;
-    if (quantize_rows(x, M, K, &r)) return -1;
-    const int64_t blocks = (N + 7) / 8;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t nb = 0; nb < blocks; nb++) {
-        int64_t m = 0;
-        for (; m + 8 <= M; m += 8) q4_block(8, &r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-        for (; m + 4 <= M; m += 4) q4_block(4, &r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-        for (; m + 2 <= M; m += 2) q4_block(2, &r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-        if (m < M) q4_block(1, &r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+    if (alloc_rows(M, K, &r)) return -1;
+    const int64_t blocks = (N + 7) / 8, units = (blocks + 1) / 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row(x, m, K, &r);
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROW_CHUNK) {
+            const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < units; u++) q4_unit(&r, m0, m_end, u, blocks, K, N, qs, scale, offset, bias, y, f16);
+        }
     }
     free_rows(&r);
     return 0;
