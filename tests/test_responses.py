@@ -110,6 +110,13 @@ def test_streamed_events_add_up_to_the_response() -> None:
                 (call,) = [i for i in final.output if i.type == "function_call"]
                 (same,) = [i for i in whole.output if i.type == "function_call"]
                 assert call.arguments == same.arguments and "response.function_call_arguments.done" in kinds
+                # a required call runs under a grammar: its arguments stream token by token, and the
+                # fragments join to the final arguments
+                fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]  # type: ignore[union-attr]
+                assert len(fragments) > 1 and "".join(fragments) == call.arguments
+                (added,) = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]  # type: ignore[union-attr]
+                assert kinds.index("response.output_item.added") < kinds.index("response.function_call_arguments.delta")
+                assert added.output_index == final.output.index(call)  # type: ignore[union-attr]
 
     _with_client(test)
 

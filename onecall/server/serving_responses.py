@@ -10,8 +10,8 @@ input_text / output_text parts), earlier `function_call` items (replayed as the 
 tool_calls) and `function_call_output` items (tool messages). `text.format` (text / json_object /
 json_schema) becomes response_format; function `tools` and `tool_choice` become chat's. The server is
 stateless: `previous_response_id` and `background` are refused by name. `stream: true` sends the
-Responses events (created, in_progress, output_text deltas as generated, a tool call as an item once
-parsed, the done events, then completed or incomplete with usage). Not yet: non-function tools,
+Responses events (created, in_progress, output_text deltas and a tool call's argument fragments as
+generated, the done events, then completed or incomplete with usage). Not yet: non-function tools,
 non-text input parts (each refused by name).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 from fastapi import Request
@@ -136,8 +136,11 @@ def _usage(gen: Generation) -> ResponseUsage:
 
 
 async def _events(gen: Generation, head: _Head, setup: ChatSetup) -> AsyncGenerator[bytes, None]:
-    """The Responses stream: created, in_progress; the message item's text deltas as the engine makes
-    them; each tool call as an item once the parser gives it; the done events; completed (with usage)."""
+    """The Responses stream: created, in_progress; the message item's text deltas and each tool call's
+    argument fragments as the engine makes them (a call's item opens once the parser has its id and
+    name; under tool_choice auto the parser holds a call until it validates, so its arguments come
+    in one piece); the done events; completed (with usage). Items are numbered in the order they
+    open, and the final response lists its output in that order."""
     seq = 0
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -149,11 +152,30 @@ async def _events(gen: Generation, head: _Head, setup: ChatSetup) -> AsyncGenera
     def dump(model: ResponseObject | OutputMessage | FunctionCallItem) -> Any:
         return json.loads(model.model_dump_json())
 
+    def open_call(index: int) -> Iterator[bytes]:
+        """Open call `index`'s item (id and name known) and send the arguments it has so far."""
+        cid, name, args = calls[index]
+        opened_calls[index] = [len(order), 0]
+        order.append(f"fc_{cid}")
+        item = FunctionCallItem(id=f"fc_{cid}", call_id=cid, name=name, arguments="", status="in_progress")
+        yield event("response.output_item.added", output_index=opened_calls[index][0], item=dump(item))
+        yield from send_arguments(index)
+
+    def send_arguments(index: int) -> Iterator[bytes]:
+        position, sent = opened_calls[index]
+        cid, _, args = calls[index]
+        if len(args) > sent:
+            opened_calls[index][1] = len(args)
+            ids = {"item_id": f"fc_{cid}", "output_index": position}
+            yield event("response.function_call_arguments.delta", delta=args[sent:], **ids)
+
     parser = setup.new_parser()
-    text, finish, opened = "", None, False
+    text, finish = "", None
+    order: list[str] = []  # output item ids in the order their items opened
     calls: dict[int, list[str]] = {}  # call index -> [id, name, arguments so far]
+    opened_calls: dict[int, list[int]] = {}  # call index -> [output index, argument characters sent]
     part = {"type": "output_text", "text": "", "annotations": []}
-    msg = {"item_id": head.message_id, "output_index": 0, "content_index": 0}
+    msg: dict[str, Any] = {"item_id": head.message_id, "content_index": 0}
     try:
         first = dump(head.response(None, "", [], None))
         yield event("response.created", response=first)
@@ -161,10 +183,11 @@ async def _events(gen: Generation, head: _Head, setup: ChatSetup) -> AsyncGenera
         async for d in gen.deltas():
             delta, finish = parsed_delta(parser, d)
             if delta.content:
-                if not opened:  # the message item opens with its first text
-                    opened = True
+                if head.message_id not in order:  # the message item opens with its first text
+                    msg["output_index"] = len(order)
+                    order.append(head.message_id)
                     empty = OutputMessage(id=head.message_id, status="in_progress", content=[])
-                    yield event("response.output_item.added", output_index=0, item=dump(empty))
+                    yield event("response.output_item.added", output_index=msg["output_index"], item=dump(empty))
                     yield event("response.content_part.added", part=part, **msg)
                 text += delta.content
                 yield event("response.output_text.delta", delta=delta.content, logprobs=[], **msg)
@@ -175,21 +198,28 @@ async def _events(gen: Generation, head: _Head, setup: ChatSetup) -> AsyncGenera
                 if c.function is not None:
                     entry[1] = c.function.name or entry[1]
                     entry[2] += c.function.arguments or ""
+                if c.index in opened_calls:
+                    for chunk in send_arguments(c.index):
+                        yield chunk
+                elif entry[0] and entry[1]:
+                    for chunk in open_call(c.index):
+                        yield chunk
+        for index in sorted(calls):  # calls the stream never opened (no id or name until the end)
+            if index not in opened_calls:
+                for chunk in open_call(index):
+                    yield chunk
         whole = [(cid, name, args) for cid, name, args in (calls[k] for k in sorted(calls))]
         final = head.response(gen, text, whole, finish)
-        if opened:
-            yield event("response.output_text.done", text=text, logprobs=[], **msg)
-            yield event("response.content_part.done", part={**part, "text": text}, **msg)
-            yield event("response.output_item.done", output_index=0, item=dump(final.output[0]))
-        first_call = 1 if opened else 0
-        for k, call in enumerate(final.output[first_call:], start=first_call):
-            assert isinstance(call, FunctionCallItem)
-            added = call.model_copy(update={"arguments": "", "status": "in_progress"})
-            yield event("response.output_item.added", output_index=k, item=dump(added))
-            ids = {"item_id": call.id, "output_index": k}
-            yield event("response.function_call_arguments.delta", delta=call.arguments, **ids)
-            yield event("response.function_call_arguments.done", arguments=call.arguments, **ids)
-            yield event("response.output_item.done", output_index=k, item=dump(call))
+        by_id = {item.id: item for item in final.output}
+        final = final.model_copy(update={"output": [by_id[i] for i in order if i in by_id]})
+        for position, item in enumerate(final.output):
+            if isinstance(item, OutputMessage):
+                yield event("response.output_text.done", text=text, logprobs=[], **msg)
+                yield event("response.content_part.done", part={**part, "text": text}, **msg)
+            else:
+                ids = {"item_id": item.id, "output_index": position}
+                yield event("response.function_call_arguments.done", arguments=item.arguments, **ids)
+            yield event("response.output_item.done", output_index=position, item=dump(item))
         kind = "response.completed" if final.status == "completed" else "response.incomplete"
         yield event(kind, response=dump(final))
     except Exception as e:  # after the 200 went out: the error is an event
