@@ -34,6 +34,7 @@ depend on what else shares the step.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -334,16 +335,22 @@ class Window:
     def mask(self, s: SeqSpan, first_key: int) -> torch.Tensor | None:
         """(query_len, seq_len - first_key) bool, True = attend; None when every key is visible (one
         query: first_key already cut its window). Query i is at position seq_len - query_len + i, key j
-        at first_key + j. Built per call: the prompt path, O(query_len * seq_len) next to the
-        attention's own O(query_len * seq_len * head_dim)."""
+        at first_key + j. Every layer with the same window asks for the same mask within a step: it is
+        built once (_band_mask keeps the last few) and only read."""
         if s.query_len == 1:
             return None
-        q_pos = torch.arange(s.seq_len - s.query_len, s.seq_len)[:, None]
-        k_pos = torch.arange(first_key, s.seq_len)[None, :]
-        visible = k_pos <= q_pos
-        if self.sliding_window is not None:
-            visible &= k_pos > q_pos - self.sliding_window
-        return visible
+        return _band_mask(s.seq_len, s.query_len, first_key, self.sliding_window)
+
+
+@functools.lru_cache(maxsize=8)
+def _band_mask(seq_len: int, query_len: int, first_key: int, sliding_window: int | None) -> torch.Tensor:
+    """Window.mask's tensor; callers never write to it (SDPA and masked_fill only read a mask)."""
+    q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+    k_pos = torch.arange(first_key, seq_len)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    return visible
 
 
 def _attend(
