@@ -65,11 +65,17 @@ import torch
 import torch.distributed as dist
 
 from onecall.config import EngineConfig
+from onecall.engine.engine_parts import kv_blocks_in_budget, load_model
+from onecall.engine.model_runner import ModelRunner, StepInputs
 from onecall.errors import EngineDeadError, InvalidParameterError
+from onecall.model.attention import default_backend
+from onecall.model.checkpoint import load_hf_config_dict, resolve_model
+from onecall.model.config import ModelConfig
+from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel
 
 if TYPE_CHECKING:
-    from onecall.engine.model_runner import ModelRunner, PromptLogitsFn, StepInputs
+    from onecall.engine.model_runner import PromptLogitsFn
 
 SHUTDOWN, STEP = 0, 1
 _HEADER_LEN = 8
@@ -346,13 +352,6 @@ def _serve_steps(
     config: EngineConfig, device: torch.device, rank: int, world_size: int, control: dist.ProcessGroup | None
 ) -> None:
     """Load this rank's slice, agree on the KV pool, then run every step rank 0 sends until SHUTDOWN."""
-    from onecall.engine.engine_parts import kv_blocks_in_budget, load_model
-    from onecall.engine.model_runner import ModelRunner
-    from onecall.model.attention import default_backend
-    from onecall.model.checkpoint import load_hf_config_dict, resolve_model
-    from onecall.model.config import ModelConfig
-    from onecall.model.kv_cache import PagedKVCache
-
     dtype = config.torch_dtype
     set_cpu_threads(config)
     files = resolve_model(config.model)
@@ -417,8 +416,6 @@ def encode_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode_step(sizes: list[int], flat: list[int]) -> StepInputs:
-    from onecall.engine.model_runner import StepInputs
-
     num_copies, num_tokens, num_seqs, _, num_sample, num_prompt, num_decode = sizes
     pos = 0
 
