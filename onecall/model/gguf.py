@@ -265,23 +265,30 @@ class GGUFFile:
         dtype: torch.dtype,
         stored_out: dict[str, StoredGroups] | None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """A stacked expert tensor (num_experts, rows, cols) as one tensor per expert; with `stored_out`,
-        each expert's 4-bit or int8 groups stored under its name first, as for a 2-D weight."""
-        ggml_type, (num_experts, *shape) = T(info.ggml_type), info.shape
-        if stored_out is None:
-            stacked = dequantize(raw, ggml_type, info.shape, dtype)
-            for e in range(num_experts):
-                yield hf_name.replace("*", str(e)), stacked[e]
-            return
+        """A stacked expert tensor (num_experts, rows, cols) as one tensor per expert (a fused
+        ffn_gate_up_exps as each expert's gate and up halves); with `stored_out`, each one's 4-bit or
+        int8 groups stored under its name first, as for a 2-D weight."""
+        ggml_type, (num_experts, rows, cols) = T(info.ggml_type), info.shape
+        halves = [(hf_name, 0, rows)]
+        if hf_name.endswith(".gate_up_proj.weight"):  # each expert's rows [gate; up], gate first
+            halves = [(hf_name.replace("gate_up_proj", p), i * rows // 2, (i + 1) * rows // 2)
+                      for i, p in enumerate(("gate_proj", "up_proj"))]  # fmt: skip
         per_expert = raw.view(num_experts, -1)  # experts outermost: each one's blocks are contiguous
         for e in range(num_experts):
-            name, one = hf_name.replace("*", str(e)), per_expert[e]
-            groups = int4_groups(one, ggml_type, tuple(shape)) or int8_groups(one, ggml_type, tuple(shape))
-            if groups is None:
-                yield name, dequantize(one, ggml_type, tuple(shape), dtype)
-                continue
-            stored_out[name] = groups
-            yield name, groups.dequantize().to(dtype)
+            one = per_expert[e]
+            groups = None
+            if stored_out is not None:
+                groups = int4_groups(one, ggml_type, (rows, cols)) or int8_groups(
+                    one, ggml_type, (rows, cols)
+                )
+            dense = groups.dequantize().to(dtype) if groups is not None else None
+            if dense is None:
+                dense = dequantize(one, ggml_type, (rows, cols), dtype)
+            for name, start, end in halves:
+                name = name.replace("*", str(e))
+                if groups is not None and stored_out is not None:
+                    stored_out[name] = _rows(groups, start, end)
+                yield name, dense[start:end]
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
@@ -308,3 +315,14 @@ def unpermute_qk_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
         raise UnsupportedModelError(f"cannot split {rows} Q/K rows into {num_heads} heads of even size")
     grouped = tensor.reshape(num_heads, rows // num_heads // 2, 2, *tensor.shape[1:])
     return grouped.transpose(1, 2).reshape(tensor.shape)
+
+
+def _rows(groups: StoredGroups, start: int, end: int) -> StoredGroups:
+    """Rows [start, end) of stored groups (groups run along a row: a row slice is exact)."""
+    if start == 0 and end == groups.q.shape[0]:
+        return groups
+    if isinstance(groups, Int4Groups):
+        return Int4Groups(
+            groups.q[start:end], groups.scale[start:end], groups.offset[start:end], groups.group_size
+        )
+    return Int8Groups(groups.q[start:end], groups.scale[start:end], groups.group_size)

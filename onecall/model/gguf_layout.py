@@ -4,13 +4,15 @@ names -> Hugging Face parameter names, and `{arch}.*` metadata -> the config.jso
 | GGUF arch            | HF class                | tensors beyond Llama's                      | restored from llama.cpp's rules          |
 |----------------------|-------------------------|---------------------------------------------|------------------------------------------|
 | llama                | LlamaForCausalLM        | rope_freqs (llama3 RoPE)                    | Q/K rows interleaved (model/gguf.py)     |
-| llama + expert_count | MixtralForCausalLM      | ffn_gate_inp, ffn_{gate,up,down}_exps       | top-2 renormalised; Q/K interleaved      |
+| llama + expert_count | MixtralForCausalLM      | ffn_gate_inp, ffn_{gate,up,down}_exps (or   | top-k renormalised; Q/K interleaved      |
+|                      |                         | ffn_gate_up_exps; or, in older files,       |                                          |
+|                      |                         | ffn_{gate,up,down}.E per expert)            |                                          |
 | qwen2, qwen3         | Qwen2/Qwen3ForCausalLM  | q/k/v biases, attn_{q,k}_norm               |                                          |
 | qwen3moe             | Qwen3MoeForCausalLM     | as Mixtral, plus attn_{q,k}_norm            | norm_topk_prob true (llama.cpp always    |
 |                      |                         |                                             | renormalises); every layer routed        |
 | phi3                 | Phi3ForCausalLM         | attn_qkv [q; k; v], ffn_up [gate; up],      | head_dim = hidden / heads; sliding       |
 |                      |                         | rope_factors_long/short (longrope)          | window 0 = none                          |
-| gemma2, gemma3       | Gemma2/Gemma3ForCausalLM| post_attention_norm, ffn_norm (before the   | norms stored as 1 + w; no lm_head (tied);|
+| gemma2, gemma3       | Gemma2/3ForCausalLM     | post_attention_norm, ffn_norm (before the   | norms stored as 1 + w; no lm_head (tied);|
 |                      |                         | MLP), post_ffw_norm                         | query_pre_attn_scalar, layer pattern and |
 |                      |                         |                                             | Gemma 3's local RoPE base: see           |
 |                      |                         |                                             | _gemma_keys                              |
@@ -94,9 +96,9 @@ _GEMMA_NORMS = {
 # fused in ffn_up (rows [gate; up]: llama.cpp's phi3 has no ffn_gate); model/weights.py splits both.
 _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # MoE blocks: the router and the stacked experts (num_experts, rows, cols). ffn_gate_up_exps (the
-# converter's --fuse-gate-up-exps) holds each expert's [gate; up] rows, as our stacked parameter does.
+# converter's --fuse-gate-up-exps) holds each expert's [gate; up] rows; model/gguf.py yields the halves.
 _MOE_NAMES = {
-    "ffn_gate_inp": "mlp.gate", "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_up_exps": "mlp.experts.*.gate_up_proj",
     "ffn_gate_exps": "mlp.experts.*.gate_proj", "ffn_up_exps": "mlp.experts.*.up_proj",
     "ffn_down_exps": "mlp.experts.*.down_proj",
 }  # fmt: skip
@@ -166,16 +168,13 @@ def gguf_config_dict(gguf: GGUFFile) -> dict[str, Any]:
     names = {t.name: t for t in gguf.tensors}
     is_mixtral = arch == "llama" and bool(key("expert_count", 0))
     family = "mixtral" if is_mixtral else arch
-    embed = names.get(
-        "token_embd.weight"
-    )  # the converter may trim padding rows (Gemma 3): what the model has
-    tokens = meta.get("tokenizer.ggml.tokens")
+    # the embedding's rows are the vocabulary the model has (Gemma 3's converter trims padding rows)
+    embed, tokens = names.get("token_embd.weight"), meta.get("tokenizer.ggml.tokens")
+    vocab_size = embed.shape[0] if embed is not None else key("vocab_size", len(tokens) if tokens else None)
     config: dict[str, Any] = {
         "architectures": [_HF_CLASS[family]],
         "model_type": _MODEL_TYPE.get(family, family),
-        "vocab_size": embed.shape[0]
-        if embed is not None
-        else key("vocab_size", len(tokens) if tokens else None),
+        "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"),
@@ -207,7 +206,7 @@ def gguf_config_dict(gguf: GGUFFile) -> dict[str, Any]:
 
 
 # keys whose None means "none" (not "absent": hf_config would apply transformers' default)
-_NULLABLE = frozenset({"sliding_window", "final_logit_softcapping"})
+_NULLABLE = frozenset({"sliding_window", "attn_logit_softcapping", "final_logit_softcapping"})
 
 
 def _key_reader(meta: dict[str, Any], arch: str) -> Callable[..., Any]:

@@ -306,6 +306,7 @@ def write_converted_gguf(
     weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
     per_expert_tensors: bool = False,
     extra_metadata: Mapping[str, Any] | None = None,
+    fuse_gate_up_exps: bool = False,
 ) -> Path:
     """A transformers model's state dict and config (to_dict()) as llama.cpp's convert_hf_to_gguf.py
     lays them out, for every family onecall loads (write_tiny_gguf covers the Llama/Qwen basics):
@@ -325,6 +326,8 @@ def write_converted_gguf(
     `weight_type` quantizes every weight of two or more dimensions except the router; 1-D stays F32.
     `per_expert_tensors`: Mixtral as converters wrote it before stacked experts (blk.N.ffn_gate.E.weight).
     `extra_metadata`: more key/value pairs under their full names (a tokenizer's `tokenizer.ggml.*`).
+    `fuse_gate_up_exps`: the converter's --fuse-gate-up-exps, each expert's [gate; up] rows in one
+    blk.N.ffn_gate_up_exps (llama.cpp views gate as its first half).
     Written from the converter's description, independently of onecall's reader.
     """
     import math
@@ -420,6 +423,8 @@ def write_converted_gguf(
             for stem, stacked in zip(stems, parts, strict=True):
                 for e, expert in enumerate(stacked):
                     tensors[f"blk.{layer}.{stem}.{e}.weight"] = expert
+        elif fuse_gate_up_exps and name.endswith(".mlp.experts.gate_up_proj"):
+            tensors[f"blk.{layer}.ffn_gate_up_exps.weight"] = data
         elif name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H): each expert's [gate; up] rows
             g, u = data.chunk(2, dim=1)
             tensors[gguf_name(f"{merged}.{gate}.weight")] = g
