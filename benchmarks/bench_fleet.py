@@ -154,9 +154,11 @@ class Process:
 class Fleet:
     """The processes of one run: replicas by URL, the router; close() stops them all."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, *, kv_events: bool = False) -> None:
         self.args = args
         self.replicas: dict[str, Process] = {}
+        # kv_aware: each replica publishes its prefix cache's KV events here (URL -> ZMQ endpoint)
+        self.kv_events: dict[str, str] | None = {} if kv_events else None
         self.router: Process | None = None
         self.router_url = ""
         self.router_metrics_url = ""
@@ -169,6 +171,9 @@ class Fleet:
             cmd += ["--port", url.rsplit(":", 1)[1], "--num-threads", str(self.args.num_threads)]
             cmd += ["--max-model-len", str(self.args.max_model_len)]
             cmd += ["--model", self.args.model] if self.args.model else []
+            if self.kv_events is not None:
+                self.kv_events[url] = f"tcp://127.0.0.1:{free_port()}"
+                cmd += ["--kv-events-endpoint", self.kv_events[url], "--kv-events-block-size", "16"]
             self.replicas[url] = Process(f"replica{url.rsplit(':', 1)[1]}", cmd)
         await asyncio.gather(*(self.replicas[u].wait_http(f"{u}/health", self.args.timeout) for u in urls))
         return urls
@@ -188,6 +193,12 @@ class Fleet:
         prometheus_port = free_port()
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]
         cmd += [] if self.args.router_defaults else FAILOVER_FLAGS
+        if self.kv_events is not None:  # the router subscribes to each replica's events
+            async with httpx.AsyncClient() as client:
+                model = (await client.get(f"{workers[0]}/v1/models", timeout=10)).json()["data"][0]["id"]
+            cmd += ["--kv-event-block-size", "16", "--kv-event-model", model]
+            for url in workers:
+                cmd += ["--kv-event-source", f"{url}={self.kv_events[url]}"]
         self.router = Process(f"router-{policy}", cmd)
         self.router_url = f"http://127.0.0.1:{port}"
         self.router_metrics_url = f"http://127.0.0.1:{prometheus_port}/metrics"
@@ -367,7 +378,7 @@ async def wait_until(what: str, check: Any, timeout: float, interval: float = 0.
 
 
 async def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    fleet = Fleet(args)
+    fleet = Fleet(args, kv_events=policy == "kv_aware")
     try:
         urls = await fleet.add_replicas(args.replicas)
         router = await fleet.start_router(policy, urls)
@@ -378,7 +389,14 @@ async def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
             result["flush_cache_status"] = (
                 await client.post(f"{router}/flush_cache", timeout=30)
             ).status_code
-        return {**result, "replicas": args.replicas, "not_found": fleet.not_found()}
+        assert fleet.router is not None
+        warnings = [line for line in fleet.router.text().splitlines() if "WARN" in line or "ERROR" in line]
+        return {
+            **result,
+            "replicas": args.replicas,
+            "not_found": fleet.not_found(),
+            "router_warnings": warnings[:5],
+        }
     finally:
         fleet.close()
 

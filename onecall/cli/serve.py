@@ -1,6 +1,7 @@
 """`onecall serve`: the OpenAI-compatible HTTP server (server/app.py) under uvicorn.
 
     onecall serve --port 8000 [--model path/to/model.gguf] [--api-key KEY]
+                  [--kv-events-endpoint tcp://127.0.0.1:5557]   # for vllm-router's kv_aware policy
 
 The socket is bound before the model loads (/health answers "loading" meanwhile); SIGTERM drains.
 """
@@ -11,10 +12,13 @@ import argparse
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onecall.engine_flags import add_engine_args, engine_kwargs
 from onecall.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from onecall.server.kv_events import KVEventPublisher
 
 
 def add_serve_command(sub: Any) -> None:
@@ -43,6 +47,19 @@ def add_serve_command(sub: Any) -> None:
         type=float,
         default=10.0,
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    serve.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish the prefix cache's block inserts and evictions as vLLM's KV events on this ZMQ "
+        "address (e.g. tcp://127.0.0.1:5557), for vllm-router --policy kv_aware (server/kv_events.py; "
+        "needs the fleet extra)",
+    )
+    serve.add_argument(
+        "--kv-events-block-size",
+        type=int,
+        default=16,
+        help="tokens per block in those events; the router's --kv-event-block-size must match",
     )
     serve.set_defaults(func=cmd_serve)
 
@@ -73,6 +90,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise InvalidParameterError(
             "step_timeout", f"must be >= 0 seconds (0: no watchdog), got {a.step_timeout}"
         )
+    kv_events = _kv_event_publisher(a)  # binds its ZMQ socket now: a taken port fails before serving
     _log_to_stderr()
 
     # 2. the loader runs in a worker thread once the server is up
@@ -82,8 +100,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     def load() -> AsyncEngine:
         nonlocal load_failed
         try:
+            engine = Engine(engine_config)
+            if kv_events is not None:  # set before the engine thread starts, never changed after
+                engine.block_manager.tree.listener = kv_events
             return AsyncEngine(
-                Engine(engine_config),
+                engine,
                 max_waiting=a.max_waiting,
                 metrics=metrics,
                 step_timeout=a.step_timeout or None,
@@ -105,8 +126,31 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it caught once it has shut down gracefully; with the default
     # SIGTERM action that would kill the process (exit -15). A no-op handler lets us return 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if kv_events is not None:
+            kv_events.close()
     return 2 if load_failed else 0
+
+
+def _kv_event_publisher(a: argparse.Namespace) -> KVEventPublisher | None:
+    if a.kv_events_endpoint is None:
+        return None
+    if a.kv_events_block_size < 1:
+        raise InvalidParameterError("kv_events_block_size", f"must be >= 1, got {a.kv_events_block_size}")
+    try:
+        from onecall.server.kv_events import KVEventPublisher
+    except ImportError as e:
+        raise InvalidParameterError(
+            "kv_events_endpoint", f"needs pyzmq and msgpack ({e}): pip install -e '.[fleet]'"
+        ) from None
+    try:
+        return KVEventPublisher(a.kv_events_endpoint, block_size=a.kv_events_block_size)
+    except Exception as e:  # zmq.ZMQError: a bad address or a port in use
+        raise InvalidParameterError(
+            "kv_events_endpoint", f"cannot bind {a.kv_events_endpoint!r}: {e}"
+        ) from None
 
 
 def _log_to_stderr() -> None:

@@ -27,6 +27,11 @@ is dropped once its last path is evicted.
 Splitting an edge after k tokens moves key/slots[:k] into a new parent node: no slot changes
 hands, so the per-block counts stay as they are. Eviction removes whole leaves, least recently used
 first, preferring leaves whose removal frees at least one block.
+
+`listener` (None by default, and then nothing below computes anything for it) hears each change of
+the set of cached token paths, on the thread that changes the tree: positions [start, len(path)) of
+`path` became cached (insert) or stopped being cached (a leaf evicted), or everything went (reset).
+Splits change no path and say nothing. server/kv_events.py turns these into vLLM's KV-cache events.
 """
 
 from __future__ import annotations
@@ -50,6 +55,15 @@ class TreeBlockRefs(Protocol):
     def num_evictable(self) -> int: ...
     def add_tree_tokens(self, block: int, count: int) -> None: ...
     def remove_tree_tokens(self, block: int, count: int) -> None: ...
+
+
+class CacheListener(Protocol):
+    """Told about cached paths as they change (RadixCache.listener). `path` is the whole token path
+    from the root, a fresh list the listener may keep; `salt` is the path's cache_salt (None: none)."""
+
+    def stored(self, path: list[int], start: int, salt: str | None) -> None: ...
+    def removed(self, path: list[int], start: int, salt: str | None) -> None: ...
+    def cleared(self) -> None: ...
 
 
 class TreeNode:
@@ -99,6 +113,7 @@ class RadixCache:
         # Every non-root node without children, kept as the tree changes, so eviction starts from
         # the leaves instead of walking the whole tree (invariant checked by check_and_count).
         self._leaves: set[TreeNode] = set()
+        self.listener: CacheListener | None = None
 
     # ---- lookups ------------------------------------------------------------------------------
     def _root(self, salt: str | None, create: bool = False) -> TreeNode | None:
@@ -186,6 +201,8 @@ class RadixCache:
         self._leaves.add(leaf)
         for block, count in self._block_counts(leaf.slots).items():
             self.pool.add_tree_tokens(block, count)
+        if self.listener is not None:
+            self.listener.stored(list(tokens), pos, salt)
 
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut node's edge after k tokens; return the new upper half (node becomes its child).
@@ -245,6 +262,8 @@ class RadixCache:
         self._salted.clear()
         self._salt_of.clear()
         self._leaves.clear()
+        if self.listener is not None:
+            self.listener.cleared()
 
     def check_and_count(self, num_blocks: int) -> list[int]:
         """Assert the docstring table (all rows but content) and return tree tokens per block."""
@@ -277,6 +296,9 @@ class RadixCache:
 
     def _remove_leaf(self, leaf: TreeNode) -> None:
         assert not leaf.children and leaf.parent is not None
+        if self.listener is not None:  # the path and its salt, read before the leaf is detached
+            path, start, salt = self._path_of(leaf)
+            self.listener.removed(path, start, salt)
         parent = leaf.parent
         del parent.children[leaf.key[0]]
         self._leaves.discard(leaf)
@@ -287,6 +309,16 @@ class RadixCache:
         for block, count in self._block_counts(leaf.slots).items():
             self.pool.remove_tree_tokens(block, count)
         leaf.parent = None
+
+    def _path_of(self, node: TreeNode) -> tuple[list[int], int, str | None]:
+        """(the token path from the root through node's edge, where node's edge starts, its salt)."""
+        keys: list[list[int]] = []
+        walk: TreeNode | None = node
+        while walk is not None and walk.parent is not None:
+            keys.append(walk.key)
+            walk = walk.parent
+        path = [t for key in reversed(keys) for t in key]
+        return path, len(path) - len(node.key), None if walk is None else self._salt_of.get(walk)
 
     def _block_counts(self, slots: list[int]) -> Counter[int]:
         bs = self.block_size
