@@ -170,6 +170,7 @@ class Engine:
         scratch block, so the block manager is rebuilt one block smaller: call it before any request.
         `backend` overrides the attention backend (tests run "triton" on CPU under the interpreter)."""
         assert not self._seqs, "enable_static_decode() before any request"
+        assert self.parts.tp_group is None, "static decode steps run in one process, not under TP"
         p = self.parts
         backend = backend or self.runner.attention_backend  # the constructor passes its own
         assert backend == "triton", "static decode steps need the Triton backend (metadata as tensors only)"
