@@ -17,12 +17,18 @@ received a row run: at batch 1 that is top_k of num_experts. Reading the per-exp
 (.tolist()) is one host sync per layer; on CPU it is free, on a GPU it is what keeps this path out of
 CUDA graph capture (a grouped-GEMM kernel would remove it).
 
-A quantized GGUF's experts (Q4_0/Q4_1/Q4_K, Q8_0/Q6_K) keep their own groups on the fast path
-(Experts.use_stored, called by model/weights.py): decode rows then run each routed expert on the
-native int4/int8 kernels FastLinear uses (model/native.py), reading a quarter or an eighth of float32's
-bytes; prompt rows stay on the float32 weights, as every projection's do (model/fast_linear.py). Which
-rows are decode is the step's (fast_linear.num_decode_rows): the batch's first n tokens, and since an
-expert's rows are its tokens in ascending order, its decode rows come first.
+A quantized GGUF's experts keep their own groups on the fast path (Experts.use_stored, called by
+model/weights.py) and run on the native kernels FastLinear uses (model/native.py), as projections do
+(model/fast_linear.py):
+
+| stored as             | decode rows               | prompt rows               | float32 weight kept |
+|-----------------------|---------------------------|---------------------------|---------------------|
+| Q4_0 / Q4_1 / Q4_K    | native int4 (1/8 bytes)   | native int4               | no (freed)          |
+| Q8_0 / Q6_K           | native int8 (1/4 bytes)   | float32 F.linear          | yes                 |
+
+per weight kind (gate_up, down) of a layer, when every expert's is stored so. Which rows are decode is
+the step's (fast_linear.num_decode_rows): the batch's first n tokens, and since an expert's rows are its
+tokens in ascending order, its decode rows come first.
 """
 
 from __future__ import annotations
@@ -68,7 +74,11 @@ class Experts(nn.Module):
         e, h, i = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device))  # [gate; up]
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device))
-        # per expert (gate_up, down) in the checkpoint's own groups, for decode rows (use_stored)
+        self.weight_shapes = (
+            (2 * i, h),
+            (h, i),
+        )  # one expert's gate_up, down (kept if the weights are freed)
+        # per expert (gate_up, down) in the checkpoint's own groups (use_stored)
         self.stored: list[tuple[ExpertGroups, ExpertGroups]] | None = None
         self._lib: ctypes.CDLL | None = None
 
@@ -81,11 +91,16 @@ class Experts(nn.Module):
             return False
         packed = []
         for gu, d in zip(gate_up, down, strict=True):
-            a, b = _for_kernel(gu, self.gate_up_proj.shape[1:]), _for_kernel(d, self.down_proj.shape[1:])
+            a, b = _for_kernel(gu, self.weight_shapes[0]), _for_kernel(d, self.weight_shapes[1])
             if a is None or b is None:
                 return False
             packed.append((a, b))
         self.stored, self._lib = packed, lib
+        # a weight kind that is 4-bit for every expert runs every row on the int4 kernel: its float32
+        # copy is never read again, so it is freed (the memory a quantized MoE file saves)
+        for which, param in enumerate((self.gate_up_proj, self.down_proj)):
+            if all(isinstance(p[which], native.Q4Packed) for p in packed):
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -116,22 +131,27 @@ class Experts(nn.Module):
         return out
 
     def _project(self, h: torch.Tensor, e: int, which: int, num_decode: int) -> torch.Tensor:
-        """Expert e's gate_up (which 0) or down (1) projection of rows h, the first num_decode of them on
-        the stored groups' kernel, the rest in float32."""
-        weight = (self.gate_up_proj if which == 0 else self.down_proj)[e]
+        """Expert e's gate_up (which 0) or down (1) projection of rows h: the first num_decode of them on
+        the stored groups' kernel (every row, for 4-bit groups), the rest in float32."""
+        groups = None if self.stored is None else self.stored[e][which]
+        if isinstance(groups, native.Q4Packed):
+            num_decode = h.shape[0]
         if num_decode == 0:
-            return F.linear(h, weight)
-        assert self.stored is not None and self._lib is not None
-        groups, threads = self.stored[e][which], torch.get_num_threads()
-        head = h[:num_decode].contiguous()
+            return F.linear(h, (self.gate_up_proj if which == 0 else self.down_proj)[e])
+        assert groups is not None and self._lib is not None
+        head, threads = h[:num_decode].contiguous(), torch.get_num_threads()
         if isinstance(groups, Int8Groups):
             y = native.q8_gemm(self._lib, head, groups.q, groups.scale, None, threads, groups.group_size)
         else:
             y = native.q4_gemm(self._lib, head, groups, None, threads)
-        return y if num_decode == h.shape[0] else torch.cat((y, F.linear(h[num_decode:], weight)))
+        if num_decode == h.shape[0]:
+            return y
+        return torch.cat(
+            (y, F.linear(h[num_decode:], (self.gate_up_proj if which == 0 else self.down_proj)[e]))
+        )
 
 
-def _for_kernel(groups: StoredGroups, shape: torch.Size) -> ExpertGroups | None:
+def _for_kernel(groups: StoredGroups, shape: tuple[int, int]) -> ExpertGroups | None:
     """One expert weight's stored groups in the native kernels' form, or None if they do not run it."""
     rows, cols = shape
     if tuple(groups.q.shape) != (rows, cols) or cols % 32:
