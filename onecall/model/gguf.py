@@ -9,7 +9,10 @@ is the tests' reference reader. Float32 metadata scalars read as their shortest 
 (1e-05, as written by the converter), float32 arrays as exact values.
 
 Tensor data is never copied until a tensor is requested: `iter_tensors` yields one
-dequantized, renamed tensor at a time, so the model is never held twice.
+dequantized, renamed tensor at a time, so the model is never held twice. What each family's
+tensors are called and what its metadata means (llama.cpp's converter, per architecture) is
+gguf_layout.py's; undoing what the converter did to the values (Q/K interleaving, Gemma's 1 + w,
+stacked experts) is iter_tensors'.
 """
 
 from __future__ import annotations
