@@ -302,6 +302,8 @@ def test_gguf_config_rules(tmp_path: Path) -> None:
     uncapped = _config(_metadata_gguf(tmp_path / "g2z.gguf", "gemma2", _shapes("gemma2", 2) | zero_caps))
     assert uncapped.gemma is not None
     assert (uncapped.gemma.attn_logit_softcapping, uncapped.gemma.final_logit_softcapping) == (None, None)
+    old_file = _config(_metadata_gguf(tmp_path / "g2o.gguf", "gemma2", _shapes("gemma2", 2)))  # no window key
+    assert old_file.gemma is not None and old_file.gemma.sliding_window == 4096
     g27 = _config(_metadata_gguf(tmp_path / "g27.gguf", "gemma2", _shapes("gemma2", 46, hidden=4608, heads=32)
                                  | {"gemma2.attention.sliding_window": 4096}))  # fmt: skip
     assert g27.gemma is not None and g27.gemma.query_pre_attn_scalar == 144.0

@@ -224,8 +224,9 @@ def _gemma_keys(arch: str, key: Callable[..., Any], config: dict[str, Any]) -> d
 
     - query_pre_attn_scalar: not written; llama.cpp scales scores by head_dim ** -0.5, except for the
       27B models (Gemma 2: 46 layers, Gemma 3: 62) by (hidden_size / heads) ** -0.5, as their configs say.
-    - sliding layers: Gemma 2 every other layer from layer 0, Gemma 3 five of every six (none without a
-      sliding_window); Gemma 3's sliding layers rotate at rope.freq_base_swa, else 10000, unscaled.
+    - sliding layers: Gemma 2 every other layer from layer 0 (window 4096 in files without the key),
+      Gemma 3 five of every six (none without a sliding_window); Gemma 3's sliding layers rotate at
+      rope.freq_base_swa, else 10000, unscaled.
     - soft-caps: Gemma 2's attention and final caps default to 50 and 30 (as transformers'); Gemma 3 has
       no attention cap and its final cap only when the key is written.
     """
@@ -241,7 +242,8 @@ def _gemma_keys(arch: str, key: Callable[..., Any], config: dict[str, Any]) -> d
             f"GGUF key {arch}.attention.sliding_window_pattern {pattern!r} is not supported; {arch} slides "
             f"{period - 1} of every {period} layers"
         )
-    window = key("attention.sliding_window") or None
+    # Gemma 2 files from before the key was written slide at 4096, as llama.cpp assumes for them
+    window = key("attention.sliding_window", 4096 if arch == "gemma2" else None) or None
     out["sliding_window"] = window
     out["layer_types"] = [SLIDING if window and i % period < period - 1 else GLOBAL for i in range(n)]
     local_theta = key("rope.freq_base_swa")
