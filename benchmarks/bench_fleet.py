@@ -5,6 +5,7 @@ per routing policy; a replica killed mid-run; a replica added and removed at run
     python benchmarks/bench_fleet.py                        # cache_aware and round_robin on 2 replicas, 1 replica alone
     python benchmarks/bench_fleet.py --scenario kill        # SIGKILL one of 2 replicas mid-run
     python benchmarks/bench_fleet.py --scenario autoscale   # 1 replica; a supervisor adds a 2nd, drains it, stops it
+    python benchmarks/bench_fleet.py --policies cache_aware,round_robin,kv_aware    # kv_aware: KV events
     python benchmarks/bench_fleet.py --scenario all --conversations 8 --turns 4 --max-tokens 8
 
 Every run starts from cold replicas (`onecall serve`, one torch thread each, loopback ports), so no run
@@ -19,7 +20,9 @@ error, a broken stream, or a stream that ends without its usage chunk.
 Scenarios
   policies   per policy, N replicas behind the router, C conversations of T turns; then the same
              conversations sent to 1 replica alone (no router): the hit rate a perfectly placed fleet
-             could reach. After each routed run, POST /flush_cache through the router (it fans out)
+             could reach. After each routed run, POST /flush_cache through the router (it fans out).
+             kv_aware: each replica also publishes its prefix cache's KV events (--kv-events-endpoint)
+             and the router subscribes to them (--kv-event-source URL=ENDPOINT, one per replica)
   kill       2 replicas, cache_aware; users converse until each replica served --warm requests, then
              one replica is SIGKILLed while it runs a request, and they go on for --after seconds.
              Failures are split into those in flight at the kill (a stream already answering cannot
@@ -31,8 +34,8 @@ Scenarios
 
 Reported per run: the fleet hit rate (sum of cached_tokens / sum of prompt_tokens, successful requests),
 TTFT p50/p99 (nearest rank), requests/s and output tokens/s, requests per replica (each replica's own
-onecall_request_success_total), failures, and the 404s the replicas logged (a probe of a route onecall
-lacks shows up here). A readable table, then one JSON line.
+onecall_request_success_total), failures, the 404s the replicas logged (a probe of a route onecall
+lacks shows up here) and the router's own warnings. A readable table, then one JSON line.
 """
 
 from __future__ import annotations
