@@ -313,6 +313,9 @@ def test_gguf_config_rules(tmp_path: Path) -> None:
     assert g3.gemma is not None and g3.gemma.layer_types == (SLIDING,) * 5 + (GLOBAL, SLIDING)
     assert g3.gemma.rope_local_base_freq == 10000.0 and g3.rope_theta == 1e6
     assert g3.gemma.final_logit_softcapping is None and g3.qk_norm
+    every_third = {"gemma3.attention.sliding_window": 512, "gemma3.attention.sliding_window_pattern": 3}
+    g3_3 = _config(_metadata_gguf(tmp_path / "g3p.gguf", "gemma3", _shapes("gemma3", 4) | every_third))
+    assert g3_3.gemma is not None and g3_3.gemma.layer_types == (SLIDING, SLIDING, GLOBAL, SLIDING)
     g3_full = _config(_metadata_gguf(tmp_path / "g3f.gguf", "gemma3", _shapes("gemma3", 2)))
     assert g3_full.gemma is not None and g3_full.gemma.layer_types == (GLOBAL, GLOBAL)
     # Gemma 3 trims the embedding's padding rows: the vocabulary is the embedding's
@@ -328,7 +331,7 @@ def test_gguf_config_rules(tmp_path: Path) -> None:
         ("gemma3n", {}, "Gemma 3n"),
         ("gemma", {}, "Gemma 1"),
         ("qwen2moe", {}, "shared expert"),
-        ("gemma3", {"gemma3.attention.sliding_window_pattern": 4}, "sliding_window_pattern"),
+        ("gemma3", {"gemma3.attention.sliding_window_pattern": 0}, "sliding_window_pattern"),
         (
             "qwen3moe",
             {"qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2, "qwen3moe.expert_gating_func": 2},

@@ -225,7 +225,8 @@ def _gemma_keys(arch: str, key: Callable[..., Any], config: dict[str, Any]) -> d
     - query_pre_attn_scalar: not written; llama.cpp scales scores by head_dim ** -0.5, except for the
       27B models (Gemma 2: 46 layers, Gemma 3: 62) by (hidden_size / heads) ** -0.5, as their configs say.
     - sliding layers: Gemma 2 every other layer from layer 0 (window 4096 in files without the key),
-      Gemma 3 five of every six (none without a sliding_window); Gemma 3's sliding layers rotate at
+      Gemma 3 five of every six (none without a sliding_window), unless attention.sliding_window_pattern
+      says another period (per-layer arrays are refused); Gemma 3's sliding layers rotate at
       rope.freq_base_swa, else 10000, unscaled.
     - soft-caps: Gemma 2's attention and final caps default to 50 and 30 (as transformers'); Gemma 3 has
       no attention cap and its final cap only when the key is written.
@@ -236,11 +237,11 @@ def _gemma_keys(arch: str, key: Callable[..., Any], config: dict[str, Any]) -> d
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": config["hidden_size"] // heads if is_27b else config["head_dim"],
     }
-    period = 2 if arch == "gemma2" else 6
-    if (pattern := key("attention.sliding_window_pattern")) is not None and pattern != period:
+    # llama.cpp's set_swa_pattern(period): layer i slides unless i % period == period - 1
+    period = key("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
         raise UnsupportedModelError(
-            f"GGUF key {arch}.attention.sliding_window_pattern {pattern!r} is not supported; {arch} slides "
-            f"{period - 1} of every {period} layers"
+            f"GGUF key {arch}.attention.sliding_window_pattern must be a positive integer"
         )
     # Gemma 2 files from before the key was written slide at 4096, as llama.cpp assumes for them
     window = key("attention.sliding_window", 4096 if arch == "gemma2" else None) or None
