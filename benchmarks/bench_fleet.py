@@ -441,7 +441,8 @@ async def run_kill(args: argparse.Namespace) -> dict[str, Any]:
             split = await split_of([victim])  # its count as it dies
         t_kill = time.perf_counter()
         fleet.replicas[victim].stop(signal.SIGKILL)
-        await asyncio.sleep(args.after)
+        noticed = await router_marks_down(fleet.router_url, victim, args.after)
+        await asyncio.sleep(max(0.0, args.after - (time.perf_counter() - t_kill)))
         work.stop.set()
         seconds = await task
         split.update(await split_of([survivor]))
@@ -457,11 +458,25 @@ async def run_kill(args: argparse.Namespace) -> dict[str, Any]:
             "failed_sent_after_kill": sum(r.start >= t_kill for r in failed),
             "sent_after_kill": sum(r.start >= t_kill for r in work.records),
             "last_failure_s_after_kill": round(max(r.end for r in failed) - t_kill, 2) if failed else None,
+            "router_marked_down_s_after_kill": None if noticed is None else round(noticed - t_kill, 2),
             "router_failures": await fleet.router_failures(),
             "not_found": fleet.not_found(),
         }
     finally:
         fleet.close()
+
+
+async def router_marks_down(router: str, worker: str, timeout: float) -> float | None:
+    """When (time.perf_counter()) the router's GET /workers first shows `worker` unhealthy; None if not
+    within timeout seconds."""
+    deadline = time.perf_counter() + timeout
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.perf_counter() < deadline:
+            workers = (await client.get(f"{router}/workers")).json()["workers"]
+            if not any(w["url"] == worker and w["is_healthy"] for w in workers):
+                return time.perf_counter()
+            await asyncio.sleep(0.1)
+    return None
 
 
 async def run_autoscale(args: argparse.Namespace) -> dict[str, Any]:
