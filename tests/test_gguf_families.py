@@ -425,3 +425,24 @@ def test_other_expert_layouts_load_the_same_model(
             groups.scale, stored_stacked[name].scale
         )
     assert all(m.stored is not None for m in fast.modules() if isinstance(m, Experts))
+
+
+def test_4bit_experts_are_never_expanded_unless_a_layer_needs_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the fast path a Q4_0 file's experts run from their groups: their float32 weights are never
+    filled and are freed. A layer that does not take its groups (here: no native kernel) gets its
+    float32 weights from the groups instead, equal to the reference load's."""
+    hf = random_hf("qwen3_moe")
+    path = write_converted_gguf(
+        tmp_path / "q4.gguf", dict(hf.state_dict()), hf.config.to_dict(), weight_type=Q4_0
+    )
+    reference = dict(load(path).named_parameters())
+    experts = [m for m in load(path, {}).modules() if isinstance(m, Experts)]
+    assert experts and all(m.gate_up_proj.numel() == 0 == m.down_proj.numel() for m in experts)
+    monkeypatch.setattr(Experts, "use_stored", lambda self, gate_up, down: False)
+    fallback = load(path, {})
+    assert "MoE layers" not in fallback.kernels
+    for name, param in fallback.named_parameters():
+        if ".experts." in name:
+            assert torch.equal(param, reference[name]), name

@@ -123,6 +123,7 @@ def load_weights(
         # not `stored_weights or {}`: the dict the weight iterator fills is still empty here
         packer = new_packer(model, {} if stored_weights is None else stored_weights)
     loaded: set[str] = set()
+    deferred: set[str] = set()  # 4-bit experts not copied: see _use_stored_experts
     try:
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
@@ -139,7 +140,13 @@ def load_weights(
             _check_shape(name, tensor, param[start:end].shape)
             if fold_norms and name.endswith("norm.weight"):
                 tensor = checkpoint_norm_weight(tensor)  # Gemma's (1 + w) norms, folded (model/gemma.py)
-            if packer is None or not packer.accept(name, tensor.float()):
+            if (
+                packer is not None
+                and ".mlp.experts." in name
+                and isinstance(_stored(stored_weights, name), Int4Groups)
+            ):
+                deferred.add(name)  # run from its groups, its float32 pages never touched (unless needed)
+            elif packer is None or not packer.accept(name, tensor.float()):
                 param[start:end].copy_(tensor)
             loaded.add(name)
         # a stacked expert parameter counts as loaded when all its per-expert parts were
@@ -157,17 +164,32 @@ def load_weights(
             raise UnsupportedModelError(f"checkpoint is missing tensors: {shown}")
         if packer is not None:
             install(model, packer)
-            if experts := _use_stored_experts(model, {} if stored_weights is None else stored_weights):
+            stored = {} if stored_weights is None else stored_weights
+            if experts := _use_stored_experts(model, stored):
                 model.kernels += f", experts {experts}"
+            for name in deferred:  # a 4-bit expert whose layer still reads its float32 weight: fill it
+                base, _, part = name.removesuffix(".weight").rpartition(".")  # ...experts.{e}, gate_proj
+                stacked = (
+                    f"{base.rpartition('.')[0]}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+                )
+                if model.get_parameter(stacked).numel():  # not freed by use_stored
+                    param, start, end = table[name]
+                    param[start:end].copy_(stored[name].dequantize())
     finally:
         if packer is not None:
             packer.close()
 
 
+def _stored(stored_weights: Mapping[str, StoredGroups] | None, name: str) -> StoredGroups | None:
+    return None if stored_weights is None else stored_weights.get(name)
+
+
 def _use_stored_experts(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> str:
     """Hand every MoE layer whose experts all came with stored groups (a quantized GGUF) those groups,
-    gate and up stacked per expert as the parameter is, for its decode rows (model/moe.py). Returns
-    what that gave, for DecoderLM.kernels ("native int4 decode (3 of 3 MoE layers)"), or ""."""
+    gate and up stacked per expert as the parameter is (model/moe.py: 4-bit ones run every row and
+    free the float32 weight, which load_weights therefore never filled; it fills it from the groups
+    where a layer did not take them). Returns what that gave, for DecoderLM.kernels ("native int4
+    decode (3 of 3 MoE layers)"), or ""."""
     moe_layers, used, kinds = 0, 0, set()
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
