@@ -11,8 +11,11 @@ folder and converted. Checks:
      through the paged cache (each greedy token transformers' argmax too), a prefix-cache hit;
   3. Q8_0 and Q4_0 files (every weight of 2+ dimensions, experts included; norms and router F32)
      against transformers running the same dequantized weights (gguf.quants' round trip): the reference
-     kernels within ATOL, and the engine's fast path (pack_on_load), whose decode rows run the file's
-     own groups (FAST_ATOL).
+     kernels within ATOL, and the engine's fast path (pack_on_load), whose rows run the file's own
+     groups where a native kernel takes them, experts included (FAST_ATOL);
+  4. LLM(model=file.gguf) end to end: greedy tokens equal transformers';
+  5. the metadata rules llama.cpp applies where the converter writes no key, other expert layouts
+     (per-expert tensors, fused gate_up), and the refusals, each naming what it refuses.
 The configs are what a GGUF can say: llama.cpp fixes Gemma's query_pre_attn_scalar to head_dim (27B
 aside), Gemma 3's layer pattern to 5 sliding : 1 global, and always renormalises Qwen3-MoE's top-k,
 so the transformers models here are built that way (test_gguf_config_rules checks the rules).
