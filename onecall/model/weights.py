@@ -4,9 +4,11 @@ The loaders (model/checkpoint.py: GGUF, safetensors) yield (name, tensor) pairs 
 Face's checkpoints; `load_weights` copies each into our parameters, stacking the separate q/k/v and
 gate/up tensors into the fused projections (DecoderLM.PROJECTION_PARTS, part_rows). On the fast path
 (DecoderLM built with pack_on_load) projections go to model/packing.py's packer instead, as they
-arrive, and no dense projection weight is ever allocated.
+arrive, and no dense projection weight is ever allocated; MoE experts a GGUF stored in 4-bit groups
+are not copied either: their layer runs them from the groups (model/moe.py, _use_stored_experts).
 
-Two rewrites happen on the way in, both to Hugging Face-named tensors, before anything else sees them:
+Two rewrites happen on the way in, both to Hugging Face-named tensors, before anything else sees them
+(the stored groups of a quantized GGUF, if any, rewritten with them: the fast kernels see one layout):
 | checkpoint tensor                          | becomes                                  | why                     |
 |--------------------------------------------|------------------------------------------|-------------------------|
 | self_attn.qkv_proj, mlp.gate_up_proj (Phi-3)| its q/k/v, gate/up row slices            | one naming downstream   |
