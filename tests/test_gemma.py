@@ -511,3 +511,17 @@ def test_the_fast_kernels_run_gemma(whole: tuple[Any, DecoderLM]) -> None:
     (got,) = Harness(fast).step([(seq, 21)])
     (want,) = Harness(ours).step([(ref_seq, 21)])
     assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "needle"),
+    [("Gemma3ForConditionalGeneration", "multimodal checkpoint"), ("GemmaForCausalLM", "Gemma 1"),
+     ("Gemma3nForConditionalGeneration", "Gemma 3n")],
+)  # fmt: skip
+def test_gemma_checkpoints_we_do_not_run_are_named(architecture: str, needle: str) -> None:
+    from onecall.errors import UnsupportedModelError
+
+    config = {"architectures": [architecture], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=f"{architecture}.*{needle}"):
+        ModelConfig.from_hf_config(config)

@@ -22,6 +22,15 @@ from onecall.model.config import (
     RopeScaling,
 )
 
+# Classes of the families users bring that onecall does not run, named for what they are.
+_REFUSED_CLASSES = {
+    "Gemma3ForConditionalGeneration": "Gemma 3's multimodal checkpoint, a vision tower beside the language "
+    "model; onecall runs text only: use a text-only Gemma 3 (Gemma3ForCausalLM) or the language model's GGUF",
+    "GemmaForCausalLM": "Gemma 1, whose layer (two norms, no soft-caps) onecall does not implement",
+    "Gemma3nForConditionalGeneration": "Gemma 3n (per-layer embeddings, AltUp, LAuReL)",
+    "Qwen2MoeForCausalLM": "Qwen1.5/Qwen2-MoE, whose shared expert onecall does not implement",
+    "PhimoeForCausalLM": "Phi-3.5-MoE, whose sparsemixer router onecall does not implement",
+}
 # config.json model_type values that name one of ours differently
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
 
@@ -185,8 +194,9 @@ def _architecture(d: dict[str, Any]) -> str:
     if archs:
         name = archs[0]
         if name not in ARCHITECTURES:
+            what = f" ({_REFUSED_CLASSES[name]})" if name in _REFUSED_CLASSES else ""
             raise UnsupportedModelError(
-                f"architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+                f"architecture {name!r} is not supported{what}; supported: {', '.join(ARCHITECTURES)}"
             )
         return ARCHITECTURES[name]
     model_type = d.get("model_type")
