@@ -48,6 +48,7 @@ from transformers import (
 )
 
 from onecall.errors import UnsupportedModelError
+from onecall.model import native
 from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.config import GLOBAL, SLIDING, ModelConfig
 from onecall.model.decoder import DecoderLM
@@ -430,22 +431,29 @@ def test_other_expert_layouts_load_the_same_model(
     assert all(m.stored is not None for m in fast.modules() if isinstance(m, Experts))
 
 
-def test_4bit_experts_are_never_expanded_unless_a_layer_needs_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On the fast path a Q4_0 file's experts run from their groups: their float32 weights are never
-    filled and are freed. A layer that does not take its groups (here: no native kernel) gets its
-    float32 weights from the groups instead, equal to the reference load's."""
+def test_4bit_experts_are_never_expanded_into_float32(tmp_path: Path) -> None:
+    """On the fast path a Q4_0 file's experts run from their groups, packed as they arrive: their float32
+    weights are never filled, and freed. In a mix (gate and down Q4_0, up Q8_0, as quantization mixes
+    do), gate_up runs in float32, its Q4_0 half filled from its groups, and down from its groups."""
     hf = random_hf("qwen3_moe")
-    path = write_converted_gguf(
-        tmp_path / "q4.gguf", dict(hf.state_dict()), hf.config.to_dict(), weight_type=Q4_0
-    )
-    reference = dict(load(path).named_parameters())
+    state, config = dict(hf.state_dict()), hf.config.to_dict()
+    path = write_converted_gguf(tmp_path / "q4.gguf", state, config, weight_type=Q4_0)
     experts = [m for m in load(path, {}).modules() if isinstance(m, Experts)]
     assert experts and all(m.gate_up_proj.numel() == 0 == m.down_proj.numel() for m in experts)
-    monkeypatch.setattr(Experts, "use_stored", lambda self, gate_up, down: False)
-    fallback = load(path, {})
-    assert "MoE layers" not in fallback.kernels
-    for name, param in fallback.named_parameters():
-        if ".experts." in name:
-            assert torch.equal(param, reference[name]), name
+    mixed = write_converted_gguf(tmp_path / "mix.gguf", state, config, weight_type=Q4_0,
+                                 type_overrides={"ffn_up_exps": Q8_0})  # fmt: skip
+    reference = load(mixed)
+    fast = load(mixed, {})
+    for ours, ref in zip(
+        (m for m in fast.modules() if isinstance(m, Experts)),
+        (m for m in reference.modules() if isinstance(m, Experts)),
+        strict=True,
+    ):
+        assert ours.stored is not None and all(
+            gu is None and isinstance(d, native.Q4Packed) for gu, d in ours.stored
+        )
+        assert torch.equal(ours.gate_up_proj, ref.gate_up_proj) and ours.down_proj.numel() == 0
+    seq = Seq(prompt(21, seed=3))
+    (want,) = Harness(reference).step([(seq, 21)])
+    (got,) = Harness(fast).step([(Seq(list(seq.tokens)), 21)])
+    assert (got - want).abs().max().item() <= FAST_ATOL[Q4_0]

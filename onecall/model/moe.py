@@ -23,12 +23,15 @@ model/weights.py) and run on the native kernels FastLinear uses (model/native.py
 
 | stored as             | decode rows               | prompt rows               | float32 weight kept |
 |-----------------------|---------------------------|---------------------------|---------------------|
-| Q4_0 / Q4_1 / Q4_K    | native int4 (1/8 bytes)   | native int4               | no (freed)          |
+| Q4_0 / Q4_1 / Q4_K    | native int4 (1/8 bytes)   | native int4               | no (freed when the  |
+|                       |                           |                           | kind is 4-bit for   |
+|                       |                           |                           | every expert)       |
 | Q8_0 / Q6_K           | native int8 (1/4 bytes)   | float32 F.linear          | yes                 |
+| anything else         | float32 F.linear          | float32 F.linear          | yes                 |
 
-per weight kind (gate_up, down) of a layer, when every expert's is stored so. Which rows are decode is
-the step's (fast_linear.num_decode_rows): the batch's first n tokens, and since an expert's rows are its
-tokens in ascending order, its decode rows come first.
+per expert and weight (gate_up, down). Which rows are decode is the step's
+(fast_linear.num_decode_rows): the batch's first n tokens, and since an expert's rows are its tokens in
+ascending order, its decode rows come first.
 """
 
 from __future__ import annotations
@@ -78,28 +81,31 @@ class Experts(nn.Module):
             (2 * i, h),
             (h, i),
         )  # one expert's gate_up, down (kept if the weights are freed)
-        # per expert (gate_up, down) in the checkpoint's own groups (use_stored)
-        self.stored: list[tuple[ExpertGroups, ExpertGroups]] | None = None
+        # per expert (gate_up, down) in the checkpoint's own groups, None where a weight has none (use_stored)
+        self.stored: list[tuple[ExpertGroups | None, ExpertGroups | None]] | None = None
         self._lib: ctypes.CDLL | None = None
 
-    def use_stored(self, gate_up: list[StoredGroups], down: list[StoredGroups]) -> bool:
-        """Run decode rows on every expert's stored groups (gate_up: rows [gate; up]); False, and nothing
-        kept, where the native kernels do not take them (no native library, a group size or K they do
-        not run): those experts run in float32 for every row, as before."""
+    def use_stored(
+        self,
+        gate_up: list[StoredGroups | native.Q4Packed | None],
+        down: list[StoredGroups | native.Q4Packed | None],
+    ) -> bool:
+        """Per expert, the checkpoint's own groups of gate_up (rows [gate; up]) and down, or None: that
+        weight runs on its float32 copy. Groups the native kernels do not take (a group size or K they
+        do not run) count as None. A weight kind whose every expert is 4-bit never reads its float32
+        copy again, which is then freed: the loader may have left it unfilled (model/weights.py).
+        False, and nothing kept, without the native library or with no groups at all."""
         lib = native.load()
-        if lib is None or len(gate_up) != self.num_experts or len(down) != self.num_experts:
+        assert len(gate_up) == len(down) == self.num_experts
+        stored = [
+            (_for_kernel(gu, self.weight_shapes[0]), _for_kernel(d, self.weight_shapes[1]))
+            for gu, d in zip(gate_up, down, strict=True)
+        ]
+        if lib is None or all(a is None and b is None for a, b in stored):
             return False
-        packed = []
-        for gu, d in zip(gate_up, down, strict=True):
-            a, b = _for_kernel(gu, self.weight_shapes[0]), _for_kernel(d, self.weight_shapes[1])
-            if a is None or b is None:
-                return False
-            packed.append((a, b))
-        self.stored, self._lib = packed, lib
-        # a weight kind that is 4-bit for every expert runs every row on the int4 kernel: its float32
-        # copy is never read again, so it is freed (the memory a quantized MoE file saves)
+        self.stored, self._lib = stored, lib
         for which, param in enumerate((self.gate_up_proj, self.down_proj)):
-            if all(isinstance(p[which], native.Q4Packed) for p in packed):
+            if all(isinstance(p[which], native.Q4Packed) for p in stored):
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         return True
 
@@ -136,6 +142,8 @@ class Experts(nn.Module):
         groups = None if self.stored is None else self.stored[e][which]
         if isinstance(groups, native.Q4Packed):
             num_decode = h.shape[0]
+        elif groups is None:
+            num_decode = 0
         if num_decode == 0:
             return F.linear(h, (self.gate_up_proj if which == 0 else self.down_proj)[e])
         assert groups is not None and self._lib is not None
@@ -151,16 +159,23 @@ class Experts(nn.Module):
         )
 
 
-def _for_kernel(groups: StoredGroups, shape: tuple[int, int]) -> ExpertGroups | None:
+def _for_kernel(groups: StoredGroups | native.Q4Packed | None, shape: tuple[int, int]) -> ExpertGroups | None:
     """One expert weight's stored groups in the native kernels' form, or None if they do not run it."""
     rows, cols = shape
-    if tuple(groups.q.shape) != (rows, cols) or cols % 32:
+    if isinstance(groups, native.Q4Packed):
+        return groups if (groups.out_features, groups.in_features) == shape else None
+    if groups is None or tuple(groups.q.shape) != (rows, cols) or cols % 32:
         return None
     if isinstance(groups, Int8Groups) and groups.group_size in (16, 32):
         return Int8Groups(groups.q.contiguous(), groups.scale.float().contiguous(), groups.group_size)
     if isinstance(groups, Int4Groups) and groups.group_size == 32:
-        return native.pack_q4(groups.q, groups.scale.float().contiguous(), groups.offset.float().contiguous())
+        return pack_int4(groups)
     return None
+
+
+def pack_int4(groups: Int4Groups) -> native.Q4Packed:
+    """4-bit groups of 32 in the native int4 kernel's layout (float32 scales and offsets)."""
+    return native.pack_q4(groups.q, groups.scale.float().contiguous(), groups.offset.float().contiguous())
 
 
 class SparseMoE(nn.Module):

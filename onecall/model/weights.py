@@ -23,10 +23,11 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 import torch
 
 from onecall.errors import UnsupportedModelError
+from onecall.model import native
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.gemma import checkpoint_norm_weight
-from onecall.model.moe import SparseMoE
+from onecall.model.moe import SparseMoE, pack_int4
 from onecall.model.packing import install, new_packer
 from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 from onecall.model.rope import partial_rotary_permutation
@@ -125,7 +126,10 @@ def load_weights(
         # not `stored_weights or {}`: the dict the weight iterator fills is still empty here
         packer = new_packer(model, {} if stored_weights is None else stored_weights)
     loaded: set[str] = set()
-    deferred: set[str] = set()  # 4-bit experts not copied: see _use_stored_experts
+    # a GGUF's 4-bit experts, packed for the int4 kernel as they arrive instead of copied
+    experts = None
+    if packer is not None and stored_weights is not None and model.config.moe is not None and native.load():
+        experts = _ExpertGroups(stored_weights)
     try:
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
@@ -142,12 +146,8 @@ def load_weights(
             _check_shape(name, tensor, param[start:end].shape)
             if fold_norms and name.endswith("norm.weight"):
                 tensor = checkpoint_norm_weight(tensor)  # Gemma's (1 + w) norms, folded (model/gemma.py)
-            if (
-                packer is not None
-                and ".mlp.experts." in name
-                and isinstance(_stored(stored_weights, name), Int4Groups)
-            ):
-                deferred.add(name)  # run from its groups, its float32 pages never touched (unless needed)
+            if experts is not None and experts.take(name):
+                pass  # its float32 slice is left unfilled (never read: model/moe.py)
             elif packer is None or not packer.accept(name, tensor.float()):
                 param[start:end].copy_(tensor)
             loaded.add(name)
@@ -166,57 +166,94 @@ def load_weights(
             raise UnsupportedModelError(f"checkpoint is missing tensors: {shown}")
         if packer is not None:
             install(model, packer)
+            packed = {} if experts is None else experts.finish(table)
             stored = {} if stored_weights is None else stored_weights
-            if experts := _use_stored_experts(model, stored):
-                model.kernels += f", experts {experts}"
-            for name in deferred:  # a 4-bit expert whose layer still reads its float32 weight: fill it
-                base, _, part = name.removesuffix(".weight").rpartition(".")  # ...experts.{e}, gate_proj
-                stacked = (
-                    f"{base.rpartition('.')[0]}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
-                )
-                if model.get_parameter(stacked).numel():  # not freed by use_stored
-                    param, start, end = table[name]
-                    param[start:end].copy_(stored[name].dequantize())
+            if kinds := _use_stored_experts(model, stored, packed):
+                model.kernels += f", experts {kinds}"
     finally:
         if packer is not None:
             packer.close()
 
 
-def _stored(stored_weights: Mapping[str, StoredGroups] | None, name: str) -> StoredGroups | None:
-    return None if stored_weights is None else stored_weights.get(name)
+class _ExpertGroups:
+    """A GGUF's 4-bit expert weights as they stream in, taken from the stored groups and packed for the
+    native int4 kernel as soon as an expert's weight is whole (down at once, gate_up when both halves
+    are in), so no more than a layer's unpacked halves are ever held, and never copied into the float32
+    parameters: model/moe.py runs every row of a packed weight on the kernel, and frees a weight kind
+    whose every expert is packed. A half whose partner is not 4-bit is filled in float32 by finish()."""
+
+    def __init__(self, stored: MutableMapping[str, StoredGroups]) -> None:
+        self.stored = stored
+        self.packed: dict[tuple[str, int], native.Q4Packed] = {}  # (".../experts.{e}", 0 gate_up / 1 down)
+        self.halves: dict[str, Int4Groups] = {}  # gate or up waiting for the other
+
+    def take(self, name: str) -> bool:
+        """Whether `name` (a checkpoint tensor) is a 4-bit expert weight taken here, not to be copied."""
+        groups = self.stored.get(name) if ".mlp.experts." in name else None
+        if not isinstance(groups, Int4Groups) or groups.group_size != 32 or groups.q.shape[1] % 32:
+            return False
+        del self.stored[name]  # ours now: its unpacked groups live only until packed
+        base, _, part = name.removesuffix(".weight").rpartition(".")  # ".../experts.{e}", "gate_proj"
+        if part == "down_proj":
+            self.packed[(base, 1)] = pack_int4(groups)
+            return True
+        partner = f"{base}.{'up_proj' if part == 'gate_proj' else 'gate_proj'}.weight"
+        if (other := self.halves.pop(partner, None)) is None:
+            self.halves[name] = groups
+            return True
+        gate, up = (groups, other) if part == "gate_proj" else (other, groups)
+        self.packed[(base, 0)] = pack_int4(Int4Groups.cat([gate, up]))
+        return True
+
+    def finish(
+        self, table: dict[str, tuple[torch.Tensor, int, int]]
+    ) -> dict[tuple[str, int], native.Q4Packed]:
+        """Fill the float32 slice of every half whose partner was not 4-bit; the packed weights."""
+        for name, groups in self.halves.items():
+            param, start, end = table[name]
+            param[start:end].copy_(groups.dequantize())
+        self.halves.clear()
+        return self.packed
 
 
-def _use_stored_experts(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> str:
-    """Hand every MoE layer whose experts all came with stored groups (a quantized GGUF) those groups,
-    gate and up stacked per expert as the parameter is (model/moe.py: 4-bit ones run every row and
-    free the float32 weight, which load_weights therefore never filled; it fills it from the groups
-    where a layer did not take them). Returns what that gave, for DecoderLM.kernels ("native int4
-    decode (3 of 3 MoE layers)"), or ""."""
+def _use_stored_experts(
+    model: DecoderLM, stored: Mapping[str, StoredGroups], packed: Mapping[tuple[str, int], native.Q4Packed]
+) -> str:
+    """Hand every MoE layer its experts' own groups (model/moe.py): the packed 4-bit ones, else int8
+    groups (gate and up stacked as the parameter is, when both are int8), per expert and weight.
+    Returns what that gave, for DecoderLM.kernels ("native int4 (3 of 3 MoE layers)"), or ""."""
     moe_layers, used, kinds = 0, 0, set()
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
         if not isinstance(mlp, SparseMoE):
             continue
         moe_layers += 1
-        base = f"model.layers.{i}.mlp.experts"
-        gate_up, down = [], []
+        gate_up: list[StoredGroups | native.Q4Packed | None] = []
+        down: list[StoredGroups | native.Q4Packed | None] = []
         for e in range(mlp.experts.num_experts):
-            gate, up, d = (stored.get(f"{base}.{e}.{p}_proj.weight") for p in ("gate", "up", "down"))
-            if gate is None or up is None or d is None or type(gate) is not type(up):
-                break
-            if gate.group_size != up.group_size:
-                break
-            gate_up.append(
-                Int4Groups.cat([gate, up])  # type: ignore[list-item]
-                if isinstance(gate, Int4Groups)
-                else Int8Groups(torch.cat((gate.q, up.q)), torch.cat((gate.scale, up.scale)), gate.group_size)
-            )
-            down.append(d)
-        else:  # every expert has its groups
-            if mlp.experts.use_stored(gate_up, down):
-                used += 1
-                kinds |= {"int4" if isinstance(g, Int4Groups) else "int8" for g in gate_up + down}
-    return f"native {'+'.join(sorted(kinds))} decode ({used} of {moe_layers} MoE layers)" if used else ""
+            base = f"model.layers.{i}.mlp.experts.{e}"
+            gate, up = stored.get(f"{base}.gate_proj.weight"), stored.get(f"{base}.up_proj.weight")
+            int8 = None
+            if (
+                isinstance(gate, Int8Groups)
+                and isinstance(up, Int8Groups)
+                and gate.group_size == up.group_size
+            ):
+                int8 = Int8Groups(
+                    torch.cat((gate.q, up.q)), torch.cat((gate.scale, up.scale)), gate.group_size
+                )
+            gate_up.append(packed.get((base, 0), int8))
+            down.append(packed.get((base, 1), stored.get(f"{base}.down_proj.weight")))
+        if mlp.experts.use_stored(gate_up, down):
+            used += 1
+            assert mlp.experts.stored is not None
+            kinds |= {
+                "int4" if isinstance(g, native.Q4Packed) else "int8"
+                for pair in mlp.experts.stored
+                for g in pair
+                if g is not None
+            }
+    return f"native {'+'.join(sorted(kinds))} ({used} of {moe_layers} MoE layers)" if used else ""
 
 
 def split_fused_weights(

@@ -307,6 +307,7 @@ def write_converted_gguf(
     per_expert_tensors: bool = False,
     extra_metadata: Mapping[str, Any] | None = None,
     fuse_gate_up_exps: bool = False,
+    type_overrides: Mapping[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """A transformers model's state dict and config (to_dict()) as llama.cpp's convert_hf_to_gguf.py
     lays them out, for every family onecall loads (write_tiny_gguf covers the Llama/Qwen basics):
@@ -328,6 +329,8 @@ def write_converted_gguf(
     `extra_metadata`: more key/value pairs under their full names (a tokenizer's `tokenizer.ggml.*`).
     `fuse_gate_up_exps`: the converter's --fuse-gate-up-exps, each expert's [gate; up] rows in one
     blk.N.ffn_gate_up_exps (llama.cpp views gate as its first half).
+    `type_overrides`: GGUF tensor stem (e.g. "ffn_up_exps") -> its type instead of `weight_type`, as
+    llama-quantize's mixes (Q4_K_M) store some tensors in another type.
     Written from the converter's description, independently of onecall's reader.
     """
     import math
@@ -435,8 +438,10 @@ def write_converted_gguf(
             tensors[gguf_name(name)] = data
     for name, data in tensors.items():
         array = data.contiguous().numpy()
-        if array.ndim >= 2 and weight_type != GGMLQuantizationType.F32 and ".ffn_gate_inp." not in name:
-            writer.add_tensor(name, quantize(array, weight_type), raw_dtype=weight_type)
+        stem = name.split(".")[2] if name.startswith("blk.") else ""
+        qtype = (type_overrides or {}).get(stem, weight_type)
+        if array.ndim >= 2 and qtype != GGMLQuantizationType.F32 and ".ffn_gate_inp." not in name:
+            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()
