@@ -77,10 +77,8 @@ class Experts(nn.Module):
         e, h, i = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device))  # [gate; up]
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device))
-        self.weight_shapes = (
-            (2 * i, h),
-            (h, i),
-        )  # one expert's gate_up, down (kept if the weights are freed)
+        # one expert's gate_up and down shapes (known after use_stored frees the weights)
+        self.weight_shapes = ((2 * i, h), (h, i))
         # per expert (gate_up, down) in the checkpoint's own groups, None where a weight has none (use_stored)
         self.stored: list[tuple[ExpertGroups | None, ExpertGroups | None]] | None = None
         self._lib: ctypes.CDLL | None = None
