@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onecall.model import native
-from onecall.model.fast_linear import num_decode_rows
+from onecall.model.fast_linear import INT4_MAX_ROWS, num_decode_rows
 from onecall.model.layers import Linear
 from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 
@@ -199,3 +199,23 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
         return self.experts(x, weights, experts)
+
+    def weight_bytes_read(self, rows: int) -> int:
+        """Bytes of weights a forward over `rows` tokens streams at most: the router, and the experts
+        those rows can reach (rows * top_k, at most all of them), each in the form its kernel reads
+        (stored groups, else float32), an average expert's worth each."""
+        experts = self.experts
+        per_expert = 0
+        for e in range(experts.num_experts):
+            for which, param in enumerate((experts.gate_up_proj, experts.down_proj)):
+                groups = None if experts.stored is None else experts.stored[e][which]
+                if isinstance(groups, native.Q4Packed):
+                    per_expert += groups.nbytes
+                elif isinstance(groups, Int8Groups) and rows <= INT4_MAX_ROWS:
+                    per_expert += groups.q.numel() + groups.scale.numel() * groups.scale.element_size()
+                else:
+                    rows_, cols = experts.weight_shapes[which]
+                    per_expert += rows_ * cols * param.element_size()
+        reached = min(experts.num_experts, rows * self.top_k)
+        router = self.gate.weight.numel() * self.gate.weight.element_size()
+        return router + per_expert * reached // experts.num_experts
