@@ -163,6 +163,10 @@ class Engine:
         self.runner = ModelRunner(
             p.model, p.kv_cache, self.block_manager, self.device, backend, tp_group=p.tp_group
         )
+        if backend == "triton" and self.config.kernels == "fast":
+            from onecall.model import triton_ops  # Triton loads only with its backend (CUDA)
+
+            triton_ops.install(p.model)  # norms, RoPE + K/V writes, SiLU: one kernel each
 
     def enable_static_decode(self, capture: bool, backend: str | None = None) -> None:
         """Run pure-decode steps on static, bucketed buffers (engine/decode_graphs.py), captured as

@@ -41,6 +41,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
         # Set by the fast kernels (float32 CPU): add_and_norm runs as one native pass.
         self.native: ctypes.CDLL | None = None
+        # Set on CUDA with the Triton backend (model/triton_ops.py): the same pass as one Triton kernel.
+        self.fused: Any = None
 
     def add_and_norm(
         self, h: torch.Tensor, residual: torch.Tensor | None
@@ -49,6 +51,8 @@ class RMSNorm(nn.Module):
         tensor the forward owns), and its norm. Returns (new h, norm(new h))."""
         if self.native is not None:
             return h, native.add_rms_norm(self.native, h, residual, self.weight, self.eps)
+        if self.fused is not None:
+            return h, self.fused.add_rms_norm(h, residual, self.weight, self.eps)
         if residual is not None:
             h = h + residual
         return h, self(h)
@@ -120,11 +124,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=False, dtype=dtype, device=device)
 
         self.native: ctypes.CDLL | None = None  # set by the fast kernels: silu(gate) * up in one pass
+        self.fused: Any = None  # CUDA + Triton backend (model/triton_ops.py): silu(gate) * up, one kernel
         self.tp: TensorParallel | None = None  # tensor parallel: down_proj's partial sums all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
             out = self.down_proj(native.silu_mul(self.native, self.gate_up_proj(x)))
+        elif self.fused is not None:
+            out = self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             out = self.down_proj(F.silu(gate) * up)
@@ -156,6 +163,7 @@ class Attention(nn.Module):
         self.logit_softcap: float | None = None
         # Set by the fast kernels (float32 CPU): q/k norms, RoPE and the K/V cache write in one pass.
         self.native: ctypes.CDLL | None = None
+        self.fused: Any = None  # CUDA + Triton backend: norms, RoPE and the K/V writes in one kernel
         self.tp: TensorParallel | None = None  # tensor parallel: o_proj's partial sums all-reduced
 
     def native_qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -179,6 +187,15 @@ class Attention(nn.Module):
             qkv_flat = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
             native.rope_store(
                 self.native, qkv_flat, self.num_heads, self.num_kv_heads, cos.squeeze(1), sin.squeeze(1),
+                meta.slot_mapping, kv_cache.k[layer_idx], kv_cache.v[layer_idx], self.native_qk_norm(),
+            )  # fmt: skip
+            q = qkv_flat.view(n, -1, self.head_dim)[:, : self.num_heads]
+            o = paged_attention(q, None, None, kv_cache, layer_idx, meta, self.scale, **self._options())
+            return self._output(o.reshape(n, self.num_heads * self.head_dim))
+        if self.fused is not None and meta.backend == "triton" and 2 * cos.shape[-1] == self.head_dim:
+            qkv_flat = self.qkv_proj(x)
+            self.fused.rope_store(
+                qkv_flat, self.num_heads, self.num_kv_heads, cos.squeeze(1), sin.squeeze(1),
                 meta.slot_mapping, kv_cache.k[layer_idx], kv_cache.v[layer_idx], self.native_qk_norm(),
             )  # fmt: skip
             q = qkv_flat.view(n, -1, self.head_dim)[:, : self.num_heads]

@@ -1,0 +1,128 @@
+"""The fused Triton ops of the CUDA path (model/triton_ops.py) against the torch ops they replace.
+
+Runs on CPU under TRITON_INTERPRET=1 (conftest.py), as tests/test_triton_attention.py does.
+Tolerances: float32, the same formulas in float32 (summation order only): 1e-5 relative to the
+values' scale. bfloat16 (where the interpreter takes it): one bfloat16 ulp of the result (2^-7 relative),
+since RoPE rounds once here and after each product on the torch path. The engine test runs a tiny
+Qwen3 with and without the fused ops through the Triton backend and requires equal greedy tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is a test extra (pip install -e '.[test]')")
+
+from onecall.model.kv_cache import PagedKVCache
+from onecall.model.layers import MLP, RMSNorm, apply_rope
+from onecall.model.triton_ops import add_rms_norm, rope_store, silu_mul
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs a CUDA device or TRITON_INTERPRET=1",
+)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_add_rms_norm_matches_the_module(residual: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(96, 1e-6, torch.float32, "cpu")
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+    h = torch.randn(5, 96, generator=g)
+    r = torch.randn(5, 96, generator=g) if residual else None
+    want_h, want = norm.add_and_norm(h.clone(), r)
+    got_h = h.clone()
+    got = add_rms_norm(got_h, r, norm.weight.detach(), 1e-6)
+    torch.testing.assert_close(got_h, want_h, rtol=0, atol=0)  # the residual add is one float32 add
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _torch_rope_store(qkv, heads, kv_heads, head_dim, cos, sin, slots, kv, norms):
+    n = qkv.shape[0]
+    x = qkv.view(n, heads + 2 * kv_heads, head_dim)
+    qk, v = x.split([heads + kv_heads, kv_heads], dim=1)
+    if norms is not None:
+        q, k = qk.split([heads, kv_heads], dim=1)
+        qk = torch.cat((norms[0](q), norms[1](k)), dim=1)
+    qk = apply_rope(qk, cos[:, None], sin[:, None])
+    kv.k[0].index_copy_(0, slots, qk[:, heads:])
+    kv.v[0].index_copy_(0, slots, v)
+    return qk
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_store_matches_norm_rope_and_cache_writes(with_norm: bool) -> None:
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim, n = 4, 2, 32, 6
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g)
+    angles = torch.rand(n, head_dim // 2, generator=g) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.tensor([3, 9, 0, 17, 5, 12])
+    norms = None
+    if with_norm:
+        norms = (RMSNorm(head_dim, 1e-6, torch.float32, "cpu"), RMSNorm(head_dim, 1e-6, torch.float32, "cpu"))
+        with torch.no_grad():
+            for m in norms:
+                m.weight.normal_(generator=g)
+    ref_kv = PagedKVCache(1, 5, 4, kv_heads, head_dim, torch.float32, "cpu")
+    got_kv = PagedKVCache(1, 5, 4, kv_heads, head_dim, torch.float32, "cpu")
+    for cache in (ref_kv.k, ref_kv.v, got_kv.k, got_kv.v):
+        cache.zero_()  # slots no token writes must stay equal too
+    with torch.no_grad():
+        want_qk = _torch_rope_store(qkv.clone(), heads, kv_heads, head_dim, cos, sin, slots, ref_kv, norms)
+        got = qkv.clone()
+        qk_norm = None if norms is None else (norms[0].weight, norms[1].weight, 1e-6)
+        rope_store(got, heads, kv_heads, cos, sin, slots, got_kv.k[0], got_kv.v[0], qk_norm)
+    got_qk = got.view(n, heads + 2 * kv_heads, head_dim)[:, : heads + kv_heads]
+    torch.testing.assert_close(got_qk, want_qk, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_kv.k, ref_kv.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_kv.v, ref_kv.v, rtol=0, atol=0)  # V is copied as it is
+    assert torch.equal(got.view(n, -1, head_dim)[:, heads + kv_heads :], qkv.view(n, -1, head_dim)[:, heads + kv_heads :])
+
+
+def test_silu_mul_matches_the_mlp_activation() -> None:
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(3, 2 * 1500, generator=g)  # more than one block of columns
+    gate, up = y.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(y), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert MLP  # the module whose forward calls it (model/layers.py)
+
+
+def test_engine_greedy_tokens_equal_with_the_fused_ops() -> None:
+    """A tiny Qwen3 (q/k norms) through the Triton backend on static decode buffers, as on CUDA:
+    with the fused ops installed, the same greedy tokens as the torch ops (float32)."""
+    from onecall.model import triton_ops
+    from onecall.sampling_params import SamplingParams
+    from tests.helpers.tiny_engine import run_all, tiny_engine
+
+    prompts = {f"r{i}": f"Count the apples number {i} " + "and pears " * i for i in range(2)}
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = []
+    for fused in (False, True):
+        engine = tiny_engine(arch="qwen3")
+        engine.enable_static_decode(capture=False, backend="triton")  # installs them (fast kernels)
+        modules = list(engine.parts.model.modules())
+        hooked = [m for m in modules if getattr(m, "fused", None) is triton_ops]
+        # per layer: two norms, the q/k norms, attention, the MLP; and the final norm
+        assert len(hooked) == 6 * engine.parts.model.config.num_hidden_layers + 1
+        calls = {"rope_store": 0}
+        if fused:
+            real = triton_ops.rope_store
+
+            def counted(*args: object, calls: dict[str, int] = calls, real: object = real) -> None:
+                calls["rope_store"] += 1
+                real(*args)  # type: ignore[operator]
+
+            for m in hooked:
+                m.fused = type("Fused", (), {**vars(triton_ops), "rope_store": staticmethod(counted)})
+        else:
+            for m in hooked:
+                m.fused = None  # the torch ops
+        out = run_all(engine, prompts, params)
+        assert (calls["rope_store"] > 0) == fused
+        tokens.append({rid: list(o.token_ids) for rid, o in out.items()})
+    assert tokens[0] == tokens[1]
