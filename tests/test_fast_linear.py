@@ -296,3 +296,19 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
     tolerance = 1e-2 if native.load() is not None else 1e-3
     for token, lp in want.items():
         assert abs(got[token] - lp) < tolerance, (token, got[token], lp)
+
+
+@pytest.mark.slow
+def test_gguf_4bit_tensors_need_no_float32_copy() -> None:
+    """With expand_int4=False the GGUF loader yields each 4-bit tensor as a meta tensor (no float32
+    expansion) with its groups stored; the engine's load packs the projections from those groups alone
+    and expands anything else (here: nothing; the embedded GGUF's embedding is Q8_0)."""
+    from onecall.model.checkpoint import iter_weights, resolve_model
+    from onecall.model.quants import Int4Groups
+
+    stored: dict[str, object] = {}
+    tensors = dict(iter_weights(resolve_model(None), torch.float32, stored, expand_int4=False))  # type: ignore[arg-type]
+    meta = [name for name, t in tensors.items() if t.is_meta]
+    assert meta and all(isinstance(stored[name], Int4Groups) for name in meta)
+    assert all(name.endswith("_proj.weight") for name in meta)
+    assert not any(t.is_meta for name, t in tensors.items() if name not in stored)

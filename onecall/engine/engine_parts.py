@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from onecall.config import DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
 from onecall.errors import InvalidParameterError
+from onecall.model import native
 from onecall.model.checkpoint import (
     ModelFiles,
     iter_weights,
@@ -153,7 +154,9 @@ def load_model(
     model = DecoderLM(model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast", tp=tp)
     stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
     if model.tp is None:
-        weights = iter_weights(files, dtype, stored)
+        # the native 4-bit kernel runs every row of a 4-bit projection: such tensors need no float32
+        # expansion (fast_linear.StreamingPacker packs them from their groups; the rest expands later)
+        weights = iter_weights(files, dtype, stored, expand_int4=stored is None or native.load() is None)
     elif files.kind == "hf":
         weights = iter_rank_weights(files, dtype, model.tp, model_config)
     else:  # a GGUF's tensors are read (and dequantized) whole, then sliced

@@ -102,6 +102,17 @@ def _native() -> ctypes.CDLL | None:
     return native.load()
 
 
+def runs_int4_only(stored: StoredGroups | Sequence[tuple[int, int, StoredGroups]]) -> bool:
+    """Whether a FastLinear over these stored groups runs every row on the native 4-bit kernel (then it
+    needs no float32 weight): all parts 4-bit groups of 32 along a multiple of 32, and the kernel built."""
+    parts = [g for _, _, g in stored] if not isinstance(stored, (Int4Groups, Int8Groups)) else [stored]
+    return (
+        bool(parts)
+        and all(isinstance(g, Int4Groups) and g.group_size == 32 and g.q.shape[1] % 32 == 0 for g in parts)
+        and _native() is not None
+    )
+
+
 @dataclass(frozen=True)
 class _Q8Rows:
     """Rows [start, end) of a projection in int8 groups (a Q8_0 or Q6_K part), for the native q8 kernel."""
@@ -116,7 +127,7 @@ class FastLinear(nn.Module):
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | None,
         bias: torch.Tensor | None = None,
         stored: StoredGroups | Sequence[tuple[int, int, StoredGroups]] | None = None,
     ) -> None:
@@ -125,10 +136,16 @@ class FastLinear(nn.Module):
         checkpoint's own groups for decode rows, whole or as (first row, end row, groups) parts (a
         fused projection whose parts were stored in different types, as in Q4_K_M files)."""
         super().__init__()
-        assert weight.device.type == "cpu" and weight.dtype == torch.float32, (
-            "FastLinear is a float32 CPU path"
-        )
-        self.out_features, self.in_features = weight.shape
+        if weight is None:  # every row on the stored 4-bit groups: no float32 copy exists (runs_int4_only)
+            assert stored is not None and runs_int4_only(stored), "a FastLinear without a weight needs int4 groups"
+            parts = [(0, 0, stored)] if isinstance(stored, (Int4Groups, Int8Groups)) else list(stored)
+            self.out_features = sum(g.q.shape[0] for _, _, g in parts)
+            self.in_features = parts[0][2].q.shape[1]
+        else:
+            assert weight.device.type == "cpu" and weight.dtype == torch.float32, (
+                "FastLinear is a float32 CPU path"
+            )
+            self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         # Opaque oneDNN tensor, packed for decode-sized batches (it serves any batch size); None when
         # every row runs the native 4-bit kernel.
@@ -147,6 +164,7 @@ class FastLinear(nn.Module):
         if stored:
             self._pack_stored(list(stored))
         if self.q4 is None:
+            assert weight is not None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ONEDNN_PACK_ROWS)
 
     def _pack_stored(self, parts: list[tuple[int, int, StoredGroups]]) -> None:
@@ -363,50 +381,70 @@ class PackSlot:
 class StreamingPacker:
     """Packs projections into FastLinear modules while the checkpoint streams in.
 
-    `accept(name, tensor)` takes a projection's part: a single-part weight is packed as it is,
-    the parts of a fused one are gathered in a staging tensor. When a projection is complete it is
+    `accept(name, tensor)` takes a projection's part; when a projection has all its parts it is
     packed on a worker thread (torch's packing ops release the GIL) while loading goes on. So no
     dense float32 copy of the projections is ever a parameter: each lives only until packed, and
     cold start pays neither their first-touch page faults nor a copy (about 0.4 s for
-    SmolLM2-135M's 424 MB on this machine). `finish` installs the modules and packs the logits.
+    SmolLM2-135M's 424 MB on this machine). A projection whose parts are all 4-bit groups the native
+    kernel runs needs no float32 weight at all: its parts may arrive as meta tensors (a GGUF loader
+    that did not expand them, GGUFFile.iter_tensors(expand_int4=False)) and are packed from the stored
+    groups alone; any other meta part is expanded from its stored groups here. `finish` installs the
+    modules and packs the logits.
     """
 
     def __init__(self, slots: list[PackSlot], stored: Mapping[str, StoredGroups], workers: int) -> None:
         self.slots = slots
         self._slot_of = {name: (slot, rows) for slot in slots for name, rows in slot.parts.items()}
         self._stored = stored  # may still be filling: a part's groups are stored before it is yielded
-        self._staging: dict[int, tuple[torch.Tensor, set[str]]] = {}  # id(slot) -> (weight, missing)
+        self._staging: dict[int, dict[str, torch.Tensor]] = {}  # id(slot) -> the parts received so far
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers))
         self._jobs: list[tuple[PackSlot, Future[FastLinear]]] = []
 
     def accept(self, name: str, tensor: torch.Tensor) -> bool:
-        """Take `tensor` if it is part of a projection (shape already checked); False otherwise."""
+        """Take `tensor` (float32, or meta: see the class docstring) if it is part of a projection
+        (shape already checked); False otherwise."""
         entry = self._slot_of.get(name)
         if entry is None:
             return False
-        slot, (start, end) = entry
-        if len(slot.parts) == 1:
-            self.submit(slot, tensor)
-            return True
-        weight, missing = self._staging.setdefault(
-            id(slot), (torch.empty(slot.shape, dtype=torch.float32), set(slot.parts))
-        )
-        weight[start:end].copy_(tensor)
-        missing.discard(name)
-        if not missing:
+        slot, _ = entry
+        parts = self._staging.setdefault(id(slot), {})
+        parts[name] = tensor
+        if len(parts) == len(slot.parts):
             del self._staging[id(slot)]
-            self.submit(slot, weight)
+            self._submit_parts(slot, parts)
         return True
 
-    def submit(self, slot: PackSlot, weight: torch.Tensor) -> None:
-        """Pack `slot` from its whole (out, in) weight on a worker thread."""
-        parts: list[tuple[int, int, StoredGroups]] = []
+    def _submit_parts(self, slot: PackSlot, parts: dict[str, torch.Tensor]) -> None:
+        stored = self._stored_parts(slot)
+        if stored is not None and runs_int4_only(stored):
+            self._jobs.append((slot, self._pool.submit(FastLinear, None, slot.bias, stored)))
+            return
+        if len(parts) == 1:
+            ((name, tensor),) = parts.items()
+            self.submit(slot, self._dense(name, tensor))
+            return
+        weight = torch.empty(slot.shape, dtype=torch.float32)
+        for name, (start, end) in slot.parts.items():
+            weight[start:end].copy_(self._dense(name, parts[name]))
+        self.submit(slot, weight)
+
+    def _dense(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The part as a float32 tensor: itself, or (meta) expanded from its stored groups."""
+        return self._stored[name].dequantize().float() if tensor.is_meta else tensor
+
+    def _stored_parts(self, slot: PackSlot) -> list[tuple[int, int, StoredGroups]] | None:
+        """The slot's parts as stored groups, in row order; None if a part has none."""
+        parts = []
         for name, (start, end) in slot.parts.items():
             groups = self._stored.get(name)
-            if groups is None:  # a part without stored groups: oneDNN for every row
-                break
+            if groups is None:
+                return None
             parts.append((start, end, groups))
-        stored = parts if len(parts) == len(slot.parts) else None
+        return parts
+
+    def submit(self, slot: PackSlot, weight: torch.Tensor) -> None:
+        """Pack `slot` from its whole (out, in) float32 weight on a worker thread."""
+        stored = self._stored_parts(slot)  # a part without stored groups: oneDNN for every row
         self._jobs.append((slot, self._pool.submit(FastLinear, weight, slot.bias, stored)))
 
     def finish(self, output_weight: torch.Tensor, output_name: str) -> tuple[FastLMHead, list[FastLinear]]:

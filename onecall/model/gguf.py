@@ -203,7 +203,7 @@ class GGUFFile:
         return plan
 
     def iter_tensors(
-        self, dtype: torch.dtype, stored_out: dict[str, StoredGroups] | None = None
+        self, dtype: torch.dtype, stored_out: dict[str, StoredGroups] | None = None, expand_int4: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, dequantized CPU tensor in `dtype`), one tensor at a time, undoing what
         the converter changed (gguf_layout.py has the names):
@@ -219,7 +219,10 @@ class GGUFFile:
         With `stored_out`, every 4-bit (Q4_0/Q4_1/Q4_K) 2-D tensor is decoded once into Int4Groups and
         every Q8_0/Q6_K one into Int8Groups, stored there under its name (the fast kernels' exact
         copy: decode rows of projections, the logits), and expanded from them. Stacked experts are
-        expanded to dense tensors (model/moe.py runs them in float).
+        expanded to dense tensors (model/moe.py runs them in float). With `expand_int4` False, a 4-bit
+        2-D tensor is yielded as a meta tensor of its shape instead (no float32 copy is made): the
+        consumer takes its data from `stored_out` (weights.load_weights does: a projection the native
+        4-bit kernel runs every row of never needs the float32 copy, cold start's largest cost).
         """
         plan = self._check_loadable()
         num_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count", 0))
@@ -247,7 +250,10 @@ class GGUFFile:
                     )
                     groups = Int4Groups(q, scale, offset, groups.group_size)
                 stored_out[hf_name] = groups
-                yield hf_name, groups.dequantize().to(dtype)
+                if expand_int4:
+                    yield hf_name, groups.dequantize().to(dtype)
+                else:
+                    yield hf_name, torch.empty(groups.q.shape, dtype=dtype, device="meta")
                 continue
             int8 = int8_groups(raw, ggml_type, info.shape) if stored_out is not None else None
             if int8 is not None and stored_out is not None:

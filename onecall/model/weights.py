@@ -144,6 +144,12 @@ def load_weights(
                 )
             param, start, end = table[name]
             _check_shape(name, tensor, param[start:end].shape)
+            if tensor.is_meta:  # a 4-bit tensor the loader did not expand: its stored groups are the data
+                if packer is not None and packer.accept(name, tensor):
+                    loaded.add(name)
+                    continue
+                assert stored_weights is not None, "a meta tensor comes with its stored groups"
+                tensor = stored_weights[name].dequantize().to(param.dtype)
             if fold_norms and name.endswith("norm.weight"):
                 tensor = checkpoint_norm_weight(tensor)  # Gemma's (1 + w) norms, folded (model/gemma.py)
             if experts is not None and experts.take(name):
