@@ -381,3 +381,73 @@ def test_an_idle_engine_thread_sleeps() -> None:
         assert calls <= 1, f"the idle engine thread polled {calls} times in 0.2 s"
 
     run(body, engine)
+
+
+class _FakeGroup:
+    """Stands in for engine/tp_workers.py's TensorParallelGroup as the engine thread sees it while idle:
+    check_workers() polls the ranks, dead_reason names the one found gone. `kill()` makes rank 1 die."""
+
+    def __init__(self) -> None:
+        self.dead_reason: str | None = None
+        self.num_checks = 0
+        self._killed = threading.Event()
+
+    def kill(self) -> None:
+        self._killed.set()
+
+    def check_workers(self) -> None:
+        self.num_checks += 1
+        if self._killed.is_set() and self.dead_reason is None:
+            self.dead_reason = "tensor-parallel rank 1 (pid 4242) exited with code -9; the engine stopped"
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_rank_that_dies_while_idle_kills_the_engine_without_a_request() -> None:
+    """The idle thread polls the group about once a second: the death shows in dead_reason (what /health
+    reports) within a few seconds, no request needed; later adds are refused naming the rank."""
+    engine = tiny_engine()
+    group = _FakeGroup()
+    engine.parts.tp_group = group  # type: ignore[assignment]  # the runner stays single-process
+
+    async def body(ae: AsyncEngine) -> None:
+        outs = await collect(await ae.add_request("a", "Hello", GREEDY))
+        assert outs[-1].finished and ae.is_running
+        group.kill()
+        t0 = time.monotonic()
+        while ae.is_running and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.05)
+        assert not ae.is_running, "a dead rank went unnoticed by the idle engine"
+        assert time.monotonic() - t0 < 3 and group.num_checks >= 1
+        dead = ae.dead_error()
+        assert dead is not None and "tensor-parallel rank 1" in str(dead) and "code -9" in str(dead)
+        with pytest.raises(EngineDeadError, match="tensor-parallel rank 1"):
+            await ae.add_request("b", "Hello", GREEDY)
+
+    run(body, engine)
+
+
+def test_without_a_group_the_idle_thread_never_wakes_to_check_ranks() -> None:
+    """No tensor parallel: one blocking wait, no periodic wake-up (the same counter as above)."""
+    engine = tiny_engine()
+    assert engine.parts.tp_group is None
+    real_check = engine.has_unfinished_requests
+    calls = 0
+
+    def counted() -> bool:
+        nonlocal calls
+        calls += 1
+        return real_check()
+
+    engine.has_unfinished_requests = counted  # type: ignore[method-assign]
+
+    async def body(ae: AsyncEngine) -> None:
+        nonlocal calls
+        await collect(await ae.add_request("a", "Hello", GREEDY))
+        await asyncio.sleep(0.05)
+        calls = 0
+        await asyncio.sleep(1.3)  # longer than the TP check period
+        assert calls == 0 and ae.is_running
+
+    run(body, engine)

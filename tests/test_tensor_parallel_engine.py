@@ -323,3 +323,24 @@ def test_a_stopped_server_leaves_no_worker_behind(tmp_path: Path) -> None:
     finally:
         assert server.stop() == 0, server.log()
     assert not _is_running(worker)
+
+
+@pytest.mark.server
+def test_health_turns_503_when_a_rank_dies_while_the_server_is_idle(tmp_path: Path) -> None:
+    """No request after the kill: the idle engine thread polls the ranks (about once a second)."""
+    from tests.helpers.server_process import assert_error
+
+    server = _serve(tiny_folder(tmp_path, "qwen2"))
+    try:
+        assert _complete(server).status_code == 200
+        (worker,) = _spawned_workers(server._proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        health = httpx.get(server.url("/health"), timeout=5)
+        while health.status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            health = httpx.get(server.url("/health"), timeout=5)
+        err = assert_error(health, 503, type="service_unavailable_error")
+        assert "tensor-parallel rank 1" in err["message"] and "code -9" in err["message"], err
+    finally:
+        assert server.stop() == 0, server.log()

@@ -24,6 +24,9 @@ Invariants:
   anything at all, a BaseException included, escapes the thread's loop, the engine is dead: every
   open stream raises EngineDeadError saying why, every command taken or queued is answered (adds
   with EngineDeadError), later adds are refused with it, and the thread ends. `dead_reason` says why.
+- Under tensor parallel the idle thread does not block for good: it wakes every second to poll the
+  other ranks' processes, and a rank found dead kills the engine as a failed step would (/health
+  503 naming the rank before any request comes). Without a group it blocks on the queue alone.
 - `max_waiting` counts requests: an add of n (n > 1 choices) needs room for all n.
 - A step that does not return (a hung kernel, a deadlock: nothing raises) is caught by the watchdog
   thread when `step_timeout` is set: after that many seconds in one step the engine is declared dead
@@ -70,6 +73,7 @@ logger = logging.getLogger("onecall.server")
 
 Prompt = str | list[int] | RenderedPrompt
 _Item = RequestOutput | BaseException  # what a stream's queue holds: outputs, then maybe an error
+_TP_CHECK_PERIOD = 1.0  # seconds an idle engine thread waits for commands before checking the TP ranks
 
 
 class RequestStream:
@@ -344,12 +348,31 @@ class AsyncEngine:
                 command.future.set_result(None)  # an abort still "succeeded": nothing runs any more
 
     def _take_commands(self, *, block: bool) -> list[_Command]:
-        commands = [self._commands.get()] if block else []
+        """Every queued command; with `block`, wait for one first (see _wait_for_command)."""
+        commands: list[_Command] = []
+        if block and (first := self._wait_for_command()) is not None:
+            commands.append(first)
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 return commands
+
+    def _wait_for_command(self) -> _Command | None:
+        """Block until a command comes. Under tensor parallel, wake every _TP_CHECK_PERIOD seconds
+        to look at the other ranks: one that died while the server is idle takes the engine down
+        now (None returned, `_dead` set), not at the next request. No group: one plain blocking get."""
+        group = self.engine.parts.tp_group
+        if group is None:
+            return self._commands.get()
+        while True:
+            try:
+                return self._commands.get(timeout=_TP_CHECK_PERIOD)
+            except queue.Empty:
+                group.check_workers()  # polls the worker processes; no collective, no step
+                if group.dead_reason is not None:
+                    self._die(group.dead_reason, EngineDeadError(group.dead_reason))
+                    return None
 
     def _handle(self, command: _Add | _Abort | _ResetPrefixCache) -> None:
         # An add whose caller was cancelled before we got here is skipped; an abort always runs.
