@@ -10,7 +10,9 @@ network is used. About two minutes on an H200. Steps:
 
 1. correctness: a tiny random-weight Qwen3 (float32) greedy-decodes 24 tokens for 3 prompts through
    onecall's engine (paged cache, the Triton attention kernel on CUDA) and through transformers'
-   generate on the same device; the tokens must be equal.
+   generate on the same device; the tokens must be equal. With 2 GPUs (--tensor-parallel N: N), the
+   same kind of model saved as a safetensors folder runs at tensor_parallel_size 2 (NCCL, rank r on
+   cuda:r) and must give the tokens of one process; with fewer GPUs the JSON says it was skipped.
 2. a Qwen3-8B-shaped model (36 layers, hidden 4,096, 32 query / 8 KV heads, head_dim 128,
    intermediate 12,288, vocabulary 151,936) with random bfloat16 weights:
    - copy bandwidth of the device (a 1 GiB copy, read + write bytes per second), and the batch-1
@@ -155,6 +157,50 @@ def check_tiny_qwen3(
     }
 
 
+# ---- 1b. tensor parallel -------------------------------------------------------------------------
+def check_tensor_parallel(device: torch.device, size: int = 2, max_tokens: int = 12) -> dict[str, Any]:
+    """Greedy tokens of a tiny random Qwen3 (safetensors folder, as a user would load one) through
+    LLM(tensor_parallel_size=size) equal the same model in one process (reference kernels, float32).
+    On CUDA rank r runs on cuda:r over NCCL (needs `size` GPUs); on CPU the ranks use gloo."""
+    import tempfile
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from onecall import LLM
+
+    torch.manual_seed(0)
+    vocab = 512
+    hf_config = Qwen3Config(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=True, eos_token_id=vocab - 1,
+    )  # fmt: skip
+    hf = Qwen3ForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.3)  # wide logit gaps: the all-reduce's summation order cannot flip a token
+    prompts = [[(7 * i + 3 * j) % (vocab - 1) for j in range(5 + 6 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens: dict[int, list[list[int]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "tiny-qwen3"
+        hf.save_pretrained(folder, safe_serialization=True)
+        tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{vocab - 1}"}))
+        for tp in (1, size):
+            with LLM(
+                model=str(folder), device=device.type, dtype="float32", kernels="reference",
+                tensor_parallel_size=tp, num_threads=1 if device.type == "cpu" else None, kv_cache_gib=0.05,
+            ) as llm:  # fmt: skip
+                tokens[tp] = [list(o.token_ids) for o in llm.generate(prompts, params)]
+    return {"size": size, "tokens_equal": tokens[1] == tokens[size], "tp1": tokens[1], f"tp{size}": tokens[size]}
+
+
 # ---- 2. the 8B shape -----------------------------------------------------------------------------
 def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30) -> float:
     """(read + write) bytes/s of a device-to-device copy, best of 5."""
@@ -268,6 +314,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=36, help="layers of the 8B-shaped model")
     ap.add_argument("--hidden", type=int, default=4096, help="hidden size (heads scale with it)")
+    ap.add_argument(
+        "--tensor-parallel", type=int, default=2,
+        help="ranks of the tensor-parallel check (runs on CUDA when that many GPUs are there; 0: skip)",
+    )  # fmt: skip
     args = ap.parse_args()
     device = torch.device(args.device)
     result: dict[str, Any] = {"bench": "gpu_check", "device": str(device), "torch": torch.__version__}
@@ -276,6 +326,14 @@ def main() -> None:
     t0 = time.perf_counter()
     result["tiny_qwen3"] = check_tiny_qwen3(device)
     print(f"tiny Qwen3 greedy tokens equal transformers': {result['tiny_qwen3']['tokens_equal']}", flush=True)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    tp_ok = True
+    if args.tensor_parallel > 1 and (device.type != "cuda" or gpus >= args.tensor_parallel):
+        result["tensor_parallel"] = check_tensor_parallel(device, args.tensor_parallel)
+        tp_ok = result["tensor_parallel"]["tokens_equal"]
+        print(f"tiny Qwen3 at tensor_parallel_size {args.tensor_parallel}: greedy tokens equal TP=1: {tp_ok}", flush=True)
+    elif args.tensor_parallel > 1:
+        result["tensor_parallel"] = {"skipped": f"needs {args.tensor_parallel} GPUs, found {gpus}"}
     result["qwen3_8b_shape"] = speed_8b(device, args.layers, args.hidden)
     s = result["qwen3_8b_shape"]
     print(
@@ -288,7 +346,7 @@ def main() -> None:
     )
     result["wall_s"] = time.perf_counter() - t0
     print(json.dumps(result))
-    sys.exit(0 if result["tiny_qwen3"]["tokens_equal"] else 1)
+    sys.exit(0 if result["tiny_qwen3"]["tokens_equal"] and tp_ok else 1)
 
 
 if __name__ == "__main__":

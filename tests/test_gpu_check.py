@@ -33,3 +33,13 @@ def test_tiny_qwen3_greedy_equals_transformers(backend: str) -> None:
     result = gpu_check.check_tiny_qwen3(torch.device("cpu"), attention_backend=backend, max_tokens=8)  # type: ignore[attr-defined]
     assert result["attention_backend"] == backend
     assert result["tokens_equal"], result["mismatches"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_check_runs_on_cpu() -> None:
+    """The script's tensor-parallel line (2 GPUs over NCCL on a CUDA machine) on CPU over gloo: the
+    folder it writes loads, both engines run, and TP=2's greedy tokens equal TP=1's."""
+    gpu_check = _gpu_check()
+    result = gpu_check.check_tensor_parallel(torch.device("cpu"), 2, max_tokens=6)  # type: ignore[attr-defined]
+    assert result["tokens_equal"], result
+    assert len(result["tp1"]) == 3 and all(len(t) == 6 for t in result["tp1"])
