@@ -251,3 +251,43 @@ def test_stored_experts_run_on_their_own_groups(kind: str) -> None:
             torch.testing.assert_close(poisoned[2:], ref[2:], rtol=1e-5, atol=1e-5)
         else:  # every row reads the 4-bit groups
             assert not torch.allclose(poisoned[2:], ref[2:], atol=1e-2)
+
+
+def test_the_bandwidth_figure_counts_the_experts_a_step_reaches() -> None:
+    """packing.weight_bytes_read on a whole Qwen3-MoE model (top 2 of 6 experts, sparse layers 0 and 2):
+    one decode row streams 2/6 of each sparse layer's experts, so the figure is every parameter's bytes
+    less 4/6 of the experts'; 3 rows can reach every expert and count every parameter. Experts whose
+    4-bit groups replaced their float32 copy (freed) count in the groups' bytes, not as nothing."""
+    from onecall.model.packing import weight_bytes_read
+
+    config_cls, model_cls, extra = WHOLE["qwen3_moe"]
+    _, ours = hf_and_ours(config_cls(**_TINY, **extra), model_cls, weight_scale=0.15)
+    assert ours.lm_head is not None  # untied: the embedding table is gathered from, not streamed
+
+    def dense() -> int:
+        params = dict(ours.named_parameters())
+        del params["model.embed_tokens.weight"]
+        return sum(p.numel() * p.element_size() for p in params.values())
+
+    moes = [m for m in ours.modules() if isinstance(m, SparseMoE)]
+    assert len(moes) == 2
+    float_experts = [sum(p.numel() * 4 for p in m.experts.parameters()) for m in moes]
+    assert weight_bytes_read(ours, 1) == dense() - sum(b * 4 // 6 for b in float_experts)
+    assert weight_bytes_read(ours, 3) == dense()
+
+    from onecall.model import native
+    from tests.helpers.int4 import quantize_int4
+
+    if native.load() is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    experts = moes[0].experts
+    with torch.no_grad():
+        gate_up = [quantize_int4(w) for w in experts.gate_up_proj]
+        down = [quantize_int4(w) for w in experts.down_proj]
+    assert experts.use_stored(list(gate_up), list(down)) and experts.gate_up_proj.numel() == 0
+    assert experts.stored is not None
+    one_expert = sum(g.nbytes for g in experts.stored[0] if isinstance(g, native.Q4Packed))
+    assert one_expert > 0
+    # layer 0: its 2 reachable experts' groups (its float32 weights are gone from dense());
+    # layer 2: still 2/6 of its float32 experts
+    assert weight_bytes_read(ours, 1) == dense() + 2 * one_expert - float_experts[1] * 4 // 6

@@ -19,6 +19,7 @@ from onecall.model import native
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.fast_linear import FastLinear, PackSlot, StreamingPacker, fast_kernels_supported
 from onecall.model.layers import MLP, Attention, RMSNorm
+from onecall.model.moe import SparseMoE
 from onecall.model.native_step import NativeDecodeStep
 from onecall.model.quants import StoredGroups
 
@@ -90,15 +91,23 @@ def enable_fast_kernels(model: DecoderLM, stored_weights: Mapping[str, StoredGro
 def weight_bytes_read(model: DecoderLM, rows: int = 1) -> int:
     """Bytes of weights one forward over `rows` tokens streams from memory, then the logits of those
     rows: what decode's bandwidth figure divides by. Every projection in the form its kernel reads
-    (FastLinear: 4-bit or float32), norms, and the output matrix (a tied embedding counts once, as
-    the logits weight; an untied embedding table is only gathered from, so it does not count)."""
+    (FastLinear: 4-bit or float32), each MoE block as SparseMoE.weight_bytes_read counts it (the
+    router and the experts `rows` tokens can reach, in their stored form), norms, and the output
+    matrix (a tied embedding counts once, as the logits weight; an untied embedding table is only
+    gathered from, so it does not count)."""
     total = 0
-    for module in model.modules():
+    moe_prefixes: list[str] = []  # "model.layers.3.mlp.": parameters a MoE block counted already
+    for name, module in model.named_modules():
         if isinstance(module, FastLinear):
             total += module.weight_bytes_read(rows)
+        elif isinstance(module, SparseMoE):
+            total += module.weight_bytes_read(rows)
+            moe_prefixes.append(f"{name}.")
     head = model.fast_lm_head
     for name, param in model.named_parameters():
-        if name != "model.embed_tokens.weight" and not (head is not None and name == "lm_head.weight"):
+        if name == "model.embed_tokens.weight" or (head is not None and name == "lm_head.weight"):
+            continue
+        if not name.startswith(tuple(moe_prefixes)):
             total += param.numel() * param.element_size()
     if head is not None:
         return total + head.weight_bytes_read()
