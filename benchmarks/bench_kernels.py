@@ -10,6 +10,11 @@ figure that repeats; each kernel called the way the engine calls it), and the by
   q8 logits       the tied embedding kept as the GGUF's Q8_0 int8, M rows
   attention       one layer's decode attention at a context of 400 and 4,000 positions, float32 and
                   float16 cache; beside it SDPA over a view of the cache (the prompt path's read)
+  prefill attn    one layer's causal prompt attention: a fresh 1,024-token prompt and a 512-row chunk
+                  after 512 cached positions (the engine's default chunking), the native kernel
+                  (float32 and float16 cache) against SDPA's flash kernel over a view of the cache,
+                  called in turn (interleaved) so both see the same machine; GMAC/s of useful
+                  causal work (the two products, the masked half not counted)
   decode step     the whole native decode forward (model/native_step.py: every layer, one call) and
                   the per-op path (the same kernels called from Python), M rows, context 12
   copy            a 512 MiB float32 copy (read + write), the machine's bandwidth yardstick
@@ -46,6 +51,20 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def timed_pair(fns: list[Callable[[], Any]], repeats: int) -> list[float]:
+    """Best seconds of each fn, called in turn (a, b, a, b, ...) after a warm-up of each: an A/B
+    where both sides see the same moments of a noisy machine."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 def copy_bandwidth(num_bytes: int = 512 * 2**20) -> float:
@@ -139,6 +158,44 @@ def bench_attention(model: Any, repeats: int, lib: Any) -> list[dict[str, Any]]:
     return out
 
 
+def bench_prefill_attention(model: Any, repeats: int, lib: Any) -> list[dict[str, Any]]:
+    c = model.config
+    h, kvh, d, bs = c.num_attention_heads, c.num_key_value_heads, c.head_dim, 16
+    threads, scale = torch.get_num_threads(), d**-0.5
+    out = []
+    for query_len, seq_len in ((1024, 1024), (512, 1024)):
+        k = torch.randn(seq_len, kvh, d)
+        v = torch.randn(seq_len, kvh, d)
+        k16, v16 = k.half(), v.half()
+        q = torch.randn(query_len, h, d)
+        cached = seq_len - query_len
+        mask = None if cached == 0 else torch.ones(query_len, seq_len, dtype=torch.bool).tril(cached)
+        sdpa = functools.partial(
+            F.scaled_dot_product_attention, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        fns = [
+            functools.partial(native.prefill_attention, lib, q, kk, vv, seq_len, 0, None, bs, scale, threads)
+            for kk, vv in ((k, v), (k16, v16))
+        ]
+        macs = 2 * h * d * sum(cached + i + 1 for i in range(query_len))  # QK^T and PV, visible keys only
+        names = (
+            "prefill attn native f32 cache",
+            "prefill attn native f16 cache",
+            "prefill attn SDPA (flash)",
+        )
+        for name, s in zip(names, timed_pair([*fns, sdpa], repeats), strict=True):
+            out.append(
+                {
+                    "kernel": name,
+                    "rows": f"{query_len}/{seq_len}",
+                    "us": s * 1e6,
+                    "gmac_per_s": macs / s / 1e9,
+                }
+            )
+    return out
+
+
 def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, cache: PagedKVCache, meta: Any) -> None:
     with torch.inference_mode(), decode_rows(ids.shape[0]):
         model(ids, pos, cache, meta)
@@ -184,10 +241,12 @@ def main() -> None:
     results["copy_gb_per_s"] = copy_bandwidth() / 1e9
     print(f"copy bandwidth (read + write): {results['copy_gb_per_s']:.1f} GB/s; {results['kernels']}")
     rows_out = bench_q4(model, rows, args.repeats, lib) + bench_q8(model, rows, args.repeats, lib)
-    rows_out += bench_attention(model, args.repeats, lib) + bench_step(llm, rows, args.repeats)
-    print(f"{'kernel':44} {'rows/ctx':>8} {'us':>10} {'GB/s':>7}")
+    rows_out += bench_attention(model, args.repeats, lib) + bench_prefill_attention(model, args.repeats, lib)
+    rows_out += bench_step(llm, rows, args.repeats)
+    print(f"{'kernel':44} {'rows/ctx':>9} {'us':>10} {'rate':>14}")
     for r in rows_out:
-        print(f"{r['kernel']:44} {r.get('rows', r.get('context')):>8} {r['us']:>10.1f} {r['gb_per_s']:>7.2f}")
+        rate = f"{r['gb_per_s']:.2f} GB/s" if "gb_per_s" in r else f"{r['gmac_per_s']:.1f} GMAC/s"
+        print(f"{r['kernel']:44} {r.get('rows', r.get('context')):>9} {r['us']:>10.1f} {rate:>14}")
     results["kernels_timed"] = rows_out
     print(json.dumps(results))
 

@@ -14,12 +14,17 @@ Backends (one switch, `AttentionMetadata.backend`), all computing the same thing
     | "reference" | gathers its slots one by one (index_select)       | one SDPA per seq     |
     | "paged"     | in place: a strided view of the cache when its    | one SDPA per seq     |
     |             | blocks are one run (the allocator keeps them so),  |                      |
-    |             | else a gather of whole blocks                     |                      |
+    |             | else a gather of whole blocks; with the native    | (native: one kernel  |
+    |             | kernels, through kv_start / the blocks in C       | per prefill seq)     |
     | "triton"    | in place, through the block table, in the kernel  | one kernel per batch |
 
 "reference" is the oracle the tests hold the others against. "paged" is the CPU default: on
 a CPU, SDPA over a view of the cache reads each KV byte once (measured against the other
-choices in the README's attention table). "triton" (model/triton_attention.py) is the CUDA
+choices in the README's attention table). Where the native kernels load (model/native.py), "paged"
+runs decode rows through the paged decode kernel and each prefill chunk through the native causal
+prefill kernel (csrc/prefill_attention.c: tiled, online softmax, GQA and the window options in the
+kernel; measured faster than SDPA's flash kernel in the README's kernel table); SDPA stays the path
+for what the kernels do not take (other dtypes, head sizes) and the reference they are tested against. "triton" (model/triton_attention.py) is the CUDA
 path; its numerics run on CPU under TRITON_INTERPRET=1 in the tests.
 
 Per-layer options, on every backend: a sliding window (Mistral, Gemma's local layers) and logit
@@ -29,11 +34,13 @@ native kernel's own window and cap; Triton masks by position and skips tiles bef
 
 Batch invariance: on "paged" and "reference" a sequence's attention is computed by a call that
 sees only that sequence (its own query rows, its own KV, its own mask), so its result does not
-depend on what else shares the step.
+depend on what else shares the step. The native prefill kernel goes further: a row's bits depend
+only on its query, position and KV, so a prompt chunked at any boundary gives the same bits.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 from collections.abc import Sequence
@@ -101,6 +108,7 @@ class AttentionMetadata:
     query_starts_t: torch.Tensor | None = None  # (num_seqs + 1,) int32
     max_query_len: int = 0
     decode: DecodeRows | None = None  # "paged" on CPU with the native kernels: the one-query sequences
+    native_prefill: bool = False  # "paged" on CPU with the native kernels: prefill chunks run natively
 
     @property
     def num_tokens(self) -> int:
@@ -172,6 +180,7 @@ def build_attention_metadata(
     meta = AttentionMetadata(backend, slot_mapping.to(device), seqs, block_size)
     if backend == "paged" and device.type == "cpu" and native.load() is not None:
         meta.decode = _decode_rows(seqs, block_tables, block_size)
+        meta.native_prefill = True
     if backend == "triton":
         _add_triton_tensors(meta, block_tables, seq_lens, query_lens, device)
     return meta
@@ -291,14 +300,15 @@ def paged_attention(
         else:
             out.index_copy_(0, d.rows, o_dec)
         done = set(d.seq_index)
-    elif len(meta.seqs) == 1:  # the whole batch is one sequence: no scatter into `out`
-        return _attend(q, k_cache, v_cache, meta.seqs[0], meta.block_size, scale, window)
+    prefill_lib = native.load() if meta.native_prefill and native.prefill_attention_fits(q, k_cache) else None
+    if d is None and len(meta.seqs) == 1:  # the whole batch is one sequence: no scatter into `out`
+        return _attend(q, k_cache, v_cache, meta.seqs[0], meta.block_size, scale, window, prefill_lib)
     if out is None:
         out = torch.empty_like(q)
     for i, s in enumerate(meta.seqs):
         if i not in done:
             out[s.q_start : s.q_end] = _attend(
-                q[s.q_start : s.q_end], k_cache, v_cache, s, meta.block_size, scale, window
+                q[s.q_start : s.q_end], k_cache, v_cache, s, meta.block_size, scale, window, prefill_lib
             )
     return out
 
@@ -361,9 +371,17 @@ def _attend(
     block_size: int,
     scale: float,
     window: Window,
+    prefill_lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    """One sequence: q (query_len, num_heads, head_dim) over its KV -> (query_len, num_heads, head_dim)."""
+    """One sequence: q (query_len, num_heads, head_dim) over its KV -> (query_len, num_heads, head_dim).
+    `prefill_lib`: the native kernels, when they take these shapes; a chunk of more than one row then
+    runs through the native prefill kernel, window options included, reading the cache in place."""
     query_len, num_heads, head_dim = q.shape
+    if prefill_lib is not None and query_len > 1 and s.slots is None:
+        return native.prefill_attention(
+            prefill_lib, q, k_cache, v_cache, s.seq_len, s.kv_start, s.blocks, block_size, scale,
+            torch.get_num_threads(), window.sliding_window, window.logit_softcap,
+        )  # fmt: skip
     # (1, num_kv_heads, seq_len, head_dim); a cache stored in another dtype (kv_cache_dtype) is read
     # through a converted copy here: this is the prompt path, where compute outweighs the copy
     k = _sequence_kv(k_cache, s, block_size).to(q.dtype).transpose(0, 1)[None]

@@ -1,14 +1,15 @@
-"""The native CPU kernels (csrc/quant_gemm.c): built with the system C compiler at first use, cached.
+"""The native CPU kernels (csrc/quant_gemm.c, csrc/prefill_attention.c): built with the system C compiler at first use, cached.
 
 Why native code at all: on an AVX2 CPU, torch's own int4 kernel expands 4-bit weights to floats
 and runs float FMAs; it is compute-bound well below the memory bandwidth (measured in the README's
 kernel table). The kernels in csrc/ multiply the GGUF's own 4-bit groups by int16-quantized
 activations with exact integer dot products (llama.cpp's idea, at a finer activation step), keep
-the Q8_0 logits matrix as int8, and read the paged KV cache in place for decode attention.
+the Q8_0 logits matrix as int8, and read the paged KV cache in place for decode attention and for
+causal prefill attention (a flash-style tiled kernel, prefill_attention.c).
 
 How they are built and loaded:
-- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared -ffp-contract=off` (about a second), into a cache folder keyed by a hash
-  of the source, the flags and the compiler's version: the next start loads the cached library.
+- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared -ffp-contract=off` on both sources into one library
+  (about a second), into a cache folder keyed by a hash of the sources, the flags and the compiler's version: the next start loads the cached library.
   The folder is $ONECALL_CACHE_DIR/kernels, else $XDG_CACHE_HOME/onecall/kernels, else
   ~/.cache/onecall/kernels (read in onecall/envs.py).
 - loaded with ctypes after torch, so the library's libgomp is the one torch already loaded (the
@@ -34,7 +35,8 @@ import torch
 
 from onecall import envs
 
-_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = (_CSRC / "quant_gemm.c", _CSRC / "prefill_attention.c")  # one library, one cache key
 # -ffp-contract=off: float arithmetic runs as written (FMAs only where the code asks for one), so two
 # paths that should give the same bits (float16 vs float32 scales, a row alone vs in a batch) do.
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
@@ -110,8 +112,8 @@ def _cached_library(compiler: str) -> Path:
         ).stdout.splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError) as e:
         raise _Unavailable(f"{compiler} --version failed: {e}") from e
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in _SOURCES)
+    key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
     folder = envs.cache_dir() / "kernels"
     path = folder / f"quant_gemm-{key}.so"
     if path.exists():
@@ -121,16 +123,16 @@ def _cached_library(compiler: str) -> Path:
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             out = Path(tmp) / path.name
             result = subprocess.run(
-                [compiler, *_FLAGS, "-o", str(out), str(_SOURCE), "-lm"],
+                [compiler, *_FLAGS, "-o", str(out), *map(str, _SOURCES), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=300,
             )
             if result.returncode != 0:
-                raise _Unavailable(f"building {_SOURCE.name} failed: {result.stderr.strip()[-500:]}")
+                raise _Unavailable(f"building the kernels failed: {result.stderr.strip()[-500:]}")
             os.replace(out, path)  # atomic: a concurrent start sees no half-written library
     except (OSError, subprocess.SubprocessError) as e:
-        raise _Unavailable(f"building {_SOURCE.name} failed: {e}") from e
+        raise _Unavailable(f"building the kernels failed: {e}") from e
     return path
 
 
@@ -146,6 +148,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     attention_args: list[Any] = [p, i64, p, p, p, i64, p, i64, i64, i64, i64, i64, f32, i64, f32, p, c_int, c_int]  # fmt: skip
     lib.onecall_paged_decode_attention.argtypes = attention_args
     lib.onecall_paged_decode_attention.restype = c_int
+    # q, q_stride, k_cache, v_cache, blocks, kv_start, block_size, query_len, seq_len, H, KVH, D, scale,
+    # window, softcap, out, num_threads, kv_f16
+    prefill_args: list[Any] = [p, i64, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i64, f32, p, c_int, c_int]  # fmt: skip
+    lib.onecall_prefill_attention.argtypes = prefill_args
+    lib.onecall_prefill_attention.restype = c_int
     lib.onecall_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p]
     lib.onecall_add_rms_norm.restype = None
     lib.onecall_silu_mul.argtypes = [p, i64, i64, p]
@@ -292,6 +299,60 @@ def decode_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and k_cache.dtype in KV_DTYPES
         and head_dim % 8 == 0
         and num_heads <= ATTENTION_MAX_HEADS
+        and num_heads % num_kv_heads == 0
+    )
+
+
+def prefill_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_len: int,
+    kv_start: int,
+    blocks: torch.Tensor | None,
+    block_size: int,
+    scale: float,
+    num_threads: int,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """One sequence's causal attention for its query_len new rows over its seq_len positions, the KV
+    read in place (csrc/prefill_attention.c). Row i is at position seq_len - query_len + i and sees
+    keys 0 .. its position (its last `sliding_window` of them with a window).
+
+    q (query_len, H, D) float32 with contiguous heads (rows may be strided); k_cache, v_cache
+    (num_slots, KVH, D) float32 or float16, contiguous; the KV at slots kv_start + p (kv_start >= 0),
+    else through `blocks` (num_blocks,) int64. Returns (query_len, H, D) float32. Shapes must pass
+    prefill_attention_fits."""
+    query_len, num_heads, head_dim = q.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+    assert (kv_start >= 0) != (blocks is not None), "the KV is one run (kv_start) or blocks, not both"
+    assert blocks is None or (blocks.dtype == torch.int64 and blocks.is_contiguous())
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    out = torch.empty(query_len, num_heads, head_dim, dtype=torch.float32)
+    rc = lib.onecall_prefill_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        None if blocks is None else blocks.data_ptr(), kv_start, block_size, query_len, seq_len,
+        num_heads, k_cache.shape[1], head_dim, scale, sliding_window or 0, logit_softcap or 0.0,
+        out.data_ptr(), num_threads, int(k_cache.dtype == torch.float16),
+    )  # fmt: skip
+    if rc == -1:
+        raise MemoryError("onecall_prefill_attention: out of memory for its tile buffers")
+    assert rc == 0, f"onecall_prefill_attention refused the shapes (rc {rc})"
+    return out
+
+
+def prefill_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Shapes and dtypes prefill_attention takes: float32 queries, a float32 or float16 cache, head_dim
+    a multiple of 16 up to 512, whole query heads per KV head."""
+    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[1]
+    return (
+        q.dtype == torch.float32
+        and k_cache.dtype in KV_DTYPES
+        and head_dim % 16 == 0
+        and head_dim <= 512
         and num_heads % num_kv_heads == 0
     )
 
