@@ -6,7 +6,9 @@
 
 The LLM facade, the CLI, the server and the lab all call `step()` in a loop;
 nothing else advances a request. Loading (files -> model + tokenizer + KV pool)
-lives in engine/engine_parts.py; this module is the loop.
+lives in engine/engine_parts.py, validating a request and building its Sequence in
+engine/intake.py, the RequestOutput a step hands out in engine/outputs.py; this module
+is the loop.
 
 Faults. A step that raises after scheduling (in the grammar, the model forward, the
 sampler or the detokenizer) fails only the requests of its batch:
@@ -27,11 +29,9 @@ recovered (engine/tp_workers.py).
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 import torch
@@ -40,91 +40,25 @@ from onecall.config import EngineConfig
 from onecall.engine.block_manager import BlockManager
 from onecall.engine.decode_graphs import BUCKETS, DecodeGraphs
 from onecall.engine.engine_parts import LoadedEngineParts, load_engine_parts
+from onecall.engine.intake import Prompt, RequestIntake
 from onecall.engine.model_runner import ModelRunner, PromptLogprobs
+from onecall.engine.outputs import EngineStats, RequestOutput, make_output
 from onecall.engine.postprocess import postprocess_token
 from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from onecall.engine.sequence import FinishReason, Sequence, TextState
-from onecall.engine.trace import RequestTrace, StepRecord
-from onecall.errors import (
-    ContextLengthExceededError,
-    EngineDeadError,
-    EngineStepError,
-    InvalidParameterError,
-)
+from onecall.engine.sequence import FinishReason, Sequence
+from onecall.engine.trace import StepRecord
+from onecall.errors import EngineDeadError, EngineStepError, InvalidParameterError
 from onecall.model.attention import default_backend
 from onecall.sampling.mask_prefetch import MaskPrefetcher
 from onecall.sampling.sampler import sample
 from onecall.sampling.types import SampleResult, SamplingRequest, TokenConstraint
 from onecall.sampling_params import SamplingParams
-from onecall.text.chat_template import RenderedPrompt
-from onecall.text.detokenizer import IncrementalDetokenizer
-from onecall.text.stop import StopStringMatcher
 
 if TYPE_CHECKING:
     from onecall.sampling.grammar import GrammarBackend
 
-
-@dataclass
-class RequestOutput:
-    """What a request produced so far. `text`/`token_ids` are cumulative; `delta_*` is this step's.
-
-    `token_ids`, `logprobs` and `top_logprobs` are snapshots taken lazily: the output keeps a
-    reference to the sequence's append-only lists and how long they were at this step, so making an
-    output costs O(1) per token, and reading it later still gives this step's view.
-
-    `prompt_logprobs` / `prompt_top_logprobs` (SamplingParams.prompt_logprobs): one entry per prompt
-    token, the first None, on every output once the whole prompt is computed (None before, and
-    when not asked for). `cumulative_logprob`: the sum of `logprobs` (None when not asked for).
-    """
-
-    request_id: str
-    text: str
-    delta_text: str
-    delta_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    trace: RequestTrace
-    _all_token_ids: list[int] = field(repr=False)  # prompt + output, append-only
-    _num_tokens: int = field(repr=False)  # its length at this step
-    _logprobs: list[float | None] | None = field(default=None, repr=False)  # when asked for
-    _top_logprobs: list[list[tuple[int, float]] | None] | None = field(default=None, repr=False)
-    error: EngineStepError | None = None  # finish_reason "error": the step that ran it raised
-    prompt_logprobs: list[float | None] | None = None  # complete lists only; never appended to
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    cumulative_logprob: float | None = None
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self._all_token_ids[: self.num_prompt_tokens]
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._all_token_ids[self.num_prompt_tokens : self._num_tokens]
-
-    @property
-    def logprobs(self) -> list[float | None] | None:
-        """Per output token, when asked for (SamplingParams.logprobs)."""
-        n = self._num_tokens - self.num_prompt_tokens
-        return None if self._logprobs is None else self._logprobs[:n]
-
-    @property
-    def top_logprobs(self) -> list[list[tuple[int, float]] | None] | None:
-        n = self._num_tokens - self.num_prompt_tokens
-        return None if self._top_logprobs is None else self._top_logprobs[:n]
-
-
-@dataclass
-class EngineStats:
-    """Counters for metrics; monotonically increasing totals plus current gauges."""
-
-    num_prompt_tokens_total: int = 0
-    num_generation_tokens_total: int = 0
-    num_prefix_cache_query_tokens_total: int = 0
-    num_prefix_cache_hit_tokens_total: int = 0
-    num_preemptions_total: int = 0
-    num_steps_total: int = 0
+# RequestOutput and EngineStats live in engine/outputs.py; they stay importable from here.
+__all__ = ["Engine", "EngineStats", "RequestOutput"]
 
 
 class Engine:
@@ -138,7 +72,7 @@ class Engine:
         self.max_model_len = p.max_model_len
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
-        self._seq_ids = itertools.count()
+        self._intake = RequestIntake(p, lambda: self.grammar)
         self._step_counter = 0
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()  # a server may reach `grammar` from another thread
@@ -209,92 +143,30 @@ class Engine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | RenderedPrompt,
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         constraint: TokenConstraint | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; it joins the running batch at the next step. Validates everything a
-        caller can get wrong (typed errors, a bad structured_outputs grammar included), so a bad
-        request never reaches the step loop. `constraint` (any TokenConstraint) overrides the grammar."""
-        params = params or SamplingParams()
+        caller can get wrong (typed errors, a bad structured_outputs grammar included; engine/intake.py),
+        so a bad request never reaches the step loop. `constraint` (any TokenConstraint) overrides the
+        grammar."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._seqs:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
-        params.validate_vocab(self.tokenizer.vocab_size)
-        trace = RequestTrace(request_id=request_id, arrival_time=arrival_time or time.perf_counter())
-        ids = self._prompt_ids(prompt, trace)
-        self._check_length(len(ids), params.max_tokens)
-        if constraint is None and params.structured_outputs is not None:
-            grammar = self.grammar.new_constraint(params.structured_outputs)
-            trace.record_grammar(grammar.trace)
-            constraint = grammar
-        trace.record_request(
-            params.trace_dict(), str(self.device), str(self.parts.dtype), self.parts.model_name
-        )
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed % 2**64)
-        seq = Sequence(
-            seq_id=next(self._seq_ids),
-            request_id=request_id,
-            prompt_token_ids=ids,
-            params=params,
-            max_total_tokens=self.max_model_len,
-            trace=trace,
-            generator=gen,
-            constraint=constraint,
-        )
-        seq.text_state = TextState(
-            # the prompt's last ids as context: a SentencePiece output's first token keeps its space
-            IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=params.skip_special_tokens, context=ids
-            ),
-            StopStringMatcher(params.stop) if params.stop else None,
+        seq = self._intake.new_sequence(
+            request_id, prompt, params or SamplingParams(), constraint, arrival_time
         )
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    def prompt_token_ids(self, prompt: str | list[int] | RenderedPrompt) -> list[int]:
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """The token ids this engine runs for `prompt` (a str gets the tokenizer's BOS, if any);
         InvalidParameterError for an empty prompt, ids outside the vocabulary, or another type."""
-        if isinstance(prompt, RenderedPrompt):
-            ids = list(prompt.token_ids)
-        elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
-            if bad:
-                raise InvalidParameterError(
-                    "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.tokenizer.vocab_size})"
-                )
-        else:
-            raise InvalidParameterError(
-                "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        if not ids:
-            raise InvalidParameterError("prompt", "is empty: at least one token is needed")
-        return ids
-
-    def _prompt_ids(self, prompt: str | list[int] | RenderedPrompt, trace: RequestTrace) -> list[int]:
-        ids = self.prompt_token_ids(prompt)
-        special = self.tokenizer.special_ids
-        if isinstance(prompt, RenderedPrompt):
-            trace.record_prompt(ids, prompt.text, list(prompt.is_control))
-        else:
-            trace.record_prompt(ids, prompt if isinstance(prompt, str) else None, [i in special for i in ids])
-        return ids
-
-    def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        if num_prompt_tokens > self.max_model_len or (
-            max_tokens > 0 and num_prompt_tokens == self.max_model_len
-        ):
-            raise ContextLengthExceededError(num_prompt_tokens, self.max_model_len)
-        if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise ContextLengthExceededError(num_prompt_tokens, self.max_model_len, max_tokens)
+        return self._intake.prompt_token_ids(prompt)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request now: its KV blocks are freed before this returns."""
@@ -303,7 +175,7 @@ class Engine:
             return None
         self.scheduler.finish(seq, FinishReason.ABORT)
         seq.trace.record_finish(FinishReason.ABORT.value, time.perf_counter())
-        return self._output(seq, "", [])
+        return make_output(seq, "", [])
 
     def reset_prefix_cache(self) -> None:
         """Drop the prefix cache (its blocks go back to the pool once no request holds them)."""
@@ -393,7 +265,7 @@ class Engine:
             self._seqs.pop(seq.request_id, None)
             self.scheduler.finish(seq, FinishReason.ERROR)  # frees without committing; no-op if retired
             seq.trace.record_finish(FinishReason.ERROR.value, now)
-            outputs.append(self._output(seq, "", [], EngineStepError(error.stage, error.cause)))
+            outputs.append(make_output(seq, "", [], EngineStepError(error.stage, error.cause)))
         return outputs
 
     def _stop(self, reason: str, error: EngineStepError) -> NoReturn:
@@ -478,7 +350,7 @@ class Engine:
             seq.trace.record_token(now)
             if finish is not None:
                 self._retire(seq, finish, now)
-            outputs.append(self._output(seq, delta_text, [seq.token_ids[-1]]))
+            outputs.append(make_output(seq, delta_text, [seq.token_ids[-1]]))
         return outputs
 
     def _score_only_done(self, seq: Sequence, now: float) -> RequestOutput:
@@ -486,34 +358,9 @@ class Engine:
         seq.trace.record_prefill_done(now)
         self.scheduler.commit_prompt(seq)
         self._retire(seq, FinishReason.LENGTH, now)
-        return self._output(seq, "", [])
+        return make_output(seq, "", [])
 
     def _retire(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         self.scheduler.finish(seq, reason)
         seq.trace.record_finish(reason.value, now)
         self._seqs.pop(seq.request_id, None)
-
-    def _output(
-        self, seq: Sequence, delta_text: str, delta_ids: list[int], error: EngineStepError | None = None
-    ) -> RequestOutput:
-        want_lp = seq.params.logprobs is not None
-        ts = seq.text_state
-        return RequestOutput(
-            request_id=seq.request_id,
-            text=ts.text if ts else "",
-            delta_text=delta_text,
-            delta_token_ids=delta_ids,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            trace=seq.trace,
-            _all_token_ids=seq.token_ids,
-            _num_tokens=seq.num_tokens,
-            _logprobs=seq.output_logprobs if want_lp else None,
-            _top_logprobs=seq.output_top_logprobs if want_lp else None,
-            error=error,
-            prompt_logprobs=seq.prompt_logprobs if seq.has_prompt_logprobs else None,
-            prompt_top_logprobs=seq.prompt_top_logprobs if seq.has_prompt_logprobs else None,
-            cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-        )
