@@ -95,18 +95,23 @@ def test_silu_mul_matches_the_mlp_activation() -> None:
 def test_engine_greedy_tokens_equal_with_the_fused_ops() -> None:
     """A tiny Qwen3 (q/k norms) through the Triton backend on static decode buffers, as on CUDA:
     with the fused ops installed, the same greedy tokens as the torch ops (float32)."""
+    import copy
+
     from onecall.model import triton_ops
     from onecall.sampling_params import SamplingParams
-    from tests.helpers.tiny_engine import run_all, tiny_engine
+    from tests.helpers.tiny_engine import run_all, tiny_engine, tiny_model
 
     prompts = {f"r{i}": f"Count the apples number {i} " + "and pears " * i for i in range(2)}
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = []
     for fused in (False, True):
-        engine = tiny_engine(arch="qwen3")
-        engine.enable_static_decode(capture=False, backend="triton")  # installs them (fast kernels)
+        # a copy: the cached tiny model is shared with other tests (the engine installs the ops on CUDA)
+        engine = tiny_engine(model=copy.deepcopy(tiny_model("qwen3")))
+        engine.enable_static_decode(capture=False, backend="triton")
+        triton_ops.install(engine.parts.model)
+        copy.deepcopy(engine.parts.model)  # the hook does not stop a model from being copied
         modules = list(engine.parts.model.modules())
-        hooked = [m for m in modules if getattr(m, "fused", None) is triton_ops]
+        hooked = [m for m in modules if isinstance(getattr(m, "fused", None), triton_ops.TritonOps)]
         # per layer: two norms, the q/k norms, attention, the MLP; and the final norm
         assert len(hooked) == 6 * engine.parts.model.config.num_hidden_layers + 1
         calls = {"rope_store": 0}
@@ -118,7 +123,7 @@ def test_engine_greedy_tokens_equal_with_the_fused_ops() -> None:
                 real(*args)  # type: ignore[operator]
 
             for m in hooked:
-                m.fused = type("Fused", (), {**vars(triton_ops), "rope_store": staticmethod(counted)})
+                m.fused = type("Counted", (triton_ops.TritonOps,), {"rope_store": staticmethod(counted)})()
         else:
             for m in hooked:
                 m.fused = None  # the torch ops

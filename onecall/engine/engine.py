@@ -97,7 +97,7 @@ class Engine:
         self.runner = ModelRunner(
             p.model, p.kv_cache, self.block_manager, self.device, backend, tp_group=p.tp_group
         )
-        if backend == "triton" and self.config.kernels == "fast":
+        if backend == "triton" and self.config.kernels == "fast" and self.device.type == "cuda":
             from onecall.model import triton_ops  # Triton loads only with its backend (CUDA)
 
             triton_ops.install(p.model)  # norms, RoPE + K/V writes, SiLU: one kernel each

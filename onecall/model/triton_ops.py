@@ -196,13 +196,20 @@ def silu_mul(y: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def install(model: nn.Module) -> None:
-    """Set the `fused` hook of every RMSNorm, Attention and MLP in `model` to this module."""
-    import sys
+class TritonOps:
+    """What the modules' `fused` hook holds: this module's three ops (a plain object, so a model with
+    the hook set still deep-copies)."""
 
+    add_rms_norm = staticmethod(add_rms_norm)
+    rope_store = staticmethod(rope_store)
+    silu_mul = staticmethod(silu_mul)
+
+
+def install(model: nn.Module) -> None:
+    """Set the `fused` hook of every RMSNorm, Attention and MLP in `model` to the fused ops."""
     from onecall.model.layers import MLP, Attention, RMSNorm
 
-    this = sys.modules[__name__]
+    this = TritonOps()
     for module in model.modules():
         # exact types only: Gemma's norms scale before the cast and its MLP is gelu (model/gemma.py)
         plain = type(module) in (RMSNorm, MLP)
