@@ -28,8 +28,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PF_BK 64     /* keys per tile (a multiple of 4: the score micro-tile) */
-#define PF_ROWS 96   /* target rows (positions x heads of a group) per task */
+#ifndef PF_BK
+#define PF_BK 64 /* keys per tile (a multiple of 4: the score micro-tile) */
+#endif
+#ifndef PF_ROWS
+#define PF_ROWS 96 /* target rows (positions x heads of a group) per task */
+#endif
 #define PF_RV 24     /* rows per score micro-tile (3 vectors); R is a multiple of it (and so of 6) */
 #define PF_MAX_D 512 /* head_dim handled here */
 
@@ -170,10 +174,13 @@ static inline __attribute__((always_inline)) void prefill_task(const Problem *pb
     const int64_t lo = pb->window > 0 && first_pos - pb->window + 1 > 0 ? first_pos - pb->window + 1 : 0;
     const float *kp[PF_BK], *vp[PF_BK];
     for (int64_t t0 = lo / PF_BK * PF_BK; t0 <= last_pos; t0 += PF_BK) {
-        const int64_t nk = t0 + PF_BK <= pb->seq_len ? PF_BK : pb->seq_len - t0; /* keys that exist */
-        /* 3. row pointers of the tile's K and V (in place, or converted from half); missing keys read a
-         * zero row, their scores are masked (they are past every row's position) */
-        for (int64_t j = 0; j < PF_BK; j++) {
+        /* keys some row may see: up to the last row's position (which is < seq_len, so they exist);
+         * the tile's later keys are masked for every row, and leaving them out is the exact no-op */
+        const int64_t nk = t0 + PF_BK <= last_pos + 1 ? PF_BK : last_pos + 1 - t0;
+        const int64_t nk4 = (nk + 3) / 4 * 4; /* whole score micro-tiles */
+        /* 3. row pointers of the tile's K and V (in place, or converted from half); keys past nk read
+         * a zero row (up to nk4), their scores are masked (they are past every row's position) */
+        for (int64_t j = 0; j < nk4; j++) {
             if (j >= nk) {
                 kp[j] = vp[j] = zero_row;
                 continue;
@@ -193,12 +200,12 @@ static inline __attribute__((always_inline)) void prefill_task(const Problem *pb
         }
         /* 4. scores (key j, row rho), then soft-capping and the mask */
         for (int64_t i0 = 0; i0 < R; i0 += PF_RV)
-            for (int64_t j0 = 0; j0 < PF_BK; j0 += 4) score_tile(s->qt + i0, R, kp + j0, D, s->st + j0 * R + i0);
+            for (int64_t j0 = 0; j0 < nk4; j0 += 4) score_tile(s->qt + i0, R, kp + j0, D, s->st + j0 * R + i0);
         if (pb->softcap > 0.0f)
             for (int64_t j = 0; j < nk * R; j++) s->st[j] = pb->softcap * tanhf(s->st[j] / pb->softcap);
-        const int needs_mask = t0 + PF_BK - 1 > first_pos || (pb->window > 0 && t0 <= last_pos - pb->window);
+        const int needs_mask = t0 + nk4 - 1 > first_pos || (pb->window > 0 && t0 <= last_pos - pb->window);
         if (needs_mask)
-            for (int64_t j = 0; j < PF_BK; j++) {
+            for (int64_t j = 0; j < nk4; j++) {
                 const __m256i kpos = _mm256_set1_epi32((int32_t)(t0 + j));
                 const __m256i w = _mm256_set1_epi32((int32_t)pb->window);
                 for (int64_t i = 0; i < R; i += 8) {
