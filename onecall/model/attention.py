@@ -24,12 +24,14 @@ choices in the README's attention table). Where the native kernels load (model/n
 runs decode rows through the paged decode kernel and each prefill chunk through the native causal
 prefill kernel (csrc/prefill_attention.c: tiled, online softmax, GQA and the window options in the
 kernel; measured faster than SDPA's flash kernel in the README's kernel table); SDPA stays the path
-for what the kernels do not take (other dtypes, head sizes) and the reference they are tested against. "triton" (model/triton_attention.py) is the CUDA
-path; its numerics run on CPU under TRITON_INTERPRET=1 in the tests.
+for what the kernels do not take (other dtypes, head sizes) and the reference they are tested
+against. "triton" (model/triton_attention.py) is the CUDA path; its numerics run on CPU under
+TRITON_INTERPRET=1 in the tests.
 
 Per-layer options, on every backend: a sliding window (Mistral, Gemma's local layers) and logit
 soft-capping (Gemma 2); see paged_attention. On "paged"/"reference" a sequence they change runs
-through `_attend_windowed` (its keys cut to the window, an explicit band mask); decode rows take the
+through `_attend_windowed` (its keys cut to the window, an explicit band mask) unless the native
+prefill kernel takes it (it applies both per row); decode rows take the
 native kernel's own window and cap; Triton masks by position and skips tiles before the window.
 
 Batch invariance: on "paged" and "reference" a sequence's attention is computed by a call that
