@@ -137,7 +137,9 @@ class FastLinear(nn.Module):
         fused projection whose parts were stored in different types, as in Q4_K_M files)."""
         super().__init__()
         if weight is None:  # every row on the stored 4-bit groups: no float32 copy exists (runs_int4_only)
-            assert stored is not None and runs_int4_only(stored), "a FastLinear without a weight needs int4 groups"
+            assert stored is not None and runs_int4_only(stored), (
+                "a FastLinear without a weight needs int4 groups"
+            )
             parts = [(0, 0, stored)] if isinstance(stored, (Int4Groups, Int8Groups)) else list(stored)
             self.out_features = sum(g.q.shape[0] for _, _, g in parts)
             self.in_features = parts[0][2].q.shape[1]
@@ -165,7 +167,9 @@ class FastLinear(nn.Module):
             self._pack_stored(list(stored))
         if self.q4 is None:
             assert weight is not None
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ONEDNN_PACK_ROWS)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach().contiguous(), _ONEDNN_PACK_ROWS
+            )
 
     def _pack_stored(self, parts: list[tuple[int, int, StoredGroups]]) -> None:
         assert parts[0][0] == 0 and parts[-1][1] == self.out_features, "parts must cover every row"

@@ -139,7 +139,9 @@ def _silu_mul_kernel(y_ptr, out_ptr, stride_y, stride_out, inter, BLOCK: tl.cons
     up = tl.load(y_ptr + row * stride_y + inter + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu: float32 inside, rounded to the dtype
-    tl.store(out_ptr + row * stride_out + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(
+        out_ptr + row * stride_out + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask
+    )
 
 
 def add_rms_norm(
@@ -192,7 +194,9 @@ def silu_mul(y: torch.Tensor) -> torch.Tensor:
     inter = width // 2
     out = torch.empty(rows, inter, dtype=y.dtype, device=y.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](y, out, y.stride(0), out.stride(0), inter, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+        y, out, y.stride(0), out.stride(0), inter, BLOCK=block
+    )
     return out
 
 

@@ -187,7 +187,9 @@ async def _events(gen: Generation, head: _Head, setup: ChatSetup) -> AsyncGenera
                     msg["output_index"] = len(order)
                     order.append(head.message_id)
                     empty = OutputMessage(id=head.message_id, status="in_progress", content=[])
-                    yield event("response.output_item.added", output_index=msg["output_index"], item=dump(empty))
+                    yield event(
+                        "response.output_item.added", output_index=msg["output_index"], item=dump(empty)
+                    )
                     yield event("response.content_part.added", part=part, **msg)
                 text += delta.content
                 yield event("response.output_text.delta", delta=delta.content, logprobs=[], **msg)
