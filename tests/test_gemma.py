@@ -515,7 +515,7 @@ def test_the_fast_kernels_run_gemma(whole: tuple[Any, DecoderLM]) -> None:
 
 @pytest.mark.parametrize(
     ("architecture", "needle"),
-    [("Gemma3ForConditionalGeneration", "multimodal checkpoint"), ("GemmaForCausalLM", "Gemma 1"),
+    [("Gemma3ForConditionalGeneration", "no text_config"), ("GemmaForCausalLM", "Gemma 1"),
      ("Gemma3nForConditionalGeneration", "Gemma 3n")],
 )  # fmt: skip
 def test_gemma_checkpoints_we_do_not_run_are_named(architecture: str, needle: str) -> None:

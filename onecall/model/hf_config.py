@@ -24,8 +24,6 @@ from onecall.model.config import (
 
 # Classes of the families users bring that onecall does not run, named for what they are.
 _REFUSED_CLASSES = {
-    "Gemma3ForConditionalGeneration": "Gemma 3's multimodal checkpoint, a vision tower beside the language "
-    "model; onecall runs text only: use a text-only Gemma 3 (Gemma3ForCausalLM) or the language model's GGUF",
     "GemmaForCausalLM": "Gemma 1, whose layer (two norms, no soft-caps) onecall does not implement",
     "Gemma3nForConditionalGeneration": "Gemma 3n (per-layer embeddings, AltUp, LAuReL)",
     "Qwen2MoeForCausalLM": "Qwen1.5/Qwen2-MoE, whose shared expert onecall does not implement",
@@ -52,8 +50,35 @@ _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
 
 
+# Multimodal checkpoints whose language model onecall runs alone (text in, text out): the class, and
+# the text model's class. Their weights are renamed and the vision tower skipped on load
+# (checkpoint.language_model_tensor).
+MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
+def text_model_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json (MULTIMODAL_TEXT_MODELS) -> its language model's, as a text-only config
+    of that family would say it: `text_config` with the top level's tie_word_embeddings and token ids
+    where the text part leaves them out. Any other config is returned as it is."""
+    archs = d.get("architectures")
+    name = archs[0] if isinstance(archs, list) and archs else None
+    text_class = MULTIMODAL_TEXT_MODELS.get(name) if isinstance(name, str) else None
+    if text_class is None:
+        return d
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError(f"{name} config has no text_config to run the language model from")
+    merged = dict(text)
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id"):
+        if merged.get(key) is None and d.get(key) is not None:
+            merged[key] = d[key]
+    merged["architectures"] = [text_class]
+    return merged
+
+
 def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     """Read a Hugging Face config.json dict; refuse what we would run wrong."""
+    d = text_model_config(d)  # a multimodal checkpoint: its language model
     # 1. Architecture, from "architectures" first, else "model_type".
     arch = _architecture(d)
     if arch == "gemma3":
