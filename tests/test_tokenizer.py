@@ -327,6 +327,17 @@ def test_hf_folder_bos_from_post_processor_and_jinja_file(tmp_path: Path) -> Non
     assert tok.chat_template == "from the file"
 
 
+def test_hf_folder_chat_template_from_a_processor_file(tmp_path: Path) -> None:
+    """A multimodal model's folder keeps its template in chat_template.json (the processor's file);
+    tokenizer_config's own template, where there is one, still wins."""
+    write_folder(tmp_path, tiny_hf_tokenizer(), {"bos_token": "<s>", "eos_token": "</s>"}, None)
+    (tmp_path / "chat_template.json").write_text('{"chat_template": "from the processor"}')
+    assert Tokenizer.from_hf_folder(tmp_path).chat_template == "from the processor"
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": "from tokenizer_config"}
+    write_folder(tmp_path, tiny_hf_tokenizer(), config, None)
+    assert Tokenizer.from_hf_folder(tmp_path).chat_template == "from tokenizer_config"
+
+
 def test_hf_folder_errors(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="tokenizer.json"):
         Tokenizer.from_hf_folder(tmp_path)

@@ -243,7 +243,8 @@ def _read_json(file: Path) -> dict[str, Any]:
 
 
 def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
-    """chat_template.jinja if present, else tokenizer_config's (a list of named templates: "default")."""
+    """chat_template.jinja if present, else tokenizer_config's (a list of named templates: "default"),
+    else chat_template.json's (where a multimodal model's processor keeps it)."""
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
@@ -251,6 +252,8 @@ def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
+    if template is None and (path / "chat_template.json").is_file():
+        template = _read_json(path / "chat_template.json").get("chat_template")
     return template if isinstance(template, str) else None
 
 
