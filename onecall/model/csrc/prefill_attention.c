@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Tile sizes (-DPF_BK=.. -DPF_ROWS=.. to try others; native.py builds with these). A row's bits depend
+ * on PF_BK (its key tiles' bounds), not on PF_ROWS. */
 #ifndef PF_BK
 #define PF_BK 64 /* keys per tile (a multiple of 4: the score micro-tile) */
 #endif
