@@ -368,6 +368,10 @@ def _serve_steps(
         local.head_dim, kv_dtype, device,
     )  # fmt: skip
     backend = default_backend(device, config.kernels)
+    if backend == "triton" and device.type == "cuda":  # the fused small ops, as rank 0's engine installs them
+        from onecall.model import triton_ops
+
+        triton_ops.install(model)
     runner = ModelRunner(model, kv_cache, None, device, backend, block_size=config.block_size)
     while (step := receive_step(control)) is not None:
         runner.run(step)
