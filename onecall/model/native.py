@@ -37,6 +37,7 @@ from onecall import envs
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "quant_gemm.c", _CSRC / "prefill_attention.c")  # one library, one cache key
+_HEADERS = (_CSRC / "simd.h",)  # included by the sources: part of the cache key, not compiled alone
 # -ffp-contract=off: float arithmetic runs as written (FMAs only where the code asks for one), so two
 # paths that should give the same bits (float16 vs float32 scales, a row alone vs in a batch) do.
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
@@ -112,7 +113,7 @@ def _cached_library(compiler: str) -> Path:
         ).stdout.splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError) as e:
         raise _Unavailable(f"{compiler} --version failed: {e}") from e
-    sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in _SOURCES)
+    sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
     folder = envs.cache_dir() / "kernels"
     path = folder / f"quant_gemm-{key}.so"

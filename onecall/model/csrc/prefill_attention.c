@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 /* Tile sizes (-DPF_BK=.. -DPF_ROWS=.. to try others; native.py builds with these). A row's bits depend
  * on PF_BK (its key tiles' bounds), not on PF_ROWS. */
 #ifndef PF_BK
@@ -38,29 +40,6 @@
 #endif
 #define PF_RV 24     /* rows per score micro-tile (3 vectors); R is a multiple of it (and so of 6) */
 #define PF_MAX_D 512 /* head_dim handled here */
-
-/* exp(x), 8 at a time: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor polynomial
- * (relative error < 2e-7); x < -87 (and -inf) gives exactly 0, x > 88 is clamped; exp(0) is exactly
- * 1 (n = 0, r = 0, p(0) = 1), which the no-op argument above relies on. The same method as
- * quant_gemm.c's exp256 (that file keeps its helpers static). */
-static inline __m256 pf_exp(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
 
 /* st[k * R + i] = dot(kp[k], qt[:, i]) for 4 keys k and 24 rows i (qt, st already offset to the
  * micro-tile's first row): 12 accumulators, each one FMA chain over d in order. */
@@ -231,11 +210,11 @@ static inline __attribute__((always_inline)) void prefill_task(const Problem *pb
             __m256 sum = _mm256_setzero_ps();
             for (int64_t j = 0; j < nk; j++) {
                 float *sp = s->st + j * R + i;
-                const __m256 p = pf_exp(_mm256_sub_ps(_mm256_loadu_ps(sp), m_use));
+                const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sp), m_use));
                 _mm256_storeu_ps(sp, p);
                 sum = _mm256_add_ps(sum, p);
             }
-            const __m256 alpha = pf_exp(_mm256_sub_ps(m_old, m_use));
+            const __m256 alpha = exp256(_mm256_sub_ps(m_old, m_use));
             _mm256_storeu_ps(s->alpha + i, alpha);
             _mm256_storeu_ps(s->l + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(s->l + i), alpha), sum));
             _mm256_storeu_ps(s->m + i, m_new);

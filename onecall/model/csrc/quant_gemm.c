@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define ACT_MAX 32767.0f /* activations are quantized to int16 steps of absmax / ACT_MAX per group */
 
 static inline float hsum8(__m256 v) {
@@ -406,27 +408,6 @@ int onecall_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q, const
  */
 #define ATTN_CHUNK 128
 #define ATTN_MAX_HEADS 128 /* query heads handled here (more: the caller falls back) */
-
-/* exp(x), 8 at a time: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial
- * (relative error < 2e-7 on that range); exp(x < -87) flushes to 0, x > 88 is clamped to 88. */
-static inline __m256 exp256(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x); /* ln2, high part */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);    /* ln2, low part */
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
 
 /* 8 K/V values from a float32 or (f16) IEEE half cache row, as float32. */
 static inline __attribute__((always_inline)) __m256 load_kv8(const void *row, int64_t i, const int f16) {
