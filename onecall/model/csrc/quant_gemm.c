@@ -272,9 +272,11 @@ static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_row(x, m, K, &r);
+        /* no barrier between chunks: a static schedule over the same trip count gives each thread the
+         * same units in every chunk, and the outputs of different units never overlap */
         for (int64_t m0 = 0; m0 < M; m0 += Q4_ROW_CHUNK) {
             const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t u = 0; u < units; u++) q4_unit(&r, m0, m_end, u, blocks, K, N, qs, scale, offset, bias, y, f16);
         }
     }
