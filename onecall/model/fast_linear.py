@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -111,15 +109,6 @@ def runs_int4_only(stored: StoredGroups | Sequence[tuple[int, int, StoredGroups]
         and all(isinstance(g, Int4Groups) and g.group_size == 32 and g.q.shape[1] % 32 == 0 for g in parts)
         and _native() is not None
     )
-
-
-@dataclass(frozen=True)
-class _Q8Rows:
-    """Rows [start, end) of a projection in int8 groups (a Q8_0 or Q6_K part), for the native q8 kernel."""
-
-    start: int
-    end: int
-    groups: Int8Groups
 
 
 class FastLinear(nn.Module):
@@ -368,102 +357,3 @@ class FastLMHead(nn.Module):
             q8 = self.q8
             return native.q8_gemm(lib, x, q8.q, q8.scale, None, torch.get_num_threads(), q8.group_size)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-
-
-@dataclass
-class PackSlot:
-    """One projection to pack: the module attribute its FastLinear replaces, and the checkpoint
-    tensors that fill its rows (a fused q/k/v or gate/up weight has several)."""
-
-    owner: nn.Module
-    attr: str
-    shape: tuple[int, int]  # (out_features, in_features)
-    parts: dict[str, tuple[int, int]]  # checkpoint name -> (first row, end row), in row order
-    bias: torch.Tensor | None
-
-
-class StreamingPacker:
-    """Packs projections into FastLinear modules while the checkpoint streams in.
-
-    `accept(name, tensor)` takes a projection's part; when a projection has all its parts it is
-    packed on a worker thread (torch's packing ops release the GIL) while loading goes on. So no
-    dense float32 copy of the projections is ever a parameter: each lives only until packed, and
-    cold start pays neither their first-touch page faults nor a copy (about 0.4 s for
-    SmolLM2-135M's 424 MB on this machine). A projection whose parts are all 4-bit groups the native
-    kernel runs needs no float32 weight at all: its parts may arrive as meta tensors (a GGUF loader
-    that did not expand them, GGUFFile.iter_tensors(expand_int4=False)) and are packed from the stored
-    groups alone; any other meta part is expanded from its stored groups here. `finish` installs the
-    modules and packs the logits.
-    """
-
-    def __init__(self, slots: list[PackSlot], stored: Mapping[str, StoredGroups], workers: int) -> None:
-        self.slots = slots
-        self._slot_of = {name: (slot, rows) for slot in slots for name, rows in slot.parts.items()}
-        self._stored = stored  # may still be filling: a part's groups are stored before it is yielded
-        self._staging: dict[int, dict[str, torch.Tensor]] = {}  # id(slot) -> the parts received so far
-        self._pool = ThreadPoolExecutor(max_workers=max(1, workers))
-        self._jobs: list[tuple[PackSlot, Future[FastLinear]]] = []
-
-    def accept(self, name: str, tensor: torch.Tensor) -> bool:
-        """Take `tensor` (float32, or meta: see the class docstring) if it is part of a projection
-        (shape already checked); False otherwise."""
-        entry = self._slot_of.get(name)
-        if entry is None:
-            return False
-        slot, _ = entry
-        parts = self._staging.setdefault(id(slot), {})
-        parts[name] = tensor
-        if len(parts) == len(slot.parts):
-            del self._staging[id(slot)]
-            self._submit_parts(slot, parts)
-        return True
-
-    def _submit_parts(self, slot: PackSlot, parts: dict[str, torch.Tensor]) -> None:
-        stored = self._stored_parts(slot)
-        if stored is not None and runs_int4_only(stored):
-            self._jobs.append((slot, self._pool.submit(FastLinear, None, slot.bias, stored)))
-            return
-        if len(parts) == 1:
-            ((name, tensor),) = parts.items()
-            self.submit(slot, self._dense(name, tensor))
-            return
-        weight = torch.empty(slot.shape, dtype=torch.float32)
-        for name, (start, end) in slot.parts.items():
-            weight[start:end].copy_(self._dense(name, parts[name]))
-        self.submit(slot, weight)
-
-    def _dense(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The part as a float32 tensor: itself, or (meta) expanded from its stored groups."""
-        return self._stored[name].dequantize().float() if tensor.is_meta else tensor
-
-    def _stored_parts(self, slot: PackSlot) -> list[tuple[int, int, StoredGroups]] | None:
-        """The slot's parts as stored groups, in row order; None if a part has none."""
-        parts = []
-        for name, (start, end) in slot.parts.items():
-            groups = self._stored.get(name)
-            if groups is None:
-                return None
-            parts.append((start, end, groups))
-        return parts
-
-    def submit(self, slot: PackSlot, weight: torch.Tensor) -> None:
-        """Pack `slot` from its whole (out, in) float32 weight on a worker thread."""
-        stored = self._stored_parts(slot)  # a part without stored groups: oneDNN for every row
-        self._jobs.append((slot, self._pool.submit(FastLinear, weight, slot.bias, stored)))
-
-    def finish(self, output_weight: torch.Tensor, output_name: str) -> tuple[FastLMHead, list[FastLinear]]:
-        """Wait for every packing, swap each FastLinear in, and pack the logits projection (from the
-        checkpoint's own int8 groups when `output_name` was stored as such)."""
-        try:
-            stored = self._stored.get(output_name)
-            int8 = stored if isinstance(stored, Int8Groups) else None
-            head = self._pool.submit(FastLMHead, output_weight, int8)
-            modules = [job.result() for _, job in self._jobs]
-            for (slot, _), module in zip(self._jobs, modules, strict=True):
-                setattr(slot.owner, slot.attr, module)
-            return head.result(), modules
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
