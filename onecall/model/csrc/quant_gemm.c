@@ -566,44 +566,60 @@ int onecall_paged_decode_attention(const float *q, int64_t q_stride, const void 
                                   block_size, scale, window, softcap, out, num_threads, 0);
 }
 
+/* Rows from which the small row-wise passes below split their rows across the threads (a prompt
+ * chunk); fewer rows (decode) run on the calling thread, with no parallel region at all. A row's
+ * arithmetic is the same either way. */
+#define SMALL_OPS_PAR_ROWS 32
+
+/* One row of onecall_add_rms_norm; y may be h (y[i] reads only h[i]). */
+static inline void add_rms_norm_row(float *hr, const float *rr, const float *w, int64_t K, float eps, float *yr) {
+    if (rr)
+        for (int64_t i = 0; i < K; i++) hr[i] += rr[i];
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= K; i += 8) {
+        const __m256 v = _mm256_loadu_ps(hr + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum8(acc);
+    for (; i < K; i++) ss += hr[i] * hr[i];
+    const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+    for (i = 0; i < K; i++) yr[i] = hr[i] * inv * w[i];
+}
+
 /* h (M, K) += r (M, K) when r is given; then y = h / sqrt(mean(h^2) + eps) * w, row by row
  * (the residual add and RMSNorm of a pre-norm decoder in one pass; float32, fixed order). */
 void onecall_add_rms_norm(float *h, const float *r, const float *w, int64_t M, int64_t K, float eps,
                           float *y) {
-    for (int64_t m = 0; m < M; m++) {
-        float *hr = h + m * K;
-        if (r) {
-            const float *rr = r + m * K;
-            for (int64_t i = 0; i < K; i++) hr[i] += rr[i];
-        }
-        __m256 acc = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= K; i += 8) {
-            const __m256 v = _mm256_loadu_ps(hr + i);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float ss = hsum8(acc);
-        for (; i < K; i++) ss += hr[i] * hr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)K + eps);
-        float *yr = y + m * K;
-        for (i = 0; i < K; i++) yr[i] = hr[i] * inv * w[i];
+    if (M < SMALL_OPS_PAR_ROWS) {
+        for (int64_t m = 0; m < M; m++) add_rms_norm_row(h + m * K, r ? r + m * K : NULL, w, K, eps, y + m * K);
+        return;
     }
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) add_rms_norm_row(h + m * K, r ? r + m * K : NULL, w, K, eps, y + m * K);
+}
+
+/* One row of onecall_silu_mul. */
+static inline void silu_mul_row(const float *gate, int64_t I, float *o) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const float *up = gate + I;
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
 /* out (M, I) = silu(y[:, :I]) * y[:, I:] for y (M, 2I): the gated MLP's activation, one pass. */
 void onecall_silu_mul(const float *y, int64_t M, int64_t I, float *out) {
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    for (int64_t m = 0; m < M; m++) {
-        const float *gate = y + m * 2 * I, *up = gate + I;
-        float *o = out + m * I;
-        int64_t i = 0;
-        for (; i + 8 <= I; i += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
-        }
-        for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    if (M < SMALL_OPS_PAR_ROWS) {
+        for (int64_t m = 0; m < M; m++) silu_mul_row(y + m * 2 * I, I, out + m * I);
+        return;
     }
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) silu_mul_row(y + m * 2 * I, I, out + m * I);
 }
 
 /* RoPE (rotate_half layout) on the q and k heads of qkv (M, (H + 2 KVH) * D), in place, then the
@@ -611,36 +627,47 @@ void onecall_silu_mul(const float *y, int64_t M, int64_t I, float *out) {
  * (num_slots, KVH, D) caches (float32, or IEEE half when kv_f16; KVH * D % 8 == 0 then).
  * cos, sin: (M, D / 2), the row's position's tables. q_norm, k_norm (D,) or NULL: Qwen3's per-head
  * RMSNorm (eps norm_eps), applied to each q / k head before it is rotated. */
+static inline void rope_store_row(float *row, int64_t H, int64_t KVH, int64_t D, const float *q_norm,
+                                  const float *k_norm, float norm_eps, const float *c, const float *sn,
+                                  int64_t slot, void *k_cache, void *v_cache, int kv_f16) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < H + KVH; h++) {
+        float *x = row + h * D;
+        const float *w = h < H ? q_norm : k_norm;
+        if (w) add_rms_norm_row(x, NULL, w, D, norm_eps, x); /* in place: y[i] reads only x[i] */
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = x[i], x2 = x[i + half];
+            x[i] = x1 * c[i] - x2 * sn[i];
+            x[i + half] = x2 * c[i] + x1 * sn[i];
+        }
+    }
+    if (kv_f16) { /* round to nearest even, like torch's .half() */
+        uint16_t *k = (uint16_t *)k_cache + slot * KVH * D, *v = (uint16_t *)v_cache + slot * KVH * D;
+        for (int64_t i = 0; i < KVH * D; i += 8) {
+            _mm_storeu_si128((__m128i *)(k + i), _mm256_cvtps_ph(_mm256_loadu_ps(row + H * D + i), _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(v + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(row + (H + KVH) * D + i), _MM_FROUND_TO_NEAREST_INT));
+        }
+    } else {
+        memcpy((float *)k_cache + slot * KVH * D, row + H * D, sizeof(float) * (size_t)(KVH * D));
+        memcpy((float *)v_cache + slot * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
+    }
+}
+
 void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D, const float *q_norm,
                         const float *k_norm, float norm_eps, const float *cos, const float *sin,
                         const int64_t *slot_mapping, void *k_cache, void *v_cache, int kv_f16) {
     const int64_t half = D / 2, width = (H + 2 * KVH) * D;
-    for (int64_t m = 0; m < M; m++) {
-        float *row = qkv + m * width;
-        const float *c = cos + m * half, *sn = sin + m * half;
-        for (int64_t h = 0; h < H + KVH; h++) {
-            float *x = row + h * D;
-            const float *w = h < H ? q_norm : k_norm;
-            if (w) onecall_add_rms_norm(x, NULL, w, 1, D, norm_eps, x); /* in place: y[i] reads only x[i] */
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = x[i], x2 = x[i + half];
-                x[i] = x1 * c[i] - x2 * sn[i];
-                x[i + half] = x2 * c[i] + x1 * sn[i];
-            }
-        }
-        const int64_t slot = slot_mapping[m];
-        if (kv_f16) { /* round to nearest even, like torch's .half() */
-            uint16_t *k = (uint16_t *)k_cache + slot * KVH * D, *v = (uint16_t *)v_cache + slot * KVH * D;
-            for (int64_t i = 0; i < KVH * D; i += 8) {
-                _mm_storeu_si128((__m128i *)(k + i), _mm256_cvtps_ph(_mm256_loadu_ps(row + H * D + i), _MM_FROUND_TO_NEAREST_INT));
-                _mm_storeu_si128((__m128i *)(v + i),
-                                 _mm256_cvtps_ph(_mm256_loadu_ps(row + (H + KVH) * D + i), _MM_FROUND_TO_NEAREST_INT));
-            }
-        } else {
-            memcpy((float *)k_cache + slot * KVH * D, row + H * D, sizeof(float) * (size_t)(KVH * D));
-            memcpy((float *)v_cache + slot * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
-        }
+    if (M < SMALL_OPS_PAR_ROWS) {
+        for (int64_t m = 0; m < M; m++)
+            rope_store_row(qkv + m * width, H, KVH, D, q_norm, k_norm, norm_eps, cos + m * half, sin + m * half,
+                           slot_mapping[m], k_cache, v_cache, kv_f16);
+        return;
     }
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) /* each row writes its own slot (the engine never maps two rows to one) */
+        rope_store_row(qkv + m * width, H, KVH, D, q_norm, k_norm, norm_eps, cos + m * half, sin + m * half,
+                       slot_mapping[m], k_cache, v_cache, kv_f16);
 }
 
 /* ---- a whole decode step, every layer in one call ----------------------------------------------
