@@ -39,7 +39,8 @@ from onecall import LLM, SamplingParams
 from onecall.config import EngineConfig
 from onecall.engine.engine import RequestOutput
 from onecall.engine.model_runner import StepInputs
-from onecall.engine.tp_workers import TensorParallelError, decode_step, encode_step
+from onecall.engine.tp_messages import decode_step, encode_step
+from onecall.engine.tp_workers import TensorParallelError
 from onecall.engine_flags import add_engine_args, engine_kwargs
 from onecall.errors import EngineDeadError, InvalidParameterError, UnsupportedModelError
 from onecall.text.byte_level import byte_alphabet

@@ -1,9 +1,9 @@
-"""Tensor-parallel ranks for the engine: starting them, the step rank 0 sends them, their loop, and
-what happens when one dies.
+"""Tensor parallel, rank 0's side: starting the other ranks (or joining torchrun's), sending them each
+step, and what happens when one dies.
 
     rank 0 (this process: Engine, scheduler, API, trace)       ranks 1 .. N-1 (started here)
     ----------------------------------------------------       -----------------------------
-    start_group(): (engine_parts checked the heads divide)     worker_main():
+    start_group(): (engine_parts checked the heads divide)     worker_main() (engine/tp_worker_loop.py):
       start N-1 `python -c` processes, wait for each to          join the group, load 1/N of the
       check in at the TCP store, join the group                  weights, agree on the KV pool
     load 1/N of the weights; agree_num_blocks (all-reduce MIN)
@@ -12,22 +12,13 @@ what happens when one dies.
                                                                  collectives, in the same order)
     close(): broadcast SHUTDOWN, wait (terminate if need be)   SHUTDOWN: leave the group, exit 0
 
+The messages and the gloo group they travel on are engine/tp_messages.py's; the workers' side,
+and the device and thread set-up every rank shares, engine/tp_worker_loop.py's.
+
 Workers are fresh interpreters (`python -c "...worker_main()"`, the config as JSON in argv), not
 multiprocessing's spawn: spawn re-runs the parent's main script in the child, so a script that
 builds LLM(tensor_parallel_size=2) at top level, without an `if __name__ == "__main__"` guard, would
 fail. The config is EngineConfig's plain fields; nothing from the model folder is sent.
-
-The step on the wire (two broadcasts of int64 tensors, nothing pickled): a header of _HEADER_LEN
-ints, [kind, num_copies, num_tokens, num_seqs, num_table_entries, num_sample_rows,
-num_prompt_rows, num_decode], then, for a STEP, one payload tensor with the StepInputs lists laid
-end to end in that order (copies as src, dst pairs; block tables as their lengths, then their ids;
-prompt rows as row, count pairs).
-
-Backends: the model's collectives run on gloo on CPU, NCCL on CUDA (rank r on cuda:r). The step
-messages (and the KV agreement) always go through a gloo group of CPU tensors (the default group
-on CPU; a second group, control_group(), on CUDA), as vLLM sends its metadata: an idle worker then
-waits on a socket, not in a spinning NCCL kernel, and a dead peer closes that socket. The groups'
-timeout is long on purpose: a worker waits in the header broadcast as long as the server is idle.
 
 Faults (rank 0 must never hang on a dead rank, and no rank outlives rank 0):
 - A worker that exits (crash, OOM kill, kill -9) closes its sockets: gloo raises in rank 0's next
@@ -51,12 +42,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,56 +54,29 @@ import torch
 import torch.distributed as dist
 
 from onecall.config import EngineConfig
-from onecall.engine.engine_parts import kv_blocks_in_budget, load_model
 from onecall.engine.model_runner import ModelRunner, StepInputs
+from onecall.engine.tp_messages import GROUP_TIMEOUT, backend_for, control_group, encode_step, shutdown_header
+from onecall.engine.tp_worker_loop import (
+    READY_KEY,
+    STARTUP_TIMEOUT_S,
+    WORKER_COMMAND,
+    rank_device,
+    serve_steps,
+    set_cpu_threads,
+)
 from onecall.errors import EngineDeadError, InvalidParameterError
-from onecall.model.attention import default_backend
-from onecall.model.checkpoint import load_hf_config_dict, resolve_model
-from onecall.model.config import ModelConfig
-from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from onecall.engine.model_runner import PromptLogitsFn
 
-SHUTDOWN, STEP = 0, 1
-_HEADER_LEN = 8
-_GROUP_TIMEOUT = datetime.timedelta(days=365)  # idle servers: workers wait in a broadcast meanwhile
-_STARTUP_TIMEOUT_S = 600.0  # for every worker to import torch and check in at the store
 _CLOSE_TIMEOUT_S = 10.0  # for the workers to leave after SHUTDOWN, before they are terminated
-_READY_KEY = "onecall_tp_ready"
 
 
 class TensorParallelError(EngineDeadError):
     """A tensor-parallel rank died or a step failed across the ranks; the engine cannot go on."""
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def set_cpu_threads(config: EngineConfig) -> None:
-    """CPU ranks share the cores: each gets its share unless num_threads says otherwise."""
-    if config.torch_device.type == "cpu":
-        torch.set_num_threads(
-            config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
-        )
-
-
-def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
-    """Rank r's device on its machine: cuda:r on CUDA, the CPU otherwise."""
-    return torch.device("cuda", local_rank) if config.torch_device.type == "cuda" else torch.device("cpu")
-
-
-def control_group(device: torch.device) -> dist.ProcessGroup | None:
-    """The group the step messages go through: gloo (None: the default group, already gloo on CPU).
-    Every rank calls this once, at the same point, after the default group is up."""
-    if backend_for(device) == "gloo":
-        return None
-    return dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
-
-
-# ---- rank 0 --------------------------------------------------------------------------------------
 class TensorParallelGroup:
     """Rank 0's handle on the group: its own TensorParallel, the step broadcast, the workers' health."""
 
@@ -213,7 +175,7 @@ class TensorParallelGroup:
         graceful = self.dead_reason is None and not self._in_step and self._exited_worker() is None
         if graceful:
             with contextlib.suppress(Exception):  # a worker died meanwhile: terminated below
-                self._broadcast(torch.tensor([SHUTDOWN] + [0] * (_HEADER_LEN - 1), dtype=torch.int64))
+                self._broadcast(shutdown_header())
         deadline = time.monotonic() + (_CLOSE_TIMEOUT_S if graceful else 0.0)
         for p in self._processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -262,15 +224,13 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
             argv = [config_json, str(rank), str(n), str(store.port)]
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", _WORKER_COMMAND, *argv], stdin=subprocess.PIPE, env=env
+                    [sys.executable, "-c", WORKER_COMMAND, *argv], stdin=subprocess.PIPE, env=env
                 )
             )
         _wait_for_workers(group, store, n - 1)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(
-            backend_for(device), store=store, rank=0, world_size=n, timeout=_GROUP_TIMEOUT
-        )
+        dist.init_process_group(backend_for(device), store=store, rank=0, world_size=n, timeout=GROUP_TIMEOUT)
         group.joined()
     except BaseException:
         group.dead_reason = group.dead_reason or "the group did not start"
@@ -282,13 +242,13 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
 
 def _wait_for_workers(group: TensorParallelGroup, store: dist.TCPStore, num_workers: int) -> None:
     """Until every worker checked in at the store; TensorParallelError if one exits first."""
-    deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-    while store.add(_READY_KEY, 0) < num_workers:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while store.add(READY_KEY, 0) < num_workers:
         if (gone := group._exited_worker()) is not None:
             raise TensorParallelError(f"{gone} while starting (its error is on stderr)")
         if time.monotonic() > deadline:
             raise TensorParallelError(
-                f"the tensor-parallel workers did not start in {_STARTUP_TIMEOUT_S:.0f} s"
+                f"the tensor-parallel workers did not start in {STARTUP_TIMEOUT_S:.0f} s"
             )
         time.sleep(0.02)
 
@@ -304,151 +264,10 @@ def _join_torchrun(config: EngineConfig) -> TensorParallelGroup:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     set_cpu_threads(config)
-    dist.init_process_group(backend_for(device), rank=rank, world_size=world_size, timeout=_GROUP_TIMEOUT)
+    dist.init_process_group(backend_for(device), rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
     if rank != 0:
-        _serve_steps(config, device, rank, world_size, control_group(device))
+        serve_steps(config, device, rank, world_size, control_group(device))
         raise SystemExit(0)
     group = TensorParallelGroup(TensorParallel(0, world_size), device, []).joined()
     atexit.register(group.close)
     return group
-
-
-# ---- ranks 1 .. N-1 -------------------------------------------------------------------------------
-_WORKER_COMMAND = "import sys; from onecall.engine.tp_workers import worker_main; worker_main(sys.argv[1:])"
-
-
-def worker_main(argv: list[str]) -> None:
-    """A started worker's main (argv: config JSON, rank, world size, the store's port on 127.0.0.1):
-    watch rank 0, join the group, then serve steps until SHUTDOWN."""
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
-    config = EngineConfig(**json.loads(argv[0]))
-    rank, world_size, port = int(argv[1]), int(argv[2]), int(argv[3])
-    store = dist.TCPStore(
-        "127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
-    )
-    device = rank_device(config, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store.add(_READY_KEY, 1)
-    dist.init_process_group(
-        backend_for(device), store=store, rank=rank, world_size=world_size, timeout=_GROUP_TIMEOUT
-    )
-    try:
-        _serve_steps(config, device, rank, world_size, control_group(device))
-    except RuntimeError as e:  # a collective failed: rank 0 (or another rank) is gone
-        print(f"onecall: tensor-parallel rank {rank} stops: {e}", file=sys.stderr)
-        os._exit(1)
-
-
-def _exit_with_parent() -> None:
-    """Block reading stdin, which rank 0 holds open and never writes: its end means rank 0 is gone."""
-    with contextlib.suppress(OSError):
-        while os.read(0, 4096):  # the raw descriptor: sys.stdin's lock would block the interpreter's exit
-            pass
-    os._exit(0)
-
-
-def _serve_steps(
-    config: EngineConfig, device: torch.device, rank: int, world_size: int, control: dist.ProcessGroup | None
-) -> None:
-    """Load this rank's slice, agree on the KV pool, then run every step rank 0 sends until SHUTDOWN."""
-    dtype = config.torch_dtype
-    set_cpu_threads(config)
-    files = resolve_model(config.model)
-    model = load_model(
-        config, files, ModelConfig.from_hf_config(load_hf_config_dict(files)), dtype, device,
-        TensorParallel(rank, world_size),
-    )  # fmt: skip
-    local = model.config
-    kv_dtype = config.torch_kv_cache_dtype
-    blocks = torch.tensor([kv_blocks_in_budget(config, local, kv_dtype, device)], dtype=torch.int64)
-    dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=control)  # rank 0's agree_num_blocks
-    kv_cache = PagedKVCache(
-        local.num_hidden_layers, int(blocks.item()), config.block_size, local.num_key_value_heads,
-        local.head_dim, kv_dtype, device,
-    )  # fmt: skip
-    backend = default_backend(device, config.kernels)
-    if backend == "triton" and device.type == "cuda":  # the fused small ops, as rank 0's engine installs them
-        from onecall.model import triton_ops
-
-        triton_ops.install(model)
-    runner = ModelRunner(model, kv_cache, None, device, backend, block_size=config.block_size)
-    while (step := receive_step(control)) is not None:
-        runner.run(step)
-    dist.destroy_process_group()
-
-
-def receive_step(control: dist.ProcessGroup | None) -> StepInputs | None:
-    """The next step rank 0 broadcasts; None for SHUTDOWN."""
-    header = torch.empty(_HEADER_LEN, dtype=torch.int64)
-    dist.broadcast(header, src=0, group=control)
-    kind, *sizes = header.tolist()
-    if kind == SHUTDOWN:
-        return None
-    assert kind == STEP, f"unknown tensor-parallel message {kind}"
-    payload = torch.empty(_payload_len(sizes), dtype=torch.int64)
-    dist.broadcast(payload, src=0, group=control)
-    return decode_step(sizes, payload.tolist())
-
-
-# ---- the wire format ------------------------------------------------------------------------------
-def encode_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """StepInputs -> (header, payload) int64 CPU tensors (see the module docstring)."""
-    tables = step.block_tables
-    sizes = [
-        len(step.copies),
-        len(step.input_ids),
-        len(step.seq_lens),
-        sum(len(t) for t in tables),
-        len(step.sample_rows),
-        len(step.prompt_rows),
-        step.num_decode,
-    ]
-    flat: list[int] = [x for pair in step.copies for x in pair]
-    flat += step.input_ids
-    flat += step.positions
-    flat += step.seq_lens
-    flat += step.query_lens
-    flat += step.run_lengths
-    flat += [len(t) for t in tables]
-    for t in tables:
-        flat += t
-    flat += step.sample_rows
-    flat += [x for pair in step.prompt_rows for x in pair]
-    assert len(flat) == _payload_len(sizes), "the step's lists disagree with their counts"
-    return torch.tensor([STEP, *sizes], dtype=torch.int64), torch.tensor(flat, dtype=torch.int64)
-
-
-def decode_step(sizes: list[int], flat: list[int]) -> StepInputs:
-    num_copies, num_tokens, num_seqs, _, num_sample, num_prompt, num_decode = sizes
-    pos = 0
-
-    def take(n: int) -> list[int]:
-        nonlocal pos
-        pos += n
-        return flat[pos - n : pos]
-
-    copies = take(2 * num_copies)
-    input_ids, positions = take(num_tokens), take(num_tokens)
-    seq_lens, query_lens, run_lengths = take(num_seqs), take(num_seqs), take(num_seqs)
-    tables = [take(n) for n in take(num_seqs)]
-    sample_rows = take(num_sample)
-    prompt = take(2 * num_prompt)
-    assert pos == len(flat), "the payload is longer than its header says"
-    return StepInputs(
-        copies=list(zip(copies[::2], copies[1::2], strict=True)),
-        input_ids=input_ids,
-        positions=positions,
-        block_tables=list(tables),
-        seq_lens=seq_lens,
-        query_lens=query_lens,
-        run_lengths=run_lengths,
-        sample_rows=sample_rows,
-        prompt_rows=list(zip(prompt[::2], prompt[1::2], strict=True)),
-        num_decode=num_decode,
-    )
-
-
-def _payload_len(sizes: list[int]) -> int:
-    num_copies, num_tokens, num_seqs, num_table_entries, num_sample, num_prompt, _ = sizes
-    return 2 * num_copies + 2 * num_tokens + 4 * num_seqs + num_table_entries + num_sample + 2 * num_prompt
