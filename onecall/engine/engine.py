@@ -61,6 +61,16 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "EngineStats", "RequestOutput"]
 
 
+def install_fused_ops(model: torch.nn.Module, backend: str, kernels: str, device: torch.device) -> None:
+    """With the Triton attention backend and the fast kernels on CUDA, fuse the model's small ops
+    (norms, RoPE + K/V writes, SiLU: one kernel each, model/triton_ops.py); else leave it as it is.
+    Every rank's model runs this: the Engine's, and each tensor-parallel worker's (tp_worker_loop.py)."""
+    if backend == "triton" and kernels == "fast" and device.type == "cuda":
+        from onecall.model import triton_ops  # Triton loads only with its backend (CUDA)
+
+        triton_ops.install(model)
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, parts: LoadedEngineParts | None = None) -> None:
         self.config = config or EngineConfig()
@@ -97,10 +107,7 @@ class Engine:
         self.runner = ModelRunner(
             p.model, p.kv_cache, self.block_manager, self.device, backend, tp_group=p.tp_group
         )
-        if backend == "triton" and self.config.kernels == "fast" and self.device.type == "cuda":
-            from onecall.model import triton_ops  # Triton loads only with its backend (CUDA)
-
-            triton_ops.install(p.model)  # norms, RoPE + K/V writes, SiLU: one kernel each
+        install_fused_ops(p.model, backend, self.config.kernels, self.device)
 
     def enable_static_decode(self, capture: bool, backend: str | None = None) -> None:
         """Run pure-decode steps on static, bucketed buffers (engine/decode_graphs.py), captured as

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from onecall.config import EngineConfig
+from onecall.engine.engine import install_fused_ops
 from onecall.engine.engine_parts import kv_blocks_in_budget, load_model
 from onecall.engine.model_runner import ModelRunner
 from onecall.engine.tp_messages import GROUP_TIMEOUT, backend_for, control_group, receive_step
@@ -111,10 +112,7 @@ def serve_steps(
         local.head_dim, kv_dtype, device,
     )  # fmt: skip
     backend = default_backend(device, config.kernels)
-    if backend == "triton" and device.type == "cuda":  # the fused small ops, as rank 0's engine installs them
-        from onecall.model import triton_ops
-
-        triton_ops.install(model)
+    install_fused_ops(model, backend, config.kernels, device)
     runner = ModelRunner(model, kv_cache, None, device, backend, block_size=config.block_size)
     while (step := receive_step(control)) is not None:
         runner.run(step)
