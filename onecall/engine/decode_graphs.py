@@ -1,28 +1,49 @@
-"""Decode steps with static shapes: batches padded to a few bucket sizes, replayed as CUDA graphs.
+"""Steps with static shapes: decode batches, and one short prompt chunk beside them, padded to a few
+bucket sizes and replayed as CUDA graphs.
 
 On a GPU a batch-1 decode step of an 8B model should cost one read of the weights (a few ms), but
-launched op by op from Python it costs as much again in launch overhead. So a step where every
-sequence decodes one token runs on fixed buffers instead:
+launched op by op from Python it costs as much again in launch overhead. The same holds for a short
+prompt chunk (the new tokens of a prompt whose prefix is cached, a chunked prefill's remainder):
+the weights are read once whether the chunk is 1 token or 64. So a step whose sequences all feed one
+token, except perhaps the last, which feeds a chunk of at most MAX_CHUNK tokens, runs on fixed buffers:
 
-    bucket      the smallest of BUCKETS >= the number of sequences; rows past it are padding
-    buffers     input ids, positions, slot mapping, block tables (bucket, max_blocks), seq lens,
-                query starts: preallocated once at the largest bucket, filled in place each step
-    padding     id 0 at position 0, writing its K/V into a scratch block no sequence owns and
-                attending to that one slot: finite, and never read by a real row
-    graph       per bucket, the model's forward + logits captured once (torch.cuda.CUDAGraph) after a
-                warm-up run, then replayed; the logits buffer's first n rows are the step's
+    layout      (decode bucket, chunk bucket): the smallest of BUCKETS >= the one-token sequences
+                (0 when a chunk runs alone), the smallest of CHUNK_BUCKETS >= the chunk's tokens
+                (0 for a pure-decode step; a one-token chunk is a decode row, since attention
+                treats them alike)
+    rows        decode rows, their padding, the chunk's rows, the chunk's padding:
+                    0 .. n-1 | n .. d-1 | d .. d+c-1 | d+c .. d+C-1   (d, C: the buckets)
+    sequences   d one-token sequences (real, then padding), then for a chunk two more: the chunk's
+                own, and one "padding sequence" holding its padding rows (possibly none)
+    buffers     input ids, positions, slot mapping, block tables (sequences, max_blocks), seq lens,
+                query starts, logit rows: preallocated once at the largest layout, filled in place
+                each step; attention reads lengths and row ranges from these tensors, so a graph
+                launches the Triton kernel with a fixed grid and the step's values decide its work
+    padding     decode padding: id 0 at position 0, writing its K/V into the scratch block (a block
+                no sequence owns) and attending to that one slot. Chunk padding: ids 0 at positions
+                0 .. P-1 of the padding sequence, whose block table is the scratch block repeated;
+                row p writes slot p % block_size of the scratch block (several rows may write one
+                slot: any of their finite values will do). No padding row writes a real block, and
+                attention is per sequence, every other op per row: a real row's values are those of
+                the eager step (to the arithmetic's rounding: matmuls over more rows may block the
+                sums differently)
+    logits      pure decode: every row's. With a chunk only rows the step needs, by a static index
+                (logit_rows): the decode rows, then the chunk's last token, then the decode padding
+    graph       per layout, the forward + logits captured once (torch.cuda.CUDAGraph) after a
+                warm-up run, then replayed; all layouts share the buffers (each fills what it reads)
+                and one memory pool
 
-Everything but the capture runs on any device: on CPU `replay` calls the same forward on the same
-padded buffers, so tests check the bucketing, padding and metadata without a GPU (with the Triton
+Everything but the capture runs on any device: on CPU `run` calls the same forward on the same
+padded buffers, so tests check the layouts, padding and metadata without a GPU (with the Triton
 backend under TRITON_INTERPRET=1, the one the graphs use on CUDA). A capture that fails falls back
-to that eager path for the bucket, once, with the reason kept in `capture_errors`.
+to that eager path for the layout, once, with the reason kept in `capture_errors`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,7 +51,12 @@ from onecall.model.attention import AttentionMetadata, SeqSpan, padded_block_tab
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 
+if TYPE_CHECKING:
+    from onecall.engine.model_runner import StepInputs
+
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+CHUNK_BUCKETS = (8, 16, 32, 64)
+MAX_CHUNK = CHUNK_BUCKETS[-1]  # a prompt chunk longer than this runs eagerly
 
 
 def bucket_for(num_seqs: int, max_bucket: int) -> int | None:
@@ -43,145 +69,225 @@ def bucket_for(num_seqs: int, max_bucket: int) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A static step's shape: `decode` one-token rows (a bucket), then `chunk` rows of one prompt chunk
+    (a CHUNK_BUCKETS size; 0: a pure-decode step)."""
+
+    decode: int
+    chunk: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.decode + self.chunk
+
+    @property
+    def num_seqs(self) -> int:
+        return self.decode + (2 if self.chunk else 0)  # the chunk's own, and its padding sequence
+
+    @property
+    def num_logits(self) -> int:
+        return self.num_tokens if not self.chunk else self.decode + 1
+
+    @property
+    def name(self) -> str:
+        return f"decode {self.decode}" + (f" + chunk {self.chunk}" if self.chunk else "")
+
+
+def layout_for(query_lens: Sequence[int], max_bucket: int) -> Layout | None:
+    """The layout of a step whose sequences feed query_lens tokens (one-token ones first), or None
+    when it has none: more than one sequence feeding several tokens, a chunk over MAX_CHUNK, more
+    one-token sequences than max_bucket."""
+    if not query_lens or any(q != 1 for q in query_lens[:-1]):
+        return None
+    chunk = query_lens[-1]
+    if chunk == 1:
+        bucket = bucket_for(len(query_lens), max_bucket)
+        return None if bucket is None else Layout(bucket)
+    num_decode = len(query_lens) - 1
+    bucket = bucket_for(num_decode, max_bucket) if num_decode else 0
+    if bucket is None or chunk > MAX_CHUNK:
+        return None
+    return Layout(bucket, next(c for c in CHUNK_BUCKETS if c >= chunk))
+
+
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph | None  # None: replay eagerly (CPU, or a capture that failed)
-    logits: torch.Tensor | None = None  # (bucket, vocab) float32: the captured output
+    graph: torch.cuda.CUDAGraph | None  # None: run eagerly (CPU, or a capture that failed)
+    logits: torch.Tensor | None = None  # (layout.num_logits, vocab) float32: the captured output
 
 
 @dataclass
 class DecodeGraphs:
-    """Static-shape decode for one model and KV cache. `scratch_block` is a block no sequence owns."""
+    """Static-shape steps for one model and KV cache. `scratch_block` is a block no sequence owns."""
 
     model: DecoderLM
     kv_cache: PagedKVCache
-    max_bucket: int
+    max_bucket: int  # the most one-token sequences a static step holds
     max_blocks_per_seq: int
     scratch_block: int
     backend: str  # the attention backend the static metadata is built for ("triton" on CUDA)
-    capture: bool  # capture CUDA graphs (CUDA only); False: replay runs the forward eagerly
-    capture_errors: dict[int, str] = field(default_factory=dict)
+    capture: bool  # capture CUDA graphs (CUDA only); False: every layout runs the forward eagerly
+    capture_errors: dict[str, str] = field(default_factory=dict)  # layout name -> why capture failed
 
     def __post_init__(self) -> None:
         device = self.model.model.embed_tokens.weight.device
-        n, width = self.max_bucket, self.max_blocks_per_seq
+        tokens, seqs, width = self.max_bucket + MAX_CHUNK, self.max_bucket + 2, self.max_blocks_per_seq
         self.device = device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_starts = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self._graphs: dict[int, _Graph] = {}
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(seqs, width, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
+        self.query_starts = torch.arange(seqs + 1, dtype=torch.int32, device=device)
+        self.logit_rows = torch.zeros(self.max_bucket + 1, dtype=torch.int64, device=device)
+        self._graphs: dict[Layout, _Graph] = {}
         self._pool: Any = None  # the CUDA graphs' shared memory pool (a handle from the first graph)
 
     @property
     def buckets(self) -> dict[int, bool]:
-        """The buckets used so far -> whether each replays a captured CUDA graph (else eager)."""
-        return {bucket: g.graph is not None for bucket, g in self._graphs.items()}
+        """The pure-decode buckets used so far -> whether each replays a captured CUDA graph."""
+        return {lay.decode: g.graph is not None for lay, g in self._graphs.items() if not lay.chunk}
+
+    @property
+    def chunk_buckets(self) -> dict[tuple[int, int], bool]:
+        """The (decode bucket, chunk bucket) layouts with a prompt chunk used so far -> whether each
+        replays a captured CUDA graph."""
+        return {(lay.decode, lay.chunk): g.graph is not None for lay, g in self._graphs.items() if lay.chunk}
+
+    def fits(self, step: StepInputs, block_size: int) -> Layout | None:
+        """The step's layout, or None when it runs eagerly (see layout_for; or a block table wider
+        than the buffers, for a sequence or for the chunk's padding sequence)."""
+        layout = layout_for(step.query_lens, self.max_bucket)
+        widest = max(step.seq_lens, default=0)
+        if layout is None or -(-max(widest, layout.chunk) // block_size) > self.max_blocks_per_seq:
+            return None
+        return layout
 
     # ---- one step ------------------------------------------------------------------------------
-    def run(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        block_tables: Sequence[Sequence[int]],
-        seq_lens: list[int],
-        block_size: int,
-    ) -> torch.Tensor | None:
-        """Logits (n, vocab) float32 of n one-token sequences, or None when n is above the largest
-        bucket or a table is wider than the buffers (the caller runs the step eagerly)."""
-        n = len(input_ids)
-        bucket = bucket_for(n, self.max_bucket)
-        if bucket is None or any(-(-s // block_size) > self.max_blocks_per_seq for s in seq_lens):
+    def run(self, step: StepInputs, block_size: int) -> torch.Tensor | None:
+        """Logits (num_seqs, vocab) float32 at each sequence's last token, in the step's order, or None
+        when the step does not fit (then nothing was done: the caller runs it eagerly). The step's
+        copy-on-write slot copies are applied first. The tensor may be the graph's output buffer:
+        valid until the next step."""
+        layout = self.fits(step, block_size)
+        if layout is None:
             return None
-        self._fill(input_ids, positions, block_tables, seq_lens, block_size, bucket)
-        graph = self._graphs.get(bucket) or self._prepare(bucket)
+        if step.copies:
+            self.kv_cache.copy_slots([s for s, _ in step.copies], [d for _, d in step.copies])
+        self._fill(step, block_size, layout)
+        graph = self._graphs.get(layout) or self._prepare(layout)
+        n = len(step.seq_lens)
         if graph.graph is None:
-            return self._forward(bucket)[:n]
+            return self._forward(layout)[:n]
         graph.graph.replay()
         assert graph.logits is not None
         return graph.logits[:n]
 
-    def _fill(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        block_tables: Sequence[Sequence[int]],
-        seq_lens: list[int],
-        block_size: int,
-        bucket: int,
-    ) -> None:
-        """Copy the step into the static buffers; rows n..bucket-1 become padding (see the docstring)."""
-        n = len(input_ids)
-        ids = torch.zeros(bucket, dtype=torch.int64)
-        pos = torch.zeros(bucket, dtype=torch.int64)
-        slots = torch.full((bucket,), self.scratch_block * block_size, dtype=torch.int64)
-        lens = torch.ones(bucket, dtype=torch.int32)
-        ids[:n] = torch.tensor(input_ids)
-        pos[:n] = torch.tensor(positions)
-        lens[:n] = torch.tensor(seq_lens)
-        for row, (table, seq_len) in enumerate(zip(block_tables, seq_lens, strict=True)):
-            last = seq_len - 1  # this step's token: its K/V goes to the last position's slot
-            slots[row] = int(table[last // block_size]) * block_size + last % block_size
-        # padding rows: one position, in the scratch block (blocks past a row's length are never read)
-        tables = padded_block_tables(
-            [*block_tables, *[[self.scratch_block]] * (bucket - n)],
-            [*seq_lens, *[1] * (bucket - n)],
-            block_size,
-            width=self.max_blocks_per_seq,
-            pad=self.scratch_block,
-        )
-        self.input_ids[:bucket].copy_(ids, non_blocking=True)
-        self.positions[:bucket].copy_(pos, non_blocking=True)
-        self.slot_mapping[:bucket].copy_(slots, non_blocking=True)
-        self.block_tables[:bucket].copy_(tables, non_blocking=True)
-        self.seq_lens[:bucket].copy_(lens, non_blocking=True)
+    def _fill(self, step: StepInputs, block_size: int, layout: Layout) -> None:
+        """Copy the step into the static buffers, padding it to the layout (see the docstring)."""
+        # 1. rows: real decode rows, decode padding, the chunk's rows, the chunk's padding
+        num_tokens, first = layout.num_tokens, self.scratch_block * block_size
+        num_decode = len(step.seq_lens) - (1 if layout.chunk else 0)  # the real one-token sequences
+        chunk_len = len(step.input_ids) - num_decode  # 0 for pure decode
+        pad = layout.chunk - chunk_len  # the chunk's padding rows
+        ids = torch.zeros(num_tokens, dtype=torch.int64)
+        pos = torch.zeros(num_tokens, dtype=torch.int64)
+        slots = torch.full((num_tokens,), first, dtype=torch.int64)
+        real = torch.tensor([*range(num_decode), *range(layout.decode, layout.decode + chunk_len)])
+        ids[real] = torch.tensor(step.input_ids)
+        pos[real] = torch.tensor(step.positions)
+        slots[real] = torch.tensor(_slots(step.block_tables, step.seq_lens, step.query_lens, block_size))
+        pos[num_tokens - pad :] = torch.arange(pad)
+        slots[num_tokens - pad :] = first + torch.arange(pad) % block_size
+        # 2. sequences: one-token ones (padding: one position in the scratch block), then the chunk's
+        # and its padding sequence's (the scratch block repeated); blocks past a length are never read
+        num_pad = layout.decode - num_decode
+        tables = [*step.block_tables[:num_decode], *[[self.scratch_block]] * num_pad]
+        lens = [*step.seq_lens[:num_decode], *[1] * num_pad]
+        starts = list(range(layout.decode + 1))
+        logit_rows: list[int] = []
+        if layout.chunk:
+            tables += [step.block_tables[-1], [self.scratch_block] * -(-pad // block_size)]
+            lens += [step.seq_lens[-1], pad]
+            starts += [layout.decode + chunk_len, num_tokens]
+            chunk_last = layout.decode + chunk_len - 1
+            logit_rows = [*range(num_decode), chunk_last, *range(num_decode, layout.decode)]
+        width, num_seqs = self.max_blocks_per_seq, layout.num_seqs
+        padded = padded_block_tables(tables, lens, block_size, width=width, pad=self.scratch_block)
+        self.input_ids[:num_tokens].copy_(ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(pos, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(slots, non_blocking=True)
+        self.block_tables[:num_seqs].copy_(padded, non_blocking=True)
+        self.seq_lens[:num_seqs].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.query_starts[: num_seqs + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
+        if logit_rows:
+            self.logit_rows[: len(logit_rows)].copy_(torch.tensor(logit_rows), non_blocking=True)
 
-    def _meta(self, bucket: int) -> AttentionMetadata:
-        """Metadata over the static buffers. Its SeqSpans only carry the row layout (one query per
-        row); lengths and block tables live in the tensors, which the backends read."""
-        spans = [SeqSpan(i, i + 1, 1, -1, None, None, None) for i in range(bucket)]
+    def _meta(self, layout: Layout) -> AttentionMetadata:
+        """Metadata over the static buffers. Its SeqSpans carry only the layout's row ranges (and
+        seq_len -1): the step's lengths and row ranges live in the tensors, which the backend reads."""
+        spans = [SeqSpan(i, i + 1, -1, -1, None, None, None) for i in range(layout.decode)]
+        if layout.chunk:
+            end = layout.num_tokens
+            spans += [
+                SeqSpan(layout.decode, end, -1, -1, None, None, None),
+                SeqSpan(end, end, -1, -1, None, None, None),
+            ]
         return AttentionMetadata(
             backend=self.backend,
-            slot_mapping=self.slot_mapping[:bucket],
+            slot_mapping=self.slot_mapping[: layout.num_tokens],
             seqs=spans,
             block_size=self.kv_cache.block_size,
-            block_tables=self.block_tables[:bucket],
-            seq_lens_t=self.seq_lens[:bucket],
-            query_starts_t=self.query_starts[: bucket + 1],
-            max_query_len=1,
+            block_tables=self.block_tables[: layout.num_seqs],
+            seq_lens_t=self.seq_lens[: layout.num_seqs],
+            query_starts_t=self.query_starts[: layout.num_seqs + 1],
+            max_query_len=max(layout.chunk, 1),
         )
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        hidden = self.model(
-            self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, self._meta(bucket)
-        )
-        return self.model.compute_logits(hidden)
+    def _forward(self, layout: Layout) -> torch.Tensor:
+        n = layout.num_tokens
+        hidden = self.model(self.input_ids[:n], self.positions[:n], self.kv_cache, self._meta(layout))
+        if not layout.chunk:
+            return self.model.compute_logits(hidden)  # every row is a decode row
+        return self.model.compute_logits(hidden.index_select(0, self.logit_rows[: layout.num_logits]))
 
     # ---- capture ---------------------------------------------------------------------------------
-    def _prepare(self, bucket: int) -> _Graph:
-        """Capture the bucket's graph (CUDA), or mark it eager. The buffers hold a valid step (the
+    def _prepare(self, layout: Layout) -> _Graph:
+        """Capture the layout's graph (CUDA), or mark it eager. The buffers hold a valid step (the
         current one) when this runs, so the warm-up and the capture compute real values."""
         if not (self.capture and self.device.type == "cuda"):
             graph = _Graph(None)
         else:
             try:
-                graph = self._capture(bucket)
+                graph = self._capture(layout)
             except RuntimeError as e:  # capture is an optimisation: never fail the step for it
-                self.capture_errors[bucket] = str(e)
+                self.capture_errors[layout.name] = str(e)
                 graph = _Graph(None)
-        self._graphs[bucket] = graph
+        self._graphs[layout] = graph
         return graph
 
-    def _capture(self, bucket: int) -> _Graph:
+    def _capture(self, layout: Layout) -> _Graph:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(bucket)  # warm-up: Triton kernels compiled, allocator primed
+            self._forward(layout)  # warm-up: Triton kernels compiled, allocator primed
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(bucket)
+            logits = self._forward(layout)
         self._pool = graph.pool()
         return _Graph(graph, logits)
+
+
+def _slots(
+    block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], query_lens: Sequence[int], block_size: int
+) -> list[int]:
+    """The cache slot of every fed token: sequence i's last query_lens[i] positions, in order."""
+    out: list[int] = []
+    for table, seq_len, query_len in zip(block_tables, seq_lens, query_lens, strict=True):
+        out += [
+            int(table[p // block_size]) * block_size + p % block_size
+            for p in range(seq_len - query_len, seq_len)
+        ]
+    return out

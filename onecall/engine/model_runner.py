@@ -108,20 +108,10 @@ class ModelRunner:
     def execute(self, batch: Seq[ScheduledSeq]) -> RunnerOutput:
         """Run one step: the sampling rows' logits, and the prompt logprobs this step collects."""
         step, prompt_seqs = self.pack(batch)
-        if (
-            self.decode_graphs is not None
-            and step.num_decode == len(batch)
-            and len(step.sample_rows) == len(batch)
-            and not step.prompt_rows
-            and not step.copies  # only admissions queue copies, and an admitted sequence prefills
-        ):
-            # every sequence decodes one token: the static buffers (and on CUDA a replayed graph)
-            with decode_rows(step.num_decode):
-                logits = self.decode_graphs.run(
-                    step.input_ids, step.positions, step.block_tables, step.seq_lens, self.block_size
-                )
+        if self.decode_graphs is not None and not step.prompt_rows:
+            logits = self._run_static(step, self.decode_graphs)
             if logits is not None:
-                return RunnerOutput(logits)  # rows are in batch order: decode rows first changed nothing
+                return RunnerOutput(logits)
         prompt_lps = {i: PromptLogprobs(first_token=position + 1) for i, position, _ in prompt_seqs}
 
         def collect(k: int, lo: int, logits: torch.Tensor) -> None:
@@ -133,6 +123,24 @@ class ModelRunner:
         else:
             logits = self.tp_group.run_step(self, step, collect if prompt_seqs else None)
         return RunnerOutput(logits, prompt_lps)
+
+    def _run_static(self, step: StepInputs, graphs: DecodeGraphs) -> torch.Tensor | None:
+        """The step on the static buffers (engine/decode_graphs.py; on CUDA a replayed graph) when it
+        fits them: one-token sequences and at most one short prompt chunk, which pack() puts last.
+        Returns the sampling rows' logits in batch order, or None (then nothing ran)."""
+        with decode_rows(step.num_decode):
+            logits = graphs.run(step, self.block_size)  # (num_seqs, vocab): each sequence's last token
+        if logits is None:
+            return None
+        seq_of_row: dict[int, int] = {}  # packed row of a sequence's last token -> the sequence
+        row = -1
+        for k, query_len in enumerate(step.query_lens):
+            row += query_len
+            seq_of_row[row] = k
+        pick = [seq_of_row[r] for r in step.sample_rows]
+        if pick == list(range(len(step.query_lens))):
+            return logits  # every sequence samples, batch order is packed order (pure decode)
+        return logits.index_select(0, torch.tensor(pick, dtype=torch.long, device=logits.device))
 
     def pack(self, batch: Seq[ScheduledSeq]) -> tuple[StepInputs, list[tuple[int, int, int]]]:
         """(a) The step's StepInputs, and per StepInputs.prompt_rows entry what only rank 0 needs:
