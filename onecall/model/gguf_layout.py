@@ -20,21 +20,18 @@ names -> Hugging Face parameter names, and `{arch}.*` metadata -> the config.jso
 A stacked expert tensor (num_experts, rows, cols) maps to a name with "*" for the expert index;
 model/gguf.py yields it as one tensor per expert (the per-expert names model/weights.py stacks).
 Everything the table does not cover is refused by name: other architectures (REFUSED_ARCHITECTURES
-says what the common ones are), unknown tensors, RoPE and MoE keys we would run differently.
+says what the common ones are), unknown tensors, RoPE and MoE keys we would run differently. The
+RoPE scaling (metadata keys and factor tensors) is read by model/gguf_rope_scaling.py.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from onecall.errors import UnsupportedModelError
 from onecall.model.config import GLOBAL, SLIDING
-from onecall.model.ggml_types import GGMLType
-from onecall.model.quants import dequantize
+from onecall.model.gguf_rope_scaling import rope_scaling_dict
 
 if TYPE_CHECKING:
     from onecall.model.gguf import GGUFFile
@@ -189,7 +186,7 @@ def gguf_config_dict(gguf: GGUFFile) -> dict[str, Any]:
     }
     if (rotary_dim := key("rope.dimension_count", head_dim)) != head_dim:
         config["partial_rotary_factor"] = rotary_dim / head_dim  # ModelConfig allows it for phi3 only
-    if (rope_scaling := _gguf_rope_scaling(gguf, arch)) is not None:
+    if (rope_scaling := rope_scaling_dict(gguf, arch)) is not None:
         config["rope_scaling"] = rope_scaling
     if arch in GEMMA_ARCHITECTURES:
         config |= _gemma_keys(arch, key, config)
@@ -298,102 +295,3 @@ def _moe_keys(
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
-
-
-# {arch}.rope.scaling.* keys that only llama.cpp's own yarn variants set, with the value at which they
-# change nothing: any other value is refused rather than ignored.
-_NEUTRAL_YARN_KEYS = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0}
-
-
-def _gguf_rope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
-    """The RoPE scaling the converter wrote -> an HF-style rope_scaling dict (ModelConfig checks it).
-
-    | GGUF                                                | rope_scaling                                  |
-    |-----------------------------------------------------|-----------------------------------------------|
-    | rope.scaling.type linear, .factor (or scale_linear) | linear, factor                                |
-    | rope.scaling.type yarn, .factor,                    | yarn, factor, original_max_position_embeddings|
-    |   .original_context_length, .yarn_beta_fast/_slow   |   beta_fast, beta_slow                        |
-    | tensor rope_freqs.weight (Llama 3.1+: no keys)      | llama3, freq_factors (inv_freq divisors)      |
-    | phi3: tensors rope_factors_long/short,              | longrope, long/short_factor, original_...,    |
-    |   .original_context_length, .attn_factor           |   attention_factor (if not the derived one)   |
-    Anything else (unknown keys or types) is refused by name.
-    """
-    meta = gguf.metadata
-    prefix = f"{arch}.rope.scaling."
-    scaling = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
-    if arch == "phi3":
-        return _phi3_longrope(gguf, scaling)
-    rope_type = scaling.pop("type", None)
-    scaling.pop("finetuned", None)  # informational only
-    for name, neutral in _NEUTRAL_YARN_KEYS.items():
-        if name in scaling and scaling.pop(name) != neutral:
-            raise UnsupportedModelError(
-                f"GGUF key {prefix}{name} (llama.cpp's yarn variant) is not supported"
-            )
-    factor = scaling.pop("factor", None)
-    original = scaling.pop("original_context_length", None)
-    rope: dict[str, Any] | None = None
-    if rope_type == "linear":
-        rope = {"rope_type": "linear", "factor": factor}
-    elif rope_type == "yarn":
-        rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
-        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
-            if theirs in scaling:
-                rope[ours] = scaling.pop(theirs)
-    elif rope_type not in (None, "none"):
-        raise UnsupportedModelError(
-            f"GGUF {prefix}type {rope_type!r} is not supported (only linear and yarn)"
-        )
-    if scaling:
-        raise UnsupportedModelError(
-            f"GGUF keys {', '.join(prefix + k for k in sorted(scaling))} are not supported"
-        )
-    if rope is None and (linear := meta.get(f"{arch}.rope.scale_linear")) not in (None, 1.0):
-        rope = {"rope_type": "linear", "factor": linear}
-    freqs = _float_tensor(gguf, "rope_freqs.weight")
-    if freqs is not None:
-        if rope is not None:
-            raise UnsupportedModelError(
-                f"{gguf.path.name} has both rope_freqs.weight and {rope['rope_type']} RoPE scaling"
-            )
-        rope = {"rope_type": "llama3", "freq_factors": freqs}
-    return {k: v for k, v in rope.items() if v is not None} if rope is not None else None
-
-
-def _phi3_longrope(gguf: GGUFFile, scaling: dict[str, Any]) -> dict[str, Any] | None:
-    """Phi-3's longrope as Phi3MiniModel writes it: the two factor sets as tensors, the original context
-    as rope.scaling.original_context_length, and the cos/sin multiplier it derived, as attn_factor
-    (sqrt(1 + ln(factor) / ln(original)), factor = context_length / original: transformers' default,
-    which is kept implicit unless the file says otherwise). Without factor tensors: plain RoPE."""
-    original = scaling.pop("original_context_length", None)
-    attn_factor = scaling.pop("attn_factor", None)
-    if scaling:
-        raise UnsupportedModelError(f"GGUF keys {', '.join('phi3.rope.scaling.' + k for k in sorted(scaling))} "
-                                    "are not supported")  # fmt: skip
-    long, short = (
-        _float_tensor(gguf, "rope_factors_long.weight"),
-        _float_tensor(gguf, "rope_factors_short.weight"),
-    )
-    if long is None and short is None:
-        return None
-    if long is None or short is None or original is None:
-        raise UnsupportedModelError(
-            f"{gguf.path.name}: phi3 longrope needs rope_factors_long, rope_factors_short and "
-            "phi3.rope.scaling.original_context_length"
-        )
-    rope: dict[str, Any] = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
-                            "original_max_position_embeddings": original}  # fmt: skip
-    factor = gguf.metadata.get("phi3.context_length", original) / original
-    derived = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    if attn_factor is not None and abs(attn_factor - derived) > 1e-6 * derived:  # float32-stored
-        rope["attention_factor"] = attn_factor
-    return rope
-
-
-def _float_tensor(gguf: GGUFFile, name: str) -> list[float] | None:
-    """A small 1-D tensor of the file (RoPE factors) as Python floats, or None if absent."""
-    info = next((t for t in gguf.tensors if t.name == name), None)
-    if info is None:
-        return None
-    values = dequantize(gguf.raw_data(info), GGMLType(info.ggml_type), info.shape, torch.float32)
-    return [float(v) for v in values.flatten().tolist()]
