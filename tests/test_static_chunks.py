@@ -108,12 +108,15 @@ def test_a_static_chunk_step_gives_the_eager_logits_and_writes_only_its_slots(
     chunk: int, decode_lens: list[int]
 ) -> None:
     step = _step(chunk, decode_lens)
+    if decode_lens:
+        step.sample_rows.reverse()  # batch order need not be packed order: the logits follow the batch
     eager_kv, static_kv = _cache(), _cache()
     before = static_kv.k.clone(), static_kv.v.clone()
     model = tiny_model()
     eager = ModelRunner(model, eager_kv, None, torch.device("cpu"), "triton", block_size=BLOCK_SIZE).run(step)
-    graphs = _graphs(static_kv)
-    static = graphs.run(step, BLOCK_SIZE)
+    runner = ModelRunner(model, static_kv, None, torch.device("cpu"), "triton", block_size=BLOCK_SIZE)
+    graphs = runner.decode_graphs = _graphs(static_kv)
+    static = runner.run_static(step)
     assert static is not None
     expected_layout = layout_for(step.query_lens, 8)
     assert expected_layout is not None and graphs.fits(step, BLOCK_SIZE) == expected_layout
@@ -195,6 +198,20 @@ def test_copies_are_applied_before_a_static_step() -> None:
     torch.testing.assert_close(static, eager, atol=ATOL, rtol=RTOL)
     slot = own * BLOCK_SIZE
     assert torch.equal(static_kv.k[:, slot], static_kv.k[:, shared * BLOCK_SIZE])
+
+
+def test_a_chunk_that_does_not_sample_gives_only_the_decode_rows_logits() -> None:
+    """A prompt chunk cut by the token budget samples nothing: the logits are the decode rows' only."""
+    step = _step(20, [6, 9])
+    step.sample_rows = step.sample_rows[:2]
+    model, cpu = tiny_model(), torch.device("cpu")
+    eager = ModelRunner(model, _cache(), None, cpu, "triton", block_size=BLOCK_SIZE).run(step)
+    static_kv = _cache()
+    runner = ModelRunner(model, static_kv, None, cpu, "triton", block_size=BLOCK_SIZE)
+    runner.decode_graphs = _graphs(static_kv)
+    static = runner.run_static(step)
+    assert static is not None and static.shape == eager.shape == (2, model.vocab_size)
+    torch.testing.assert_close(static, eager, atol=ATOL, rtol=RTOL)
 
 
 def _engines(monkeypatch: pytest.MonkeyPatch, **config: Any) -> tuple[LLM, LLM]:

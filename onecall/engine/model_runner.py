@@ -108,8 +108,8 @@ class ModelRunner:
     def execute(self, batch: Seq[ScheduledSeq]) -> RunnerOutput:
         """Run one step: the sampling rows' logits, and the prompt logprobs this step collects."""
         step, prompt_seqs = self.pack(batch)
-        if self.decode_graphs is not None and not step.prompt_rows:
-            logits = self._run_static(step, self.decode_graphs)
+        if not step.prompt_rows:
+            logits = self.run_static(step)
             if logits is not None:
                 return RunnerOutput(logits)
         prompt_lps = {i: PromptLogprobs(first_token=position + 1) for i, position, _ in prompt_seqs}
@@ -124,12 +124,16 @@ class ModelRunner:
             logits = self.tp_group.run_step(self, step, collect if prompt_seqs else None)
         return RunnerOutput(logits, prompt_lps)
 
-    def _run_static(self, step: StepInputs, graphs: DecodeGraphs) -> torch.Tensor | None:
-        """The step on the static buffers (engine/decode_graphs.py; on CUDA a replayed graph) when it
-        fits them: one-token sequences and at most one short prompt chunk, which pack() puts last.
-        Returns the sampling rows' logits in batch order, or None (then nothing ran)."""
+    @torch.inference_mode()
+    def run_static(self, step: StepInputs) -> torch.Tensor | None:
+        """(b) on the static buffers (engine/decode_graphs.py; on CUDA a replayed graph), when they
+        are set up and the step fits them: one-token sequences and at most one short prompt chunk,
+        which pack() puts last. The sampling rows' logits, as run() returns them, or None (then
+        nothing ran). Prompt logprobs are not collected here: execute() sends such steps to run()."""
+        if self.decode_graphs is None:
+            return None
         with decode_rows(step.num_decode):
-            logits = graphs.run(step, self.block_size)  # (num_seqs, vocab): each sequence's last token
+            logits = self.decode_graphs.run(step, self.block_size)  # (num_seqs, vocab): last tokens
         if logits is None:
             return None
         seq_of_row: dict[int, int] = {}  # packed row of a sequence's last token -> the sequence
@@ -139,7 +143,7 @@ class ModelRunner:
             seq_of_row[row] = k
         pick = [seq_of_row[r] for r in step.sample_rows]
         if pick == list(range(len(step.query_lens))):
-            return logits  # every sequence samples, batch order is packed order (pure decode)
+            return logits  # every sequence samples, in packed order (always so in pure decode)
         return logits.index_select(0, torch.tensor(pick, dtype=torch.long, device=logits.device))
 
     def pack(self, batch: Seq[ScheduledSeq]) -> tuple[StepInputs, list[tuple[int, int, int]]]:
