@@ -29,14 +29,18 @@ token, except perhaps the last, which feeds a chunk of at most MAX_CHUNK tokens,
                 sums differently)
     logits      pure decode: every row's. With a chunk only rows the step needs, by a static index
                 (logit_rows): the decode rows, then the chunk's last token, then the decode padding
-    graph       per layout, the forward + logits captured once (torch.cuda.CUDAGraph) after a
-                warm-up run, then replayed; all layouts share the buffers (each fills what it reads)
-                and one memory pool
+    copies      a step's copy-on-write slot copies (an admitted prompt's partially matched prefix
+                block) run before the forward, outside any graph
+    graph       per layout, the forward + logits captured at the layout's first use (that step pays
+                a warm-up run and the capture) as a torch.cuda.CUDAGraph, then replayed; all layouts
+                share the buffers (each fills what it reads) and one memory pool; each keeps its own
+                logits output, (its num_logits, vocab) float32
 
 Everything but the capture runs on any device: on CPU `run` calls the same forward on the same
 padded buffers, so tests check the layouts, padding and metadata without a GPU (with the Triton
 backend under TRITON_INTERPRET=1, the one the graphs use on CUDA). A capture that fails falls back
-to that eager path for the layout, once, with the reason kept in `capture_errors`.
+to that eager path for the layout, once, with the reason kept in `capture_errors`. (The class keeps
+the name DecodeGraphs it had when it ran decode steps only.)
 """
 
 from __future__ import annotations
