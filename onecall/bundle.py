@@ -144,6 +144,7 @@ def save_bundle(
         "device": str(parts.device),
         "kernels": eng.config.kernels,  # the switch: "fast" or "reference"
         "kernels_detail": parts.kernels,  # what the switch enabled on this device
+        "int8_activations": eng.config.int8_activations,  # 4-bit projections' activation rounding
         "kv_cache_dtype": str(parts.kv_cache.k.dtype).removeprefix("torch."),  # what the K/V cache held
         "num_threads": torch.get_num_threads(),  # on CPU, matmul sums may split differently with more
         "prompt_token_ids": list(output.trace.prompt_token_ids),
@@ -174,6 +175,7 @@ class Bundle:
     device: str
     kernels: str  # EngineConfig.kernels
     kernels_detail: str  # what ran (LoadedEngineParts.kernels)
+    int8_activations: bool  # EngineConfig.int8_activations
     kv_cache_dtype: str  # the K/V cache's dtype when it ran
     num_threads: int  # torch's CPU threads when it ran
     prompt_token_ids: list[int]
@@ -203,6 +205,8 @@ class Bundle:
             device=_get(d, "device", str),
             kernels=_get(d, "kernels", str),
             kernels_detail=_get(d, "kernels_detail", str),
+            # bundles written before the field existed ran int16 activations
+            int8_activations=_get(d, "int8_activations", bool) if "int8_activations" in d else False,
             # bundles written before the field existed ran the model's own dtype (kv_cache_dtype "auto")
             kv_cache_dtype=_get(d, "kv_cache_dtype", str) if "kv_cache_dtype" in d else _get(d, "dtype", str),
             num_threads=_get(d, "num_threads", int),

@@ -48,6 +48,10 @@ class EngineConfig:
     # checkpoint's own int4 groups for small batches; see model/fast_linear.py). "reference": plain
     # torch ops only, the oracle the tests compare the fast path against.
     kernels: str = "fast"
+    # With the fast kernels on CPU: 4-bit projections quantize their activations to int8 per group of
+    # 32 (llama.cpp's arithmetic) instead of int16: faster prompts and batches; each output moves by
+    # up to ~1% of the largest (tests/test_native_kernels.py), so greedy text can differ.
+    int8_activations: bool = False
     # dtype of the K/V cache: "auto" is the model's dtype. "float16" halves the bytes a decode step
     # reads from a long context (llama.cpp's default; the native CPU kernels read it directly).
     kv_cache_dtype: str = "auto"
@@ -86,7 +90,7 @@ class EngineConfig:
             raise InvalidParameterError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib!r}")
         if self.kernels not in ("fast", "reference"):
             raise InvalidParameterError("kernels", f"must be 'fast' or 'reference', got {self.kernels!r}")
-        for name in ("enable_prefix_caching", "cuda_graphs"):
+        for name in ("enable_prefix_caching", "cuda_graphs", "int8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:

@@ -41,6 +41,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="fast: oneDNN and the GGUF's own int4 weights on CPU (default); reference: plain torch ops",
     )
     p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="fast CPU kernels: quantize activations to int8 for the 4-bit weights, as llama.cpp does "
+        "(faster prompts and batches; outputs move by up to ~1%%, so greedy text can differ)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         "--tp",
         type=int,
@@ -60,6 +66,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_gib": a.kv_cache_gib,
         "num_threads": a.num_threads,
         "kernels": a.kernels,
+        "int8_activations": a.int8_activations,
         "kv_cache_dtype": a.kv_cache_dtype,
         "tensor_parallel_size": a.tensor_parallel_size,
     }

@@ -34,6 +34,16 @@ def test_embedded_model_answers_paris(llm: LLM) -> None:
 
 
 @pytest.mark.slow
+def test_int8_activations_still_answer_and_say_so() -> None:
+    """The embedded model with llama.cpp's activation rounding (int8 per group of 32): its every
+    projection runs the int8-activation kernel, and it still answers."""
+    with LLM(int8_activations=True, kv_cache_gib=0.05) as llm:
+        assert "int8 activations" in llm.info.kernels and "native decode step" in llm.info.kernels
+        out = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=32))[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+@pytest.mark.slow
 def test_second_turn_hits_prefix_cache(llm: LLM) -> None:
     first = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=32))[0]
     conv = PARIS + [
@@ -131,6 +141,7 @@ def test_sampling_params_name_the_parameter(kwargs: dict, param: str) -> None:
         ({"kv_cache_gib": -1.0}, "kv_cache_gib"),
         ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
         ({"cuda_graphs": "yes"}, "cuda_graphs"),
+        ({"int8_activations": 1}, "int8_activations"),
     ],
 )
 def test_engine_config_names_the_parameter(kwargs: dict, param: str) -> None:

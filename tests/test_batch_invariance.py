@@ -10,6 +10,8 @@ sequence (SDPA for prompts, the native kernel for decode rows) over that sequenc
 
 from __future__ import annotations
 
+import pytest
+
 from onecall.sampling_params import SamplingParams
 from tests.helpers.int4 import int4_engine
 from tests.helpers.tiny_engine import run_all
@@ -20,18 +22,21 @@ OTHERS = {f"o{i}": "Tell me a story about a number " + "seven " * i for i in ran
 
 def _tokens(params: SamplingParams, prompts: dict[str, str], **config: object) -> list[int]:
     engine = int4_engine("fast", **config)
+    assert ("int8 activations" in engine.parts.model.kernels) == config.get("int8_activations", False)
     return list(run_all(engine, prompts, params)["target"].token_ids)
 
 
-def test_seeded_tokens_alone_in_a_batch_and_chunked_are_identical() -> None:
+@pytest.mark.parametrize("int8_activations", [False, True])  # both activation roundings are per row
+def test_seeded_tokens_alone_in_a_batch_and_chunked_are_identical(int8_activations: bool) -> None:
     for params in (
         SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
     ):
-        alone = _tokens(params, {"target": TARGET})
-        batched = _tokens(params, {**OTHERS, "target": TARGET})
-        chunked = _tokens(params, {"target": TARGET, "x": "a short one"}, max_num_batched_tokens=5)
-        late = _tokens(params, {"x": "w " * 40, "target": TARGET}, max_num_batched_tokens=11)
+        act = {"int8_activations": int8_activations}
+        alone = _tokens(params, {"target": TARGET}, **act)
+        batched = _tokens(params, {**OTHERS, "target": TARGET}, **act)
+        chunked = _tokens(params, {"target": TARGET, "x": "a short one"}, max_num_batched_tokens=5, **act)
+        late = _tokens(params, {"x": "w " * 40, "target": TARGET}, max_num_batched_tokens=11, **act)
         assert batched == alone
         assert chunked == alone
         assert late == alone

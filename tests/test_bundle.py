@@ -156,6 +156,30 @@ def test_a_bundle_without_kv_cache_dtype_ran_the_model_dtype(tmp_path: Path, tin
     assert load_bundle(path).kv_cache_dtype == "float32"
 
 
+def test_int8_activations_are_recorded_and_replay_takes_them(tmp_path: Path, tiny_files: ModelFiles) -> None:
+    """A bundle keeps the activation rounding it ran with; replay runs it unless a flag overrides it;
+    bundles written before the field existed ran int16 activations."""
+    from onecall.cli import build_parser
+    from onecall.cli.replay import _replay_kwargs
+
+    path, _ = saved(tmp_path, SamplingParams(temperature=0.0, max_tokens=2), tiny_files)
+    data = json.loads(path.read_text())
+    assert data["int8_activations"] is False
+    data["int8_activations"] = True
+    path.write_text(json.dumps(data))
+    bundle = load_bundle(path)
+    assert bundle.int8_activations is True
+    assert (
+        _replay_kwargs(build_parser().parse_args(["replay", str(path)]), bundle)["int8_activations"] is True
+    )
+    del data["int8_activations"]
+    path.write_text(json.dumps(data))
+    old = load_bundle(path)
+    assert old.int8_activations is False
+    flagged = build_parser().parse_args(["replay", str(path), "--int8-activations"])
+    assert _replay_kwargs(flagged, old)["int8_activations"] is True
+
+
 def test_sampling_params_round_trip_every_field() -> None:
     params = SamplingParams(
         max_tokens=9,
@@ -200,6 +224,7 @@ def test_sampling_params_round_trip_every_field() -> None:
         (lambda d: d["sampling_params"].__setitem__("logit_bias", {"x": 1.0}), "sampling_params.logit_bias"),
         (lambda d: d.__setitem__("replay_exact", "yes"), "replay_exact"),
         (lambda d: d.__setitem__("kv_cache_dtype", 16), "kv_cache_dtype"),
+        (lambda d: d.__setitem__("int8_activations", "yes"), "int8_activations"),
     ],
 )
 def test_malformed_bundles_name_the_field(

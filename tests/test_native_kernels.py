@@ -5,6 +5,9 @@ Tolerances, written down:
   dx = absmax / 32767, so |x - x_q| <= dx / 2; with exact integer products the error of output n is at
   most sum_g (dx_g / 2) * sum_{j in g} |w_nj| (the activation rounding) + 1e-5 * (|x| @ |W|^T) + 1e-6
   (float32 scaling and summation).
+* q4 GEMM with int8 activations (int8_activations): the same bound with dx = absmax / 127; against
+  the int8 rounding emulated in float64 (the same quantized activations, exact integer dots), 1e-6
+  relative to the largest output (float32 scaling and summation only).
 * q8 GEMM (float32 activations): float32 summation order only: 1e-5 * (|x| @ |W|^T) + 1e-6.
 * paged decode attention: against SDPA over the gathered KV in float32: 2e-6 absolute (values are
   O(1)); its exp polynomial has relative error < 2e-7.
@@ -214,4 +217,55 @@ def test_q4_gemm_float16_scales_give_the_float32_scales_bits() -> None:
     x = torch.randn(5, 128)
     half = native.q4_gemm(LIB, x, native.pack_q4(w.q, scale, offset), None, 2)
     full = native.q4_gemm(LIB, x, native.pack_q4(w.q, scale.float(), offset.float()), None, 2)
+    assert torch.equal(half, full)
+
+
+def _q4a8(x: torch.Tensor, w: Int4Groups, bias: torch.Tensor | None = None) -> torch.Tensor:
+    assert LIB is not None
+    packed = native.pack_q4(w.q, w.scale, w.offset, act8=True)
+    return native.q4_gemm(LIB, x, packed, bias, torch.get_num_threads())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 70])  # 70: past a chunk of 64 rows
+def test_q4_int8_activations_equal_their_emulation_and_stay_within_the_rounding_bound(rows: int) -> None:
+    w = _int4(85, 192, seed=rows)  # 85 rows: 11 blocks of 8, the last partial and unpaired
+    bias = torch.randn(85)
+    x = torch.randn(rows, 192) * 2
+    x[:, 7] = 30.0  # an outlier feature: its group's step is coarse
+    got = _q4a8(x, w, bias).double()
+    # emulated: each group of 32 rounded to int8 steps of absmax / 127 (to nearest, ties to even)
+    # multiplies q * scale; the offset multiplies the group's sum of the unrounded activations
+    groups = x.view(rows, -1, 32).double()
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(groups / step) * step
+    wd = w.dequantize().double()
+    scaled = (w.q.double().view(85, -1, 32) * w.scale.double()[..., None]).view(85, -1)
+    emulated = xq.view(rows, -1) @ scaled.T + groups.sum(-1) @ w.offset.double().T + bias.double()
+    assert float((got - emulated).abs().max()) <= 1e-6 * float(emulated.abs().max())
+    ref = x.double() @ wd.T + bias.double()
+    bound = (step.squeeze(-1) / 2) @ wd.abs().view(85, -1, 32).sum(-1).T + 1e-5 * (
+        x.double().abs() @ wd.abs().T
+    )
+    assert bool(((got - ref).abs() <= bound + 1e-6).all())
+    # int8 steps are coarser than int16's: the error is real, and larger than the int16 kernel's
+    assert float((got - ref).abs().mean()) > 10 * float((_q4(x, w, bias).double() - ref).abs().mean())
+
+
+def test_q4_int8_activation_rows_are_batch_invariant() -> None:
+    w = _int4(61, 96, seed=4)
+    x = torch.randn(70, 96)
+    full = _q4a8(x, w)
+    for m in (1, 2, 3, 5, 16, 65):
+        assert torch.equal(_q4a8(x[:m].contiguous(), w), full[:m])
+        assert torch.equal(_q4a8(x[m:].contiguous(), w), full[m:])
+
+
+def test_q4_int8_activations_float16_scales_give_the_float32_scales_bits() -> None:
+    w = _int4(40, 64, seed=10)
+    x = torch.randn(3, 64)
+    packed = [
+        native.pack_q4(w.q, s, o, act8=True)
+        for s, o in ((w.scale.half(), w.offset.half()), (w.scale.half().float(), w.offset.half().float()))
+    ]
+    half, full = (native.q4_gemm(LIB, x, p, None, 2) for p in packed)  # type: ignore[arg-type]
     assert torch.equal(half, full)

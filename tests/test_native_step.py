@@ -57,20 +57,22 @@ def _decode(model: DecoderLM, cache: PagedKVCache, tables: list[list[int]], lens
 
 
 @pytest.mark.parametrize(
-    ("arch", "window", "softcap", "int8_group"),
+    ("arch", "window", "softcap", "int8_group", "act8"),
     [
-        ("qwen2", None, None, 0),  # q/k/v biases in the 4-bit projections
-        ("qwen3", None, None, 0),  # q/k norms
-        ("qwen2", 3, 2.0, 0),  # a sliding window and logit soft-capping
-        ("qwen2", None, None, 32),  # projections in int8 groups of 32 (Q8_0)
-        ("qwen3", None, None, 16),  # ... and of 16 (Q6_K)
+        ("qwen2", None, None, 0, False),  # q/k/v biases in the 4-bit projections
+        ("qwen3", None, None, 0, False),  # q/k norms
+        ("qwen2", 3, 2.0, 0, False),  # a sliding window and logit soft-capping
+        ("qwen2", None, None, 32, False),  # projections in int8 groups of 32 (Q8_0)
+        ("qwen3", None, None, 16, False),  # ... and of 16 (Q6_K)
+        ("qwen3", None, None, 0, True),  # 4-bit projections with int8 activations
     ],
 )
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_native_step_gives_the_per_op_paths_bits(
-    kv_dtype: torch.dtype, arch: str, window: int | None, softcap: float | None, int8_group: int
+    kv_dtype: torch.dtype, arch: str, window: int | None, softcap: float | None, int8_group: int, act8: bool
 ) -> None:
-    model = int4_engine("fast", arch=arch, int8_group=int8_group).parts.model
+    model = int4_engine("fast", arch=arch, int8_group=int8_group, int8_activations=act8).parts.model
+    assert ("int8 activations" in model.kernels) == act8, model.kernels
     for layer in model.model.layers:  # per-layer attention options, as Gemma/Mistral configs set them
         layer.self_attn.sliding_window, layer.self_attn.logit_softcap = window, softcap  # type: ignore[union-attr]
     model.native_step = NativeDecodeStep.build(model.model)

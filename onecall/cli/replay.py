@@ -29,7 +29,7 @@ def add_replay_command(sub: Any) -> None:
     replay.add_argument("bundle", metavar="FILE", help="a file written by `onecall run --save-bundle`")
     add_engine_args(replay)
     # None: take the bundle's own (see _replay_kwargs)
-    replay.set_defaults(func=cmd_replay, kernels=None, kv_cache_dtype=None)
+    replay.set_defaults(func=cmd_replay, kernels=None, kv_cache_dtype=None, int8_activations=None)
     replay.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
@@ -53,13 +53,16 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
 def _replay_kwargs(a: argparse.Namespace, bundle: Bundle) -> dict[str, Any]:
     """Engine flags, with what the bundle ran on filling in those not given: its model if the
-    file is still here (else the embedded default), dtype, kernels, K/V cache dtype, CPU threads,
+    file is still here (else the embedded default), dtype, kernels (and their activation rounding),
+    K/V cache dtype, CPU threads,
     and its device if that exists here."""
     kw = engine_kwargs(a)
     if kw["model"] is None and Path(bundle.model_path).exists():
         kw["model"] = bundle.model_path
     kw["dtype"] = kw["dtype"] or bundle.dtype
     kw["kernels"] = kw["kernels"] or bundle.kernels
+    if kw["int8_activations"] is None:
+        kw["int8_activations"] = bundle.int8_activations
     kw["kv_cache_dtype"] = kw["kv_cache_dtype"] or bundle.kv_cache_dtype
     kw["num_threads"] = kw["num_threads"] or bundle.num_threads
     if kw["device"] is None and _device_exists(bundle.device):

@@ -153,7 +153,10 @@ def load_model(
     (Phi-3) picks its short factors when that length is within its original context, as vLLM does."""
     if config.max_model_len is not None and config.max_model_len < model_config.max_position_embeddings:
         model_config = dataclasses.replace(model_config, max_position_embeddings=config.max_model_len)
-    model = DecoderLM(model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast", tp=tp)
+    model = DecoderLM(
+        model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast", tp=tp,
+        int8_activations=config.int8_activations,
+    )  # fmt: skip
     stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
     if model.tp is None:
         # the native 4-bit kernel runs every row of a 4-bit projection: such tensors need no float32

@@ -110,12 +110,15 @@ class DecoderLM(nn.Module):
         *,
         pack_on_load: bool = False,
         tp: TensorParallel | None = None,
+        int8_activations: bool = False,
     ) -> None:
         """`pack_on_load`: where the fast kernels exist (float32 CPU), weights.load_weights packs each
         projection for them as it arrives and no dense projection weight is ever allocated.
         `tp`: this rank's slice of a tensor-parallel model (model/parallel.py): the modules are built
         from tp.shard_config(config) (self.config is that), loaded from tp.shard_weights; the reference
-        kernels only (the fast path's one-call step cannot stop for a collective)."""
+        kernels only (the fast path's one-call step cannot stop for a collective).
+        `int8_activations`: the fast kernels' 4-bit projections quantize activations to int8, not int16
+        (EngineConfig.int8_activations); packing reads it."""
         super().__init__()
         self.vocab_size = config.vocab_size  # the whole vocabulary: what compute_logits returns
         self.tp = tp if tp is not None and tp.world_size > 1 else None
@@ -139,6 +142,7 @@ class DecoderLM(nn.Module):
         self.fast_lm_head: FastLMHead | None = None
         self.native_step: NativeDecodeStep | None = None  # all-decode steps as one native call
         self.kernels = "reference"  # what the projections run on, for logs and traces
+        self.int8_activations = int8_activations
         self.pack_on_load = pack_on_load and fast_kernels_supported(device, dtype)
         # Packed on load, projection weights stay on "meta" (no memory) until their FastLinear replaces them.
         skip = (

@@ -119,12 +119,15 @@ class FastLinear(nn.Module):
         weight: torch.Tensor | None,
         bias: torch.Tensor | None = None,
         stored: StoredGroups | Sequence[tuple[int, int, StoredGroups]] | None = None,
+        act8: bool = False,
     ) -> None:
         """`weight` (out, in) float32 is packed and not kept. `bias` is kept by reference, not copied:
         a bias still being loaded in place (weights.load_weights) is seen once it lands. `stored`: the
         checkpoint's own groups for decode rows, whole or as (first row, end row, groups) parts (a
-        fused projection whose parts were stored in different types, as in Q4_K_M files)."""
+        fused projection whose parts were stored in different types, as in Q4_K_M files). `act8`: 4-bit
+        groups run on the kernel that quantizes activations to int8 (EngineConfig.int8_activations)."""
         super().__init__()
+        self.act8 = act8
         if weight is None:  # every row on the stored 4-bit groups: no float32 copy exists (runs_int4_only)
             assert stored is not None and runs_int4_only(stored), (
                 "a FastLinear without a weight needs int4 groups"
@@ -180,7 +183,11 @@ class FastLinear(nn.Module):
                 )
             elif isinstance(g, Int4Groups) and g.group_size == 32:
                 packed.append(
-                    (start, end, native.pack_q4(g.q, *_compact_scales(g.scale.float(), g.offset.float())))
+                    (
+                        start,
+                        end,
+                        native.pack_q4(g.q, *_compact_scales(g.scale.float(), g.offset.float()), self.act8),
+                    )
                 )
             else:
                 return
@@ -193,7 +200,7 @@ class FastLinear(nn.Module):
         lib = _native()
         if g.group_size == 32 and self.in_features % 32 == 0 and lib is not None:
             self.group_size = 32
-            self.q4 = native.pack_q4(g.q, *_compact_scales(g.scale.float(), g.offset.float()))
+            self.q4 = native.pack_q4(g.q, *_compact_scales(g.scale.float(), g.offset.float()), self.act8)
             self._lib = lib
         elif int4_shape_ok(self.out_features, self.in_features, g.group_size):
             self.group_size = g.group_size

@@ -171,9 +171,11 @@ def _for_kernel(groups: StoredGroups | native.Q4Packed | None, shape: tuple[int,
     return None
 
 
-def pack_int4(groups: Int4Groups) -> native.Q4Packed:
-    """4-bit groups of 32 in the native int4 kernel's layout (float32 scales and offsets)."""
-    return native.pack_q4(groups.q, groups.scale.float().contiguous(), groups.offset.float().contiguous())
+def pack_int4(groups: Int4Groups, act8: bool = False) -> native.Q4Packed:
+    """4-bit groups of 32 in the native int4 kernel's layout (float32 scales and offsets); act8: the
+    layout of the kernel that quantizes activations to int8 (native.pack_q4)."""
+    scale, offset = groups.scale.float().contiguous(), groups.offset.float().contiguous()
+    return native.pack_q4(groups.q, scale, offset, act8)
 
 
 class SparseMoE(nn.Module):

@@ -141,6 +141,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.onecall_q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int, c_int]
     lib.onecall_q4_gemm.restype = c_int
+    lib.onecall_q4a8_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int, c_int]
+    lib.onecall_q4a8_gemm.restype = c_int
     lib.onecall_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int, c_int]
     lib.onecall_q8_gemm.restype = c_int
     # q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D, block_size,
@@ -172,22 +174,25 @@ def _declare(lib: ctypes.CDLL) -> None:
 @dataclass(frozen=True)
 class Q4Packed:
     """A 4-bit weight (N, K) in the q4 kernel's layout (csrc: rows in blocks of 8, N padded to whole
-    blocks): qs (N8 / 8, K / 32, 8, 8, 2) uint8, scale and offset (N8 / 8, K / 32, 8) float32 or float16."""
+    blocks): qs (N8 / 8, K / 32, 8, 8, 2) uint8, scale and offset (N8 / 8, K / 32, 8) float32 or float16.
+    With act8, qs is in the q4a8 layout, (N8 / 8, K / 32, 4, 8, 4), and runs with int8 activations."""
 
     qs: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
     out_features: int  # N: rows of the weight (the padding rows are never written out)
     in_features: int  # K
+    act8: bool = False
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset))
 
 
-def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Packed:
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, act8: bool = False) -> Q4Packed:
     """(N, K) uint8 values 0..15 with (N, K / 32) scales and offsets (float32, or float16 where they are
-    exact so: fewer bytes to read) -> the q4 kernel's layout. w = q * scale + offset per group of 32."""
+    exact so: fewer bytes to read) -> the q4 kernel's layout. w = q * scale + offset per group of 32.
+    act8: the q4a8 layout instead, for the kernel that quantizes activations to int8 (csrc)."""
     n, k = q.shape
     assert k % 32 == 0 and tuple(scale.shape) == tuple(offset.shape) == (n, k // 32)
     assert scale.dtype == offset.dtype and scale.dtype in (torch.float32, torch.float16)
@@ -202,15 +207,20 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Pac
     halves = q.view(n8, g, 2, 16)
     pairs = torch.empty(n8, g, 16, dtype=torch.uint8)
     torch.add(halves[:, :, 0], halves[:, :, 1], alpha=16, out=pairs)
+    if act8:  # four bytes (columns 4j..4j+3) move together as one int32: (N8/8, 8, G, 4) -> (N8/8, G, 4, 8)
+        quads = pairs.view(torch.int32).view(n8 // 8, 8, g, 4).permute(0, 2, 3, 1).contiguous()
+        qs = quads.view(torch.uint8).view(n8 // 8, g, 4, 8, 4)
+        return Q4Packed(qs, _blocked(scale, n8, g), _blocked(offset, n8, g), n, k, act8=True)
     # then by column pair: the two bytes of a pair move together as one int16, (N8/8, 8, G, 8) ->
     # (N8/8, G, 8, 8): block, group, pair, row of the block
     qs = pairs.view(torch.int16).view(n8 // 8, 8, g, 8).permute(0, 2, 3, 1).contiguous()
     qs = qs.view(torch.uint8).view(n8 // 8, g, 8, 8, 2)
+    return Q4Packed(qs, _blocked(scale, n8, g), _blocked(offset, n8, g), n, k)
 
-    def blocked(t: torch.Tensor) -> torch.Tensor:
-        return t.view(n8 // 8, 8, g).transpose(1, 2).contiguous()  # (N8/8, G, 8)
 
-    return Q4Packed(qs, blocked(scale), blocked(offset), n, k)
+def _blocked(t: torch.Tensor, n8: int, g: int) -> torch.Tensor:
+    """(N8, G) per-row group values -> (N8 / 8, G, 8): a block's 8 rows of one group side by side."""
+    return t.view(n8 // 8, 8, g).transpose(1, 2).contiguous()
 
 
 def q4_gemm(
@@ -220,12 +230,13 @@ def q4_gemm(
     m, k = x.shape
     assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
     y = torch.empty(m, w.out_features, dtype=torch.float32)
-    rc = lib.onecall_q4_gemm(
+    kernel = lib.onecall_q4a8_gemm if w.act8 else lib.onecall_q4_gemm
+    rc = kernel(
         x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(w.scale.dtype == torch.float16),
     )  # fmt: skip
     if rc != 0:
-        raise MemoryError("onecall_q4_gemm: out of memory for the activation buffer")
+        raise MemoryError(f"{kernel.__name__}: out of memory for the activation buffer")
     return y
 
 

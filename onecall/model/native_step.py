@@ -48,6 +48,7 @@ class _Q4Weight(ctypes.Structure):
         ("k", ctypes.c_int64),
         ("f16", ctypes.c_int64),
         ("q8_group", ctypes.c_int64),
+        ("act8", ctypes.c_int64),
     ]
 
 
@@ -79,9 +80,11 @@ def _q4_weight(linear: nn.Module) -> _Q4Weight | None:
     if linear.q4 is not None:
         w = linear.q4
         f16 = int(w.scale.dtype == torch.float16)
-        return _Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias, n, k, f16, 0)
+        return _Q4Weight(
+            w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias, n, k, f16, 0, int(w.act8)
+        )
     if len(linear.parts) == 1 and isinstance(g := linear.parts[0][2], Int8Groups):
-        return _Q4Weight(g.q.data_ptr(), g.scale.data_ptr(), 0, bias, n, k, 0, g.group_size)
+        return _Q4Weight(g.q.data_ptr(), g.scale.data_ptr(), 0, bias, n, k, 0, g.group_size, 0)
     return None
 
 

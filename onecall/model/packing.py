@@ -53,8 +53,11 @@ class StreamingPacker:
     modules and packs the logits.
     """
 
-    def __init__(self, slots: list[PackSlot], stored: Mapping[str, StoredGroups], workers: int) -> None:
+    def __init__(
+        self, slots: list[PackSlot], stored: Mapping[str, StoredGroups], workers: int, act8: bool = False
+    ) -> None:
         self.slots = slots
+        self.act8 = act8  # 4-bit groups for the int8-activation kernel (DecoderLM.int8_activations)
         self._slot_of = {name: (slot, rows) for slot in slots for name, rows in slot.parts.items()}
         self._stored = stored  # may still be filling: a part's groups are stored before it is yielded
         self._staging: dict[int, dict[str, torch.Tensor]] = {}  # id(slot) -> the parts received so far
@@ -78,7 +81,7 @@ class StreamingPacker:
     def _submit_parts(self, slot: PackSlot, parts: dict[str, torch.Tensor]) -> None:
         stored = self._stored_parts(slot)
         if stored is not None and runs_int4_only(stored):
-            self._jobs.append((slot, self._pool.submit(FastLinear, None, slot.bias, stored)))
+            self._jobs.append((slot, self._pool.submit(FastLinear, None, slot.bias, stored, self.act8)))
             return
         if len(parts) == 1:
             ((name, tensor),) = parts.items()
@@ -106,7 +109,7 @@ class StreamingPacker:
     def submit(self, slot: PackSlot, weight: torch.Tensor) -> None:
         """Pack `slot` from its whole (out, in) float32 weight on a worker thread."""
         stored = self._stored_parts(slot)  # a part without stored groups: oneDNN for every row
-        self._jobs.append((slot, self._pool.submit(FastLinear, weight, slot.bias, stored)))
+        self._jobs.append((slot, self._pool.submit(FastLinear, weight, slot.bias, stored, self.act8)))
 
     def finish(self, output_weight: torch.Tensor, output_name: str) -> tuple[FastLMHead, list[FastLinear]]:
         """Wait for every packing, swap each FastLinear in, and pack the logits projection (from the
@@ -141,7 +144,7 @@ def pack_slots(model: DecoderLM) -> list[PackSlot]:
 
 def new_packer(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> StreamingPacker:
     """A packer for the model's projections; `stored` may still be filling (see StreamingPacker)."""
-    return StreamingPacker(pack_slots(model), stored, torch.get_num_threads())
+    return StreamingPacker(pack_slots(model), stored, torch.get_num_threads(), model.int8_activations)
 
 
 def install(model: DecoderLM, packer: StreamingPacker) -> None:
@@ -157,7 +160,8 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
     pieces = []
     every_row = sum(m.q4 is not None for m in modules)  # every row on the native 4-bit kernel
     if every_row:
-        pieces.append(f"native int4 ({every_row} of {len(modules)} projections, every row)")
+        acts = ", int8 activations" if any(m.q4 is not None and m.q4.act8 for m in modules) else ""
+        pieces.append(f"native int4 ({every_row} of {len(modules)} projections, every row{acts})")
     rest = [m for m in modules if m.q4 is None]  # prompt rows on oneDNN, decode rows maybe stored groups
     if rest:
         kinds = sorted({k for m in rest if (k := m.decode_kernel) is not None})

@@ -129,7 +129,7 @@ def load_weights(
     # a GGUF's 4-bit experts, packed for the int4 kernel as they arrive instead of copied
     experts = None
     if packer is not None and stored_weights is not None and model.config.moe is not None and native.load():
-        experts = _ExpertGroups(stored_weights)
+        experts = _ExpertGroups(stored_weights, model.int8_activations)
     try:
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
@@ -188,8 +188,9 @@ class _ExpertGroups:
     parameters: model/moe.py runs every row of a packed weight on the kernel, and frees a weight kind
     whose every expert is packed. A half whose partner is not 4-bit is filled in float32 by finish()."""
 
-    def __init__(self, stored: MutableMapping[str, StoredGroups]) -> None:
+    def __init__(self, stored: MutableMapping[str, StoredGroups], act8: bool = False) -> None:
         self.stored = stored
+        self.act8 = act8  # pack for the int8-activation kernel (DecoderLM.int8_activations)
         self.packed: dict[tuple[str, int], native.Q4Packed] = {}  # (".../experts.{e}", 0 gate_up / 1 down)
         self.halves: dict[str, Int4Groups] = {}  # gate or up waiting for the other
 
@@ -201,14 +202,14 @@ class _ExpertGroups:
         del self.stored[name]  # ours now: its unpacked groups live only until packed
         base, _, part = name.removesuffix(".weight").rpartition(".")  # ".../experts.{e}", "gate_proj"
         if part == "down_proj":
-            self.packed[(base, 1)] = pack_int4(groups)
+            self.packed[(base, 1)] = pack_int4(groups, self.act8)
             return True
         partner = f"{base}.{'up_proj' if part == 'gate_proj' else 'gate_proj'}.weight"
         if (other := self.halves.pop(partner, None)) is None:
             self.halves[name] = groups
             return True
         gate, up = (groups, other) if part == "gate_proj" else (other, groups)
-        self.packed[(base, 0)] = pack_int4(Int4Groups.cat([gate, up]))
+        self.packed[(base, 0)] = pack_int4(Int4Groups.cat([gate, up]), self.act8)
         return True
 
     def finish(

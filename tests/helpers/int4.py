@@ -38,6 +38,7 @@ def int4_engine(kernels: str, arch: str = "qwen2", int8_group: int = 0, **config
     go through the quantized path too; qwen3: per-head q/k norms, given weights away from 1 so that a
     path skipping or misapplying them shows."""
     model = copy.deepcopy(tiny_model(arch))
+    model.int8_activations = bool(config.get("int8_activations", False))  # read when packing
     c = model.config
     if c.qk_norm:
         gen = torch.Generator().manual_seed(5)

@@ -293,6 +293,186 @@ int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
     return q4_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 0);
 }
 
+/* ---- q4 weights x int8 activations (EngineConfig.int8_activations) ---------------------------------
+ *
+ * llama.cpp's arithmetic: each activation row is quantized per group of 32 to int8 (step absmax / 127,
+ * round to nearest even), and a group's dot product is u8 x s8 maddubs pairs summed in int16, then in
+ * int32: twice the multiplies per instruction of the int16 kernel above, at the cost of int8 steps
+ * (relative error up to 1/254 of the group's largest value; tolerances in tests/test_native_kernels.py).
+ * The rest is the q4 kernel's: a group's int dot is exact, scaled by weight scale x activation step,
+ * plus offset x the group's float32 activation sum; every row through the same operations whatever M.
+ *
+ * Layout q4a8 (pack_q4(..., act8=True)): qs (N8 / 8, G, 4, 8, 4) uint8: block, group, quarter j, row
+ * b of the block, column t; the byte holds q[b, g*32 + 4j + t] in its low nibble and q[b, g*32 + 16 +
+ * 4j + t] in its high nibble. One 32-byte load of a quarter, masked or shifted, is 8 rows x 4 columns
+ * as u8, row b in 32-bit lane b: against the activation row's 4 int8 values of those columns, broadcast,
+ * one maddubs gives row b's two pair sums in int16 lanes 2b and 2b + 1. A group's 8 maddubs per row add
+ * up in int16 (each <= 2 x 15 x 127 = 3810, 8 of them <= 30480 < 2^15: no saturation), and one madd
+ * with ones sums the lane pair into row b's int32 dot. */
+#define ACT8_MAX 127.0f
+
+typedef struct {
+    int8_t *q;   /* (M, K) */
+    float *d;    /* (M, G): activation step per group */
+    float *sum;  /* (M, G): float32 sum per group */
+} QuantRows8;
+
+static void free_rows8(QuantRows8 *r) {
+    free(r->q);
+    free(r->d);
+    free(r->sum);
+}
+
+static int alloc_rows8(int64_t M, int64_t K, QuantRows8 *r) {
+    const int64_t G = K / 32;
+    r->q = malloc((size_t)(M * K));
+    r->d = malloc(sizeof(float) * (size_t)(M * G));
+    r->sum = malloc(sizeof(float) * (size_t)(M * G));
+    if (!r->q || !r->d || !r->sum) {
+        free_rows8(r);
+        return -1;
+    }
+    return 0;
+}
+
+/* quantize_row with int8 steps (d = absmax / ACT8_MAX); the group sum is the same float32 sum */
+static inline void quantize_row8(const float *x, int64_t m, int64_t K, QuantRows8 *r) {
+    const int64_t G = K / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t g = 0; g < G; g++) {
+        const float *p = x + m * K + g * 32;
+        const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+        const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
+        const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        const float amax = hmax8(a);
+        const float d = amax / ACT8_MAX, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv));
+        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
+        /* two packs work per 128-bit lane: 4-byte runs come out as i0a i1a i2a i3a i0b i1b i2b i3b */
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        _mm256_storeu_si256((__m256i *)(r->q + m * K + g * 32), _mm256_permutevar8x32_epi32(b, order));
+        r->d[m * G + g] = d;
+        r->sum[m * G + g] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    }
+}
+
+/* NB (1 or 2) adjacent blocks of 8 weight rows from block nb x MT activation rows from m0 (both
+ * compile-time constants at every call site). Lane b of acc[k][i] is output (m0 + i, (nb + k) * 8 + b):
+ *   acc = fma(float(exact int dot of group g), scale[n, g] * step[m, g], acc) over g in order,
+ *   oacc = fma(offset[n, g], sum(x in group g), oacc) over g in order, y = (acc + oacc) + bias:
+ * the same operations for an output whichever tile computes it. */
+#define Q4A8_MAX_TILE 4
+static inline __attribute__((always_inline)) void q4a8_tile(const int NB, const int MT, const QuantRows8 *r,
+                                                            int64_t m0, int64_t nb, int64_t K, int64_t N,
+                                                            const uint8_t *qs, const void *scale,
+                                                            const void *offset, const float *bias, float *y,
+                                                            const int f16) {
+    const int64_t G = K / 32, es = f16 ? 2 : 4;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[2][Q4A8_MAX_TILE], oacc[2][Q4A8_MAX_TILE];
+    for (int k = 0; k < NB; k++)
+        for (int i = 0; i < MT; i++) acc[k][i] = oacc[k][i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i a[2][Q4A8_MAX_TILE];
+        for (int k = 0; k < NB; k++) {
+            const char *wg = (const char *)qs + ((nb + k) * G + g) * 128;
+            if (Q4_PREFETCH) {
+                _mm_prefetch(wg + Q4_PREFETCH * 128, _MM_HINT_T0);
+                _mm_prefetch(wg + Q4_PREFETCH * 128 + 64, _MM_HINT_T0);
+            }
+            for (int i = 0; i < MT; i++) a[k][i] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < 4; j++) {
+            __m256i lo[2], hi[2];
+            for (int k = 0; k < NB; k++) {
+                const __m256i wb = _mm256_loadu_si256((const __m256i *)(qs + ((nb + k) * G + g) * 128 + j * 32));
+                lo[k] = _mm256_and_si256(wb, low4);
+                hi[k] = _mm256_and_si256(_mm256_srli_epi16(wb, 4), low4);
+            }
+            for (int i = 0; i < MT; i++) {
+                const int8_t *xq = r->q + (m0 + i) * K + g * 32 + 4 * j;
+                int32_t xl, xh; /* columns 4j .. 4j + 3 and 16 + 4j .. 19 + 4j, broadcast to every lane */
+                memcpy(&xl, xq, 4);
+                memcpy(&xh, xq + 16, 4);
+                const __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
+                for (int k = 0; k < NB; k++)
+                    a[k][i] = _mm256_add_epi16(a[k][i], _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], bl),
+                                                                         _mm256_maddubs_epi16(hi[k], bh)));
+            }
+        }
+        for (int k = 0; k < NB; k++) {
+            const int64_t at = ((nb + k) * G + g) * 8 * es;
+            const __m256 sc = load8((const char *)scale + at, f16), of = load8((const char *)offset + at, f16);
+            for (int i = 0; i < MT; i++) {
+                const int64_t m = m0 + i;
+                const __m256 ds = _mm256_mul_ps(sc, _mm256_broadcast_ss(r->d + m * G + g));
+                const __m256i dot = _mm256_madd_epi16(a[k][i], ones);
+                acc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[k][i]);
+                oacc[k][i] = _mm256_fmadd_ps(of, _mm256_broadcast_ss(r->sum + m * G + g), oacc[k][i]);
+            }
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        float out[16];
+        for (int k = 0; k < NB; k++) _mm256_storeu_ps(out + 8 * k, _mm256_add_ps(acc[k][i], oacc[k][i]));
+        const int64_t n0 = nb * 8, n_end = n0 + 8 * NB < N ? n0 + 8 * NB : N;
+        for (int64_t n = n0; n < n_end; n++) y[(m0 + i) * N + n] = bias ? out[n - n0] + bias[n] : out[n - n0];
+    }
+}
+
+/* Rows [m0, m_end) against one unit of weight rows: blocks 2u and 2u + 1 sharing each broadcast
+ * activation (two rows a tile: measured faster than three or four, which spill), or the last block alone
+ * when the number of blocks is odd. */
+static inline __attribute__((always_inline)) void q4a8_unit(const QuantRows8 *r, int64_t m0, int64_t m_end,
+                                                            int64_t u, int64_t blocks, int64_t K, int64_t N,
+                                                            const uint8_t *qs, const void *scale,
+                                                            const void *offset, const float *bias, float *y,
+                                                            const int f16) {
+    const int64_t nb = 2 * u;
+    int64_t m = m0;
+    if (nb + 1 < blocks) {
+        for (; m + 2 <= m_end; m += 2) q4a8_tile(2, 2, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+        if (m < m_end) q4a8_tile(2, 1, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+        return;
+    }
+    for (; m + 4 <= m_end; m += 4) q4a8_tile(1, 4, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+    for (; m + 2 <= m_end; m += 2) q4a8_tile(1, 2, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+    if (m < m_end) q4a8_tile(1, 1, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+}
+
+/* q4_gemm's parallel structure over the q4a8 layout and int8 activation rows */
+static inline __attribute__((always_inline)) int q4a8_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                                                           const void *scale, const void *offset, int64_t N,
+                                                           const float *bias, float *y, int num_threads,
+                                                           const int f16) {
+    QuantRows8 r;
+    if (alloc_rows8(M, K, &r)) return -1;
+    const int64_t blocks = (N + 7) / 8, units = (blocks + 1) / 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row8(x, m, K, &r);
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROW_CHUNK) {
+            const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
+#pragma omp for schedule(static) nowait
+            for (int64_t u = 0; u < units; u++)
+                q4a8_unit(&r, m0, m_end, u, blocks, K, N, qs, scale, offset, bias, y, f16);
+        }
+    }
+    free_rows8(&r);
+    return 0;
+}
+
+/* onecall_q4_gemm over the q4a8 layout with int8 activation rows (see above) */
+int onecall_q4a8_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, const void *offset,
+                      int64_t N, const float *bias, float *y, int num_threads, int f16_scales) {
+    if (f16_scales) return q4a8_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 1);
+    return q4a8_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 0);
+}
+
 /* Outputs (m, n) of weight row n for activation rows m0 .. m0 + MT - 1 (MT a compile-time constant
  * at each call site: the accumulators stay in registers, and a group's weights are converted once
  * for MT rows). Per group g of 32 (Q8_0), in 8 lanes: t = sum_k q_k x_k (the int8 weights as exact
@@ -690,6 +870,7 @@ typedef struct {         /* one projection: 4-bit (q8_group == 0) or int8 groups
     const float *bias;   /* (n,) or NULL */
     int64_t n, k, f16;
     int64_t q8_group;    /* 0: the q4 kernel; 32 or 16: onecall_q8_gemm with that group size */
+    int64_t act8;        /* q4 only: the q4a8 layout, run with int8 activations (onecall_q4a8_gemm) */
 } Q4Weight;
 
 typedef struct {
@@ -704,6 +885,8 @@ static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int 
     if (w->q8_group)
         return onecall_q8_gemm(x, M, w->k, (const int8_t *)w->qs, (const float *)w->scale, w->n, w->bias, y,
                                num_threads, (int)w->q8_group);
+    if (w->act8)
+        return onecall_q4a8_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
     return onecall_q4_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
 }
 
