@@ -1,4 +1,5 @@
-"""The three systems bench_engine.py compares, each measured inside its own fresh child process.
+"""The systems bench_engine.py compares (onecall, onecall-int8: the same with --int8-activations,
+transformers, llama.cpp), each measured inside its own fresh child process.
 
 A child runs one system on one shared Workload (the same token ids for everyone) and reports on
 stdout with tagged lines the parent reads:
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 TAG = "@@bench"
-SYSTEMS = ("onecall", "transformers", "llamacpp")
+SYSTEMS = ("onecall", "onecall-int8", "transformers", "llamacpp")
 
 
 @dataclass
@@ -293,6 +294,7 @@ class Onecall:
     """onecall's LLM facade; prefix caching off so repeated prompts are recomputed, not served."""
 
     aggregate_mode = "continuous batching"
+    int8_activations = False  # EngineConfig.int8_activations (OnecallInt8)
 
     def __init__(self, w: Workload) -> None:
         from onecall import LLM, SamplingParams
@@ -303,7 +305,7 @@ class Onecall:
         self.llm = LLM(
             model=w.model_path, dtype=w.dtype, device=w.device, num_threads=w.threads, kernels=w.kernels,
             max_num_batched_tokens=max(2048, longest), max_num_seqs=max(64, len(w.concurrent_prompts)),
-            enable_prefix_caching=False, kv_cache_dtype=w.kv_cache_dtype,
+            enable_prefix_caching=False, kv_cache_dtype=w.kv_cache_dtype, int8_activations=self.int8_activations,
         )  # fmt: skip
         self.trace_decode_rates: list[float] = []
 
@@ -339,6 +341,12 @@ class Onecall:
             "bandwidth": decode_bandwidth(self.llm, w, result["decode_tokens_per_s"]["best"], len(w.decode_prompt), w.decode_tokens),
             "long_bandwidth": decode_bandwidth(self.llm, w, result["long_decode"]["tokens_per_s"], len(w.long_prompt), w.long_tokens),
         }  # fmt: skip
+
+
+class OnecallInt8(Onecall):
+    """onecall with llama.cpp's activation rounding: 4-bit projections quantize activations to int8."""
+
+    int8_activations = True
 
 
 def decode_bandwidth(
@@ -391,6 +399,7 @@ def copy_bandwidth(device: str, num_bytes: int = 512 * 2**20, repeats: int = 3) 
 
 LOADERS: dict[str, Callable[[Workload], System]] = {
     "onecall": Onecall,
+    "onecall-int8": OnecallInt8,
     "transformers": Transformers,
     "llamacpp": LlamaCpp,
 }

@@ -19,7 +19,8 @@ token ids (built here by tokenizing a seeded deterministic text). Metrics, per s
                  cost about the same, so the rate over those done stands for all 16)
 
 transformers runs float32 (dequantized by transformers from the GGUF); llama.cpp runs the Q4_1
-weights as they are. Then onecall's decode memory bandwidth is printed gpt-fast style, the goals
+weights as they are. onecall runs twice: as it ships (int16 activation steps) and as onecall-int8
+(--int8-activations: llama.cpp's int8 activation rounding); the goals are checked for each. Then onecall's decode memory bandwidth is printed gpt-fast style, the goals
 from the issue are checked, and the last line is one JSON object with every number.
 """
 
@@ -237,8 +238,12 @@ def metric(result: dict[str, Any], name: str) -> float | None:
     }[name](result)
 
 
+ONECALLS = ("onecall", "onecall-int8")  # the onecall variants, each compared with the peers
+
+
 def print_report(results: dict[str, dict[str, Any]], w: Workload, quick: bool) -> dict[str, Any]:
-    """The table, the bandwidth line and the goals; returns the goals for the JSON line."""
+    """The table, the bandwidth line and the goals; returns the goals for the JSON line (per onecall
+    variant that ran)."""
     n_conc, n_tok, plen = len(w.concurrent_prompts), w.concurrent_tokens, len(w.prefill_prompts[0])
     rows = [
         ("cold_start", "cold start to first token (s)"),
@@ -249,17 +254,15 @@ def print_report(results: dict[str, dict[str, Any]], w: Workload, quick: bool) -
     ]
     names = list(results)
     peers = [p for p in ("llamacpp", "transformers") if p in names]
-    header = (
-        f"{'metric':<52}"
-        + "".join(f"{n:>14}" for n in names)
-        + "".join(f"{'onecall/' + p:>22}" for p in peers)
-    )
+    pairs = [(o, p) for o in ONECALLS if o in names for p in peers]
+    header = f"{'metric':<52}" + "".join(f"{n:>14}" for n in names) + "".join(f"{o + '/' + p:>24}" for o, p in pairs)
     print("\n" + header + "\n" + "-" * len(header))
     for key, label in rows:
         vals = {n: metric(results[n], key) for n in names}
         cells = "".join(f"{_fmt(vals[n]):>14}" for n in names)
-        one = vals.get("onecall")
-        ratios = "".join(f"{f'{one / vals[p]:.2f}x' if one and vals[p] else '-':>22}" for p in peers)
+        ratios = "".join(
+            f"{f'{vals[o] / vals[p]:.2f}x' if vals[o] and vals[p] else '-':>24}" for o, p in pairs
+        )  # fmt: skip
         print(f"{label:<52}{cells}{ratios}")
     for n in names:
         if "cold_start" in results[n]:
@@ -290,13 +293,14 @@ def print_report(results: dict[str, dict[str, Any]], w: Workload, quick: bool) -
                 f" + {bw['kv_bytes_per_step'] / 1e6:.1f} MB KV per step -> {bw['achieved_gb_per_s']:.2f} GB/s,"
                 f" {100 * bw['fraction_of_copy']:.0f}% of measured copy bandwidth ({bw['copy_gb_per_s']:.2f} GB/s)"
             )
-    return check_goals(results, quick)
+    return {o: check_goals(results, quick, o) for o in ONECALLS if o in results}
 
 
-def check_goals(results: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
-    one = results.get("onecall", {})
+def check_goals(results: dict[str, dict[str, Any]], quick: bool, onecall: str = "onecall") -> dict[str, Any]:
+    one = results.get(onecall, {})
     goals: dict[str, Any] = {}
-    print("\ngoals (from the issue)" + (", at --quick sizes, so indicative only:" if quick else ":"))
+    sizes = ", at --quick sizes, so indicative only:" if quick else ":"
+    print(f"\ngoals (from the issue), {onecall}{sizes}")
     for name, key, factor, peer, peer_key in GOALS:
         ref = results.get(peer, {})
         have, base = metric(one, key) if one else None, metric(ref, peer_key) if ref else None
