@@ -278,8 +278,9 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
     if head is not None and head.q8 is not None:
         # the file's own Q8_0 groups, taken as stored: re-quantizing the expanded weight finds them again
         q, scale = native.quantize_q8_groups(fast.model.output_weight())
-        assert torch.equal(head.q8.q, q)
-        torch.testing.assert_close(head.q8.scale, scale, rtol=2**-20, atol=0)
+        want = native.pack_q8_blocked(q, scale)
+        assert torch.equal(head.q8.qs, want.qs)
+        torch.testing.assert_close(head.q8.scale, want.scale, rtol=2**-20, atol=0)
     assert not any(name.endswith(("proj.weight",)) for name, _ in fast.model.named_parameters())
     ids = fast.tokenizer.encode("The streaming loader packs each projection as it arrives. " * 3)
     assert len(ids) > INT4_MAX_ROWS

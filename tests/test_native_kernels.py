@@ -8,6 +8,9 @@ Tolerances, written down:
 * q4 GEMM with int8 activations (int8_activations): the same bound with dx = absmax / 127; against
   the int8 rounding emulated in float64 (the same quantized activations, exact integer dots), 1e-6
   relative to the largest output (float32 scaling and summation only).
+* q8b GEMM (the logits: int8 weights in blocks of 8 rows, int16 activations): the q4 bound (the
+  activation rounding, then 1e-5 relative for float32 scaling and summation; a group's int32 dot may
+  round once on its way to float32, relative 6e-8).
 * q8 GEMM (float32 activations): float32 summation order only: 1e-5 * (|x| @ |W|^T) + 1e-6.
 * paged decode attention: against SDPA over the gathered KV in float32: 2e-6 absolute (values are
   O(1)); its exp polynomial has relative error < 2e-7.
@@ -83,6 +86,29 @@ def test_q8_gemm_matches_float_math_and_is_batch_invariant() -> None:
     assert bool(((got.double() - ref).abs() <= bound).all())
     for rows in (slice(0, 1), slice(3, 8), slice(8, 13), slice(5, 10)):  # each row in another tile
         assert torch.equal(native.q8_gemm(LIB, x[rows].contiguous(), q, scale, None, 2), got[rows])
+
+
+@pytest.mark.parametrize("group_size", [32, 16])
+def test_q8_blocked_gemm_within_the_activation_rounding_bound_and_batch_invariant(group_size: int) -> None:
+    assert LIB is not None
+    g = torch.Generator().manual_seed(group_size)
+    n, k = 85, 128  # 11 blocks of 8: the last partial and unpaired
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // group_size, generator=g) * 0.01
+    w = native.pack_q8_blocked(q, scale, group_size)
+    wd = (q.double().view(n, -1, group_size) * scale.double()[..., None]).view(n, k)
+    bias = torch.randn(n)
+    x = torch.randn(70, k) * 2
+    x[:, 3] = 50.0  # an outlier feature: its group's step is coarse
+    got = native.q8_blocked_gemm(LIB, x, w, bias, 2)
+    ref = x.double() @ wd.T + bias.double()
+    step = x.view(70, -1, 32).abs().amax(-1).double() / 32767
+    bound = (step / 2) @ wd.abs().view(n, -1, 32).sum(-1).T + 1e-5 * (x.double().abs() @ wd.abs().T) + 1e-6
+    assert bool(((got.double() - ref).abs() <= bound).all())
+    assert float((got.double() - ref).abs().mean()) < 0.5 * float(bound.mean())
+    for m in (1, 2, 3, 5, 16, 65):
+        assert torch.equal(native.q8_blocked_gemm(LIB, x[:m].contiguous(), w, bias, 2), got[:m])
+        assert torch.equal(native.q8_blocked_gemm(LIB, x[m:].contiguous(), w, bias, 1), got[m:])
 
 
 def test_lm_head_keeps_a_q8_0_weight_as_int8_and_a_float_weight_as_float() -> None:

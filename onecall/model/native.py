@@ -143,6 +143,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_q4_gemm.restype = c_int
     lib.onecall_q4a8_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int, c_int]
     lib.onecall_q4a8_gemm.restype = c_int
+    lib.onecall_q8b_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int, c_int]
+    lib.onecall_q8b_gemm.restype = c_int
     lib.onecall_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int, c_int]
     lib.onecall_q8_gemm.restype = c_int
     # q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D, block_size,
@@ -237,6 +239,57 @@ def q4_gemm(
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"{kernel.__name__}: out of memory for the activation buffer")
+    return y
+
+
+@dataclass(frozen=True)
+class Q8Blocked:
+    """An int8 weight (N, K) in the q8b layout (csrc: rows in units of 16, N padded to whole units):
+    qs (N16 / 16, K / 32, 2, 16, 8, 2) int8, scale (N16 / 16, K / group_size, 2, 8) float32."""
+
+    qs: torch.Tensor
+    scale: torch.Tensor
+    out_features: int
+    in_features: int
+    group_size: int  # 32 (Q8_0) or 16 (Q6_K)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() + self.scale.numel() * 4
+
+
+def pack_q8_blocked(q: torch.Tensor, scale: torch.Tensor, group_size: int = 32) -> Q8Blocked:
+    """(N, K) int8 with (N, K / group_size) scales -> the q8b layout. w = q * scale per group."""
+    n, k = q.shape
+    assert k % 32 == 0 and group_size in (16, 32) and tuple(scale.shape) == (n, k // group_size)
+    n16, g, gs = -(-n // 16) * 16, k // 32, k // group_size
+    q, scale = q.to(torch.int8), scale.float()
+    if n16 > n:
+        q = torch.cat((q, q.new_zeros(n16 - n, k)))
+        scale = torch.cat((scale, scale.new_zeros(n16 - n, gs)))
+    # a column pair's two bytes move together as one int16: (unit, block, row, G, pair) ->
+    # (unit, G, block, pair, row)
+    pairs = q.contiguous().view(torch.int16).view(n16 // 16, 2, 8, g, 16).permute(0, 3, 1, 4, 2).contiguous()
+    qs = pairs.view(torch.int8).view(n16 // 16, g, 2, 16, 8, 2)
+    blocked = scale.view(n16 // 16, 2, 8, gs).permute(0, 3, 1, 2).contiguous()  # (unit, group, block, row)
+    return Q8Blocked(qs, blocked, n, k, group_size)
+
+
+def q8_blocked_gemm(
+    lib: ctypes.CDLL, x: torch.Tensor, w: Q8Blocked, bias: torch.Tensor | None, num_threads: int
+) -> torch.Tensor:
+    """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_q8_blocked;
+    activations rounded to int16 steps per group of 32, as the q4 kernel does."""
+    m, k = x.shape
+    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
+    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    rc = lib.onecall_q8b_gemm(
+        x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.out_features,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, w.group_size,
+    )  # fmt: skip
+    if rc == -1:
+        raise MemoryError("onecall_q8b_gemm: out of memory for the activation buffer")
+    assert rc == 0, f"onecall_q8b_gemm refused group size {w.group_size} or K {k} (rc {rc})"
     return y
 
 

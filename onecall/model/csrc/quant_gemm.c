@@ -574,6 +574,118 @@ int onecall_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q, const
     return 0;
 }
 
+/* ---- int8 weights in pairs of 8-row blocks x int16 activations (the logits) -------------------------
+ *
+ * The q4 kernel's arithmetic for int8 weights (the checkpoint's Q8_0 groups of 32 or Q6_K groups of
+ * 16): activation rows quantized to int16 per group of 32 (quantize_row), a scale group's dot an exact
+ * int32 (madd of int8 weights widened to int16 against a broadcast activation pair, then int32 adds),
+ * scaled by weight scale x activation step in float32. A group-32 dot (|dot| <= 32 x 127 x 32767) can
+ * exceed 2^24, so its conversion to float32 may round (relative 6e-8): the same rounding whatever M.
+ *
+ * Layout q8b (native.pack_q8_blocked), N padded to whole units of 16 rows: qs (N16 / 16, K / 32, 2, 16,
+ * 8, 2) int8: unit, group, block k of the unit (rows 8k .. 8k + 7), column pair c, row b of the block,
+ * column j of the pair (column 2c + j of the group); scale (N16 / 16, K / group_size, 2, 8) float32. A
+ * unit's groups follow one another, so a thread streams its units' weights in one sequential pass. One
+ * 16-byte chunk widened to int16 is a block's 8 rows x one column pair: a madd against the pair,
+ * broadcast, gives each row's partial dot in its own int32 lane. */
+#define Q8B_MAX_TILE 4
+#ifndef Q8B_PREFETCH
+#define Q8B_PREFETCH 16 /* groups ahead (512 bytes each) that the weight stream is prefetched */
+#endif
+
+/* acc += float(a) * scale[unit, sg, k] * step[m, g] for the unit's 2 blocks x MT rows */
+static inline __attribute__((always_inline)) void q8b_scale(const int MT, __m256 acc[2][Q8B_MAX_TILE],
+                                                            const __m256i a[2][Q8B_MAX_TILE], const QuantRows *r,
+                                                            int64_t m0, int64_t G, const float *sc, int64_t g) {
+    for (int k = 0; k < 2; k++) {
+        const __m256 s = _mm256_loadu_ps(sc + 8 * k);
+        for (int i = 0; i < MT; i++) {
+            const __m256 ds = _mm256_mul_ps(s, _mm256_broadcast_ss(r->d + (m0 + i) * G + g));
+            acc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[k][i]), ds, acc[k][i]);
+        }
+    }
+}
+
+/* Unit u (weight rows 16u .. 16u + 15) x MT activation rows from m0; G16: scale groups of 16 */
+static inline __attribute__((always_inline)) void q8b_tile(const int MT, const int G16, const QuantRows *r,
+                                                           int64_t m0, int64_t u, int64_t K, int64_t N,
+                                                           const int8_t *qs, const float *scale, const float *bias,
+                                                           float *y) {
+    const int64_t G = K / 32, GS = G16 ? 2 * G : G; /* activation groups, scale groups per row */
+    const int8_t *wu = qs + u * G * 512;
+    const float *su = scale + u * GS * 16;
+    __m256 acc[2][Q8B_MAX_TILE];
+    __m256i a[2][Q8B_MAX_TILE];
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < MT; i++) acc[k][i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int8_t *wg = wu + g * 512;
+        if (Q8B_PREFETCH)
+            for (int l = 0; l < 8; l++) _mm_prefetch((const char *)wg + Q8B_PREFETCH * 512 + 64 * l, _MM_HINT_T0);
+        for (int k = 0; k < 2; k++)
+            for (int i = 0; i < MT; i++) a[k][i] = _mm256_setzero_si256();
+        for (int c = 0; c < 16; c++) {
+            if (G16 && c == 8) { /* the first 16 columns end a scale group */
+                q8b_scale(MT, acc, a, r, m0, G, su + 2 * g * 16, g);
+                for (int k = 0; k < 2; k++)
+                    for (int i = 0; i < MT; i++) a[k][i] = _mm256_setzero_si256();
+            }
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + c * 16)));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + 256 + c * 16)));
+            for (int i = 0; i < MT; i++) {
+                int32_t xp; /* the column pair's two int16 activations, broadcast to every 32-bit lane */
+                memcpy(&xp, r->q + (m0 + i) * K + g * 32 + 2 * c, 4);
+                const __m256i b = _mm256_set1_epi32(xp);
+                a[0][i] = _mm256_add_epi32(a[0][i], _mm256_madd_epi16(w0, b));
+                a[1][i] = _mm256_add_epi32(a[1][i], _mm256_madd_epi16(w1, b));
+            }
+        }
+        q8b_scale(MT, acc, a, r, m0, G, su + (G16 ? 2 * g + 1 : g) * 16, g);
+    }
+    for (int i = 0; i < MT; i++) {
+        float out[16];
+        for (int k = 0; k < 2; k++) _mm256_storeu_ps(out + 8 * k, acc[k][i]);
+        const int64_t n0 = u * 16, n_end = n0 + 16 < N ? n0 + 16 : N;
+        for (int64_t n = n0; n < n_end; n++) y[(m0 + i) * N + n] = bias ? out[n - n0] + bias[n] : out[n - n0];
+    }
+}
+
+/* q4_gemm's parallel structure over the q8b layout */
+static inline __attribute__((always_inline)) int q8b_gemm(const int G16, const float *x, int64_t M, int64_t K,
+                                                          const int8_t *qs, const float *scale, int64_t N,
+                                                          const float *bias, float *y, int num_threads) {
+    QuantRows r;
+    if (alloc_rows(M, K, &r)) return -1;
+    const int64_t units = (N + 15) / 16;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row(x, m, K, &r);
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROW_CHUNK) {
+            const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
+#pragma omp for schedule(static) nowait
+            for (int64_t u = 0; u < units; u++) {
+                int64_t m = m0;
+                for (; m + 4 <= m_end; m += 4) q8b_tile(4, G16, &r, m, u, K, N, qs, scale, bias, y);
+                for (; m + 2 <= m_end; m += 2) q8b_tile(2, G16, &r, m, u, K, N, qs, scale, bias, y);
+                if (m < m_end) q8b_tile(1, G16, &r, m, u, K, N, qs, scale, bias, y);
+            }
+        }
+    }
+    free_rows(&r);
+    return 0;
+}
+
+/* y (M, N) = x (M, K) @ W^T (+ bias), W int8 in the q8b layout with float32 scales per group of
+ * group_size (32 or 16; K % 32 == 0). 0 on success, -1 out of memory, -2 a group size it does not take. */
+int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *scale, int64_t N,
+                     const float *bias, float *y, int num_threads, int group_size) {
+    if (K % 32) return -2;
+    if (group_size == 32) return q8b_gemm(0, x, M, K, qs, scale, N, bias, y, num_threads);
+    if (group_size == 16) return q8b_gemm(1, x, M, K, qs, scale, N, bias, y, num_threads);
+    return -2;
+}
+
 /* ---- attention over the paged KV cache, one query per sequence (decode) ------------------------
  *
  * out (S, H, D) = softmax(q k^T * scale) v for each sequence s over its seq_lens[s] cached positions
