@@ -175,9 +175,10 @@ def _declare(lib: ctypes.CDLL) -> None:
 # ---- the kernels, on tensors ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Q4Packed:
-    """A 4-bit weight (N, K) in the q4 kernel's layout (csrc: rows in blocks of 8, N padded to whole
-    blocks): qs (N8 / 8, K / 32, 8, 8, 2) uint8, scale and offset (N8 / 8, K / 32, 8) float32 or float16.
-    With act8, qs is in the q4a8 layout, (N8 / 8, K / 32, 4, 8, 4), and runs with int8 activations."""
+    """A 4-bit weight (N, K) in the q4 kernel's layout (csrc: rows in units of 16, two blocks of 8, N
+    padded to whole units): qs (N16 / 16, K / 32, 2, 8, 8, 2) uint8, scale and offset (N16 / 16, K / 32,
+    2, 8) float32 or float16. With act8, qs is in the q4a8 layout, (N16 / 16, K / 32, 2, 4, 8, 4), and
+    runs with int8 activations."""
 
     qs: torch.Tensor
     scale: torch.Tensor
@@ -198,31 +199,33 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, act8: bo
     n, k = q.shape
     assert k % 32 == 0 and tuple(scale.shape) == tuple(offset.shape) == (n, k // 32)
     assert scale.dtype == offset.dtype and scale.dtype in (torch.float32, torch.float16)
-    n8, g = -(-n // 8) * 8, k // 32
-    pad = n8 - n
+    n16, g = -(-n // 16) * 16, k // 32
+    pad = n16 - n
     q = q.to(torch.uint8)
     if pad:
         q = torch.cat((q, q.new_zeros(pad, k)))
         scale = torch.cat((scale, scale.new_zeros(pad, g)))
         offset = torch.cat((offset, offset.new_zeros(pad, g)))
     # byte j of a row's group: column j low, column 16 + j high (both <= 15), in one pass
-    halves = q.view(n8, g, 2, 16)
-    pairs = torch.empty(n8, g, 16, dtype=torch.uint8)
+    halves = q.view(n16, g, 2, 16)
+    pairs = torch.empty(n16, g, 16, dtype=torch.uint8)
     torch.add(halves[:, :, 0], halves[:, :, 1], alpha=16, out=pairs)
-    if act8:  # four bytes (columns 4j..4j+3) move together as one int32: (N8/8, 8, G, 4) -> (N8/8, G, 4, 8)
-        quads = pairs.view(torch.int32).view(n8 // 8, 8, g, 4).permute(0, 2, 3, 1).contiguous()
-        qs = quads.view(torch.uint8).view(n8 // 8, g, 4, 8, 4)
-        return Q4Packed(qs, _blocked(scale, n8, g), _blocked(offset, n8, g), n, k, act8=True)
-    # then by column pair: the two bytes of a pair move together as one int16, (N8/8, 8, G, 8) ->
-    # (N8/8, G, 8, 8): block, group, pair, row of the block
-    qs = pairs.view(torch.int16).view(n8 // 8, 8, g, 8).permute(0, 2, 3, 1).contiguous()
-    qs = qs.view(torch.uint8).view(n8 // 8, g, 8, 8, 2)
-    return Q4Packed(qs, _blocked(scale, n8, g), _blocked(offset, n8, g), n, k)
+    if act8:  # four bytes (columns 4j..4j+3) move together as one int32:
+        # (unit, block, row, G, quarter) -> (unit, G, block, quarter, row)
+        quads = pairs.view(torch.int32).view(n16 // 16, 2, 8, g, 4).permute(0, 3, 1, 4, 2).contiguous()
+        qs = quads.view(torch.uint8).view(n16 // 16, g, 2, 4, 8, 4)
+        return Q4Packed(qs, _blocked(scale, n16, g), _blocked(offset, n16, g), n, k, act8=True)
+    # the two bytes of a column pair move together as one int16:
+    # (unit, block, row, G, pair) -> (unit, G, block, pair, row)
+    qs = pairs.view(torch.int16).view(n16 // 16, 2, 8, g, 8).permute(0, 3, 1, 4, 2).contiguous()
+    qs = qs.view(torch.uint8).view(n16 // 16, g, 2, 8, 8, 2)
+    return Q4Packed(qs, _blocked(scale, n16, g), _blocked(offset, n16, g), n, k)
 
 
-def _blocked(t: torch.Tensor, n8: int, g: int) -> torch.Tensor:
-    """(N8, G) per-row group values -> (N8 / 8, G, 8): a block's 8 rows of one group side by side."""
-    return t.view(n8 // 8, 8, g).transpose(1, 2).contiguous()
+def _blocked(t: torch.Tensor, n16: int, g: int) -> torch.Tensor:
+    """(N16, G) per-row group values -> (N16 / 16, G, 2, 8): a unit's two blocks' rows of one group side
+    by side."""
+    return t.view(n16 // 16, 2, 8, g).permute(0, 3, 1, 2).contiguous()
 
 
 def q4_gemm(
@@ -271,8 +274,7 @@ def pack_q8_blocked(q: torch.Tensor, scale: torch.Tensor, group_size: int = 32) 
     # (unit, G, block, pair, row)
     pairs = q.contiguous().view(torch.int16).view(n16 // 16, 2, 8, g, 16).permute(0, 3, 1, 4, 2).contiguous()
     qs = pairs.view(torch.int8).view(n16 // 16, g, 2, 16, 8, 2)
-    blocked = scale.view(n16 // 16, 2, 8, gs).permute(0, 3, 1, 2).contiguous()  # (unit, group, block, row)
-    return Q8Blocked(qs, blocked, n, k, group_size)
+    return Q8Blocked(qs, _blocked(scale, n16, gs), n, k, group_size)
 
 
 def q8_blocked_gemm(

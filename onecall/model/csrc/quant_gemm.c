@@ -18,12 +18,14 @@
  * whatever the number of rows M in the call, so a row's result never depends on its neighbours.
  *
  * Layouts (groups of 32 along K; K % 32 == 0):
- *   q4: weight rows in blocks of 8 (N padded with zero rows to a multiple of 8), so that one group of
- *       a block is 128 contiguous bytes and its 8 scales one vector:
- *       qs (N8 / 8, G, 8, 8, 2) uint8: block, group g, column pair c, row b of the block, column j of
- *       the pair; the byte holds q[b, g*32 + 2c + j] in its low nibble and q[b, g*32 + 16 + 2c + j] in
- *       its high nibble;
- *       scale, offset (N8 / 8, G, 8) float32 or IEEE half. w = q * scale + offset, q in 0..15.
+ *   q4: weight rows in units of 16 (N padded with zero rows to a multiple of 16), two blocks of 8 rows;
+ *       a unit's groups follow one another (a thread streams its units in one sequential pass), one
+ *       group of a block is 128 contiguous bytes and its 8 scales one vector:
+ *       qs (N16 / 16, G, 2, 8, 8, 2) uint8: unit, group g, block k, column pair c, row b of the block,
+ *       column j of the pair; the byte holds q[16u + 8k + b, g*32 + 2c + j] in its low nibble and
+ *       q[.., g*32 + 16 + 2c + j] in its high nibble;
+ *       scale, offset (N16 / 16, G, 2, 8) float32 or IEEE half. w = q * scale + offset, q in 0..15.
+ *   q4a8 (int8 activations) and q8b (the logits): below, the same units.
  *   q8: q (N, K) int8. w = q * scale[n, g].
  */
 #include <immintrin.h>
@@ -113,89 +115,34 @@ static inline __attribute__((always_inline)) __m256 load8(const void *p, const i
 #define Q8_PREFETCH 8 /* weight rows ahead that the q8 weight stream is prefetched */
 #endif
 
-/* One block of 8 weight rows (nb) against MT activation rows from m0 (MT a compile-time constant at every
- * call site, at most Q4_MAX_TILE). A group of the block is 8 chunks of 16 bytes; chunk c, widened to 16
- * int16 lanes and masked or shifted, holds the 8 rows' columns (2c, 2c + 1) (low nibbles) or
- * (16 + 2c, 17 + 2c) (high nibbles), row-major, so one madd against that column pair of an activation
- * row, broadcast, gives each row's partial dot in its own int32 lane: no horizontal sums. Lane b of
- * acc[i] is output (m0 + i, nb * 8 + b):
+/* One unit u (two blocks of 8 weight rows) against MT activation rows from m0 (MT a compile-time
+ * constant at every call site, at most Q4_PAIR_TILE). A group of a block is 8 chunks of 16 bytes; chunk
+ * c, widened to 16 int16 lanes and masked or shifted, holds the 8 rows' columns (2c, 2c + 1) (low
+ * nibbles) or (16 + 2c, 17 + 2c) (high nibbles), row-major, so one madd against that column pair of an
+ * activation row, broadcast, gives each row's partial dot in its own int32 lane (each broadcast feeds
+ * both blocks): no horizontal sums. Lane b of acc_k[i] is output (m0 + i, 16u + 8k + b):
  *   acc = fma(float(exact int dot of group g), scale[n, g] * step[m, g], acc) over g in order,
  *   oacc = fma(offset[n, g], sum(x in group g), oacc) over g in order,
  *   y = (acc + oacc) + bias.
  * A group's int dot fits float32 exactly (|dot| <= 32 * 15 * 32767 < 2^24), so the order of its int32
  * adds does not matter. Every output goes through the same operations in the same order whatever MT, M
  * and the thread count are: batch invariance. */
-#define Q4_MAX_TILE 8
-#define Q4_PAIR_TILE 4  /* rows per q4_block2 tile: 2 x 4 int32 accumulators + weights stay in registers */
+#define Q4_PAIR_TILE 4  /* rows per tile: 2 x 4 int32 accumulators + weights stay in registers */
 #define Q4_ROW_CHUNK 64 /* activation rows per pass over the weights (64 x K int16: 72-192 KiB for K 576-1536) */
-static inline __attribute__((always_inline)) void q4_block(const int MT, const QuantRows *r, int64_t m0, int64_t nb,
-                                                           int64_t K, int64_t N, const uint8_t *qs, const void *scale,
-                                                           const void *offset, const float *bias, float *y,
-                                                           const int f16) {
+static inline __attribute__((always_inline)) void q4_unit_tile(const int MT, const QuantRows *r, int64_t m0,
+                                                               int64_t u, int64_t K, int64_t N, const uint8_t *qs,
+                                                               const void *scale, const void *offset,
+                                                               const float *bias, float *y, const int f16) {
     const int64_t G = K / 32, es = f16 ? 2 : 4;
-    const uint8_t *wq = qs + nb * G * 128;
-    const char *wsc = (const char *)scale + nb * G * 8 * es, *wof = (const char *)offset + nb * G * 8 * es;
-    const __m256i low4 = _mm256_set1_epi16(0x0F);
-    __m256 acc[Q4_MAX_TILE], oacc[Q4_MAX_TILE];
-    for (int i = 0; i < MT; i++) acc[i] = oacc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const uint8_t *wg = wq + g * 128;
-        if (Q4_PREFETCH) {
-            _mm_prefetch((const char *)(wg + Q4_PREFETCH * 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wg + Q4_PREFETCH * 128 + 64), _MM_HINT_T0);
-        }
-        __m256i a[Q4_MAX_TILE];
-        for (int i = 0; i < MT; i++) a[i] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {
-            const __m256i wb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + c * 16)));
-            const __m256i lo = _mm256_and_si256(wb, low4), hi = _mm256_srli_epi16(wb, 4);
-            for (int i = 0; i < MT; i++) {
-                const int16_t *xq = r->q + (m0 + i) * K + g * 32;
-                int32_t xl, xh; /* the column pair's two int16 values, broadcast to every 32-bit lane */
-                memcpy(&xl, xq + 2 * c, 4);
-                memcpy(&xh, xq + 16 + 2 * c, 4);
-                a[i] = _mm256_add_epi32(a[i], _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi32(xl)),
-                                                               _mm256_madd_epi16(hi, _mm256_set1_epi32(xh))));
-            }
-        }
-        const __m256 sc = load8(wsc + g * 8 * es, f16), of = load8(wof + g * 8 * es, f16);
-        for (int i = 0; i < MT; i++) {
-            const int64_t m = m0 + i;
-            const __m256 ds = _mm256_mul_ps(sc, _mm256_broadcast_ss(r->d + m * G + g));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i]), ds, acc[i]);
-            oacc[i] = _mm256_fmadd_ps(of, _mm256_broadcast_ss(r->sum + m * G + g), oacc[i]);
-        }
-    }
-    for (int i = 0; i < MT; i++) {
-        float out[8];
-        _mm256_storeu_ps(out, _mm256_add_ps(acc[i], oacc[i]));
-        const int64_t n0 = nb * 8, n_end = n0 + 8 < N ? n0 + 8 : N;
-        for (int64_t n = n0; n < n_end; n++) y[(m0 + i) * N + n] = bias ? out[n - n0] + bias[n] : out[n - n0];
-    }
-}
-
-/* Two adjacent blocks (16 weight rows) x MT activation rows: the same per-output operations, in the same
- * order, as q4_block on each block (so a row's bits do not depend on which tile computed it), with each
- * broadcast activation pair feeding both blocks' madds. */
-static inline __attribute__((always_inline)) void q4_block2(const int MT, const QuantRows *r, int64_t m0, int64_t nb,
-                                                            int64_t K, int64_t N, const uint8_t *qs,
-                                                            const void *scale, const void *offset, const float *bias,
-                                                            float *y, const int f16) {
-    const int64_t G = K / 32, es = f16 ? 2 : 4;
-    const uint8_t *wq0 = qs + nb * G * 128, *wq1 = wq0 + G * 128;
-    const char *wsc0 = (const char *)scale + nb * G * 8 * es, *wof0 = (const char *)offset + nb * G * 8 * es;
-    const char *wsc1 = wsc0 + G * 8 * es, *wof1 = wof0 + G * 8 * es;
+    const uint8_t *wu = qs + u * G * 256;
+    const char *su = (const char *)scale + u * G * 16 * es, *ou = (const char *)offset + u * G * 16 * es;
     const __m256i low4 = _mm256_set1_epi16(0x0F);
     __m256 acc0[Q4_PAIR_TILE], oacc0[Q4_PAIR_TILE], acc1[Q4_PAIR_TILE], oacc1[Q4_PAIR_TILE];
     for (int i = 0; i < MT; i++) acc0[i] = oacc0[i] = acc1[i] = oacc1[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        const uint8_t *wg0 = wq0 + g * 128, *wg1 = wq1 + g * 128;
-        if (Q4_PREFETCH) {
-            _mm_prefetch((const char *)(wg0 + Q4_PREFETCH * 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wg0 + Q4_PREFETCH * 128 + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wg1 + Q4_PREFETCH * 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wg1 + Q4_PREFETCH * 128 + 64), _MM_HINT_T0);
-        }
+        const uint8_t *wg0 = wu + g * 256, *wg1 = wg0 + 128;
+        if (Q4_PREFETCH)
+            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg0 + Q4_PREFETCH * 256 + 64 * l), _MM_HINT_T0);
         __m256i a0[Q4_PAIR_TILE], a1[Q4_PAIR_TILE];
         for (int i = 0; i < MT; i++) a0[i] = a1[i] = _mm256_setzero_si256();
         for (int c = 0; c < 8; c++) {
@@ -218,8 +165,8 @@ static inline __attribute__((always_inline)) void q4_block2(const int MT, const 
                 a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(hi1, b));
             }
         }
-        const __m256 sc0 = load8(wsc0 + g * 8 * es, f16), of0 = load8(wof0 + g * 8 * es, f16);
-        const __m256 sc1 = load8(wsc1 + g * 8 * es, f16), of1 = load8(wof1 + g * 8 * es, f16);
+        const __m256 sc0 = load8(su + g * 16 * es, f16), of0 = load8(ou + g * 16 * es, f16);
+        const __m256 sc1 = load8(su + (g * 16 + 8) * es, f16), of1 = load8(ou + (g * 16 + 8) * es, f16);
         for (int i = 0; i < MT; i++) {
             const int64_t m = m0 + i;
             const __m256 d = _mm256_broadcast_ss(r->d + m * G + g), s = _mm256_broadcast_ss(r->sum + m * G + g);
@@ -233,30 +180,21 @@ static inline __attribute__((always_inline)) void q4_block2(const int MT, const 
         float out[16];
         _mm256_storeu_ps(out, _mm256_add_ps(acc0[i], oacc0[i]));
         _mm256_storeu_ps(out + 8, _mm256_add_ps(acc1[i], oacc1[i]));
-        const int64_t n0 = nb * 8, n_end = n0 + 16 < N ? n0 + 16 : N;
+        const int64_t n0 = u * 16, n_end = n0 + 16 < N ? n0 + 16 : N;
         for (int64_t n = n0; n < n_end; n++) y[(m0 + i) * N + n] = bias ? out[n - n0] + bias[n] : out[n - n0];
     }
 }
 
-/* Rows [m0, m_end) against one unit of weight rows: blocks 2u and 2u + 1 (q4_block2), or the last block
- * alone when the number of blocks is odd. */
-static inline __attribute__((always_inline)) void q4_unit(const QuantRows *r, int64_t m0, int64_t m_end,
-                                                          int64_t u, int64_t blocks, int64_t K, int64_t N,
-                                                          const uint8_t *qs, const void *scale,
+/* Rows [m0, m_end) against unit u, in tiles of Q4_PAIR_TILE rows, then 2, then 1 */
+static inline __attribute__((always_inline)) void q4_unit(const QuantRows *r, int64_t m0, int64_t m_end, int64_t u,
+                                                          int64_t K, int64_t N, const uint8_t *qs, const void *scale,
                                                           const void *offset, const float *bias, float *y,
                                                           const int f16) {
-    const int64_t nb = 2 * u;
     int64_t m = m0;
-    if (nb + 1 < blocks) {
-        for (; m + 4 <= m_end; m += 4) q4_block2(4, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-        for (; m + 2 <= m_end; m += 2) q4_block2(2, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-        if (m < m_end) q4_block2(1, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-        return;
-    }
-    for (; m + 8 <= m_end; m += 8) q4_block(8, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-    for (; m + 4 <= m_end; m += 4) q4_block(4, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-    for (; m + 2 <= m_end; m += 2) q4_block(2, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-    if (m < m_end) q4_block(1, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
+    for (; m + Q4_PAIR_TILE <= m_end; m += Q4_PAIR_TILE)
+        q4_unit_tile(Q4_PAIR_TILE, r, m, u, K, N, qs, scale, offset, bias, y, f16);
+    for (; m + 2 <= m_end; m += 2) q4_unit_tile(2, r, m, u, K, N, qs, scale, offset, bias, y, f16);
+    if (m < m_end) q4_unit_tile(1, r, m, u, K, N, qs, scale, offset, bias, y, f16);
 }
 
 /* One parallel region: the rows are quantized (split across the threads), then, chunk by chunk of
@@ -267,7 +205,7 @@ static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t
                                                          const float *bias, float *y, int num_threads, const int f16) {
     QuantRows r;
     if (alloc_rows(M, K, &r)) return -1;
-    const int64_t blocks = (N + 7) / 8, units = (blocks + 1) / 2;
+    const int64_t units = (N + 15) / 16;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -277,7 +215,7 @@ static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t
         for (int64_t m0 = 0; m0 < M; m0 += Q4_ROW_CHUNK) {
             const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
 #pragma omp for schedule(static) nowait
-            for (int64_t u = 0; u < units; u++) q4_unit(&r, m0, m_end, u, blocks, K, N, qs, scale, offset, bias, y, f16);
+            for (int64_t u = 0; u < units; u++) q4_unit(&r, m0, m_end, u, K, N, qs, scale, offset, bias, y, f16);
         }
     }
     free_rows(&r);
@@ -285,7 +223,7 @@ static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t
 }
 
 /* y (M, N) = x (M, K) @ W^T (+ bias), W in the q4 layout (see the top of this file; N padded to whole
- * blocks of 8 rows there, only the N rows written here); scale and offset float32, or IEEE half when
+ * units of 16 rows there, only the N rows written here); scale and offset float32, or IEEE half when
  * f16_scales. 0 on success, -1 out of memory. */
 int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, const void *offset,
                     int64_t N, const float *bias, float *y, int num_threads, int f16_scales) {
@@ -302,9 +240,9 @@ int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
  * The rest is the q4 kernel's: a group's int dot is exact, scaled by weight scale x activation step,
  * plus offset x the group's float32 activation sum; every row through the same operations whatever M.
  *
- * Layout q4a8 (pack_q4(..., act8=True)): qs (N8 / 8, G, 4, 8, 4) uint8: block, group, quarter j, row
- * b of the block, column t; the byte holds q[b, g*32 + 4j + t] in its low nibble and q[b, g*32 + 16 +
- * 4j + t] in its high nibble. One 32-byte load of a quarter, masked or shifted, is 8 rows x 4 columns
+ * Layout q4a8 (pack_q4(..., act8=True)), units of 16 rows as q4's: qs (N16 / 16, G, 2, 4, 8, 4) uint8:
+ * unit, group, block k, quarter j, row b of the block, column t; the byte holds q[16u + 8k + b, g*32 +
+ * 4j + t] in its low nibble and q[.., g*32 + 16 + 4j + t] in its high nibble. One 32-byte load of a quarter, masked or shifted, is 8 rows x 4 columns
  * as u8, row b in 32-bit lane b: against the activation row's 4 int8 values of those columns, broadcast,
  * one maddubs gives row b's two pair sums in int16 lanes 2b and 2b + 1. A group's 8 maddubs per row add
  * up in int16 (each <= 2 x 15 x 127 = 3810, 8 of them <= 30480 < 2^15: no saturation), and one madd
@@ -359,36 +297,35 @@ static inline void quantize_row8(const float *x, int64_t m, int64_t K, QuantRows
     }
 }
 
-/* NB (1 or 2) adjacent blocks of 8 weight rows from block nb x MT activation rows from m0 (both
- * compile-time constants at every call site). Lane b of acc[k][i] is output (m0 + i, (nb + k) * 8 + b):
+/* Unit u (two blocks of 8 weight rows) x MT activation rows from m0 (a compile-time constant at every
+ * call site). Lane b of acc[k][i] is output (m0 + i, 16u + 8k + b):
  *   acc = fma(float(exact int dot of group g), scale[n, g] * step[m, g], acc) over g in order,
  *   oacc = fma(offset[n, g], sum(x in group g), oacc) over g in order, y = (acc + oacc) + bias:
- * the same operations for an output whichever tile computes it. */
-#define Q4A8_MAX_TILE 4
-static inline __attribute__((always_inline)) void q4a8_tile(const int NB, const int MT, const QuantRows8 *r,
-                                                            int64_t m0, int64_t nb, int64_t K, int64_t N,
-                                                            const uint8_t *qs, const void *scale,
-                                                            const void *offset, const float *bias, float *y,
-                                                            const int f16) {
+ * the same operations for an output whichever tile computes it. Two rows a tile: measured faster than
+ * three or four, which spill. */
+#define Q4A8_TILE 2
+static inline __attribute__((always_inline)) void q4a8_tile(const int MT, const QuantRows8 *r, int64_t m0, int64_t u,
+                                                            int64_t K, int64_t N, const uint8_t *qs,
+                                                            const void *scale, const void *offset, const float *bias,
+                                                            float *y, const int f16) {
     const int64_t G = K / 32, es = f16 ? 2 : 4;
+    const uint8_t *wu = qs + u * G * 256;
+    const char *su = (const char *)scale + u * G * 16 * es, *ou = (const char *)offset + u * G * 16 * es;
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[2][Q4A8_MAX_TILE], oacc[2][Q4A8_MAX_TILE];
-    for (int k = 0; k < NB; k++)
+    __m256 acc[2][Q4A8_TILE], oacc[2][Q4A8_TILE];
+    for (int k = 0; k < 2; k++)
         for (int i = 0; i < MT; i++) acc[k][i] = oacc[k][i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        __m256i a[2][Q4A8_MAX_TILE];
-        for (int k = 0; k < NB; k++) {
-            const char *wg = (const char *)qs + ((nb + k) * G + g) * 128;
-            if (Q4_PREFETCH) {
-                _mm_prefetch(wg + Q4_PREFETCH * 128, _MM_HINT_T0);
-                _mm_prefetch(wg + Q4_PREFETCH * 128 + 64, _MM_HINT_T0);
-            }
+        const uint8_t *wg = wu + g * 256;
+        if (Q4_PREFETCH)
+            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + Q4_PREFETCH * 256 + 64 * l), _MM_HINT_T0);
+        __m256i a[2][Q4A8_TILE];
+        for (int k = 0; k < 2; k++)
             for (int i = 0; i < MT; i++) a[k][i] = _mm256_setzero_si256();
-        }
         for (int j = 0; j < 4; j++) {
             __m256i lo[2], hi[2];
-            for (int k = 0; k < NB; k++) {
-                const __m256i wb = _mm256_loadu_si256((const __m256i *)(qs + ((nb + k) * G + g) * 128 + j * 32));
+            for (int k = 0; k < 2; k++) {
+                const __m256i wb = _mm256_loadu_si256((const __m256i *)(wg + k * 128 + j * 32));
                 lo[k] = _mm256_and_si256(wb, low4);
                 hi[k] = _mm256_and_si256(_mm256_srli_epi16(wb, 4), low4);
             }
@@ -398,14 +335,14 @@ static inline __attribute__((always_inline)) void q4a8_tile(const int NB, const 
                 memcpy(&xl, xq, 4);
                 memcpy(&xh, xq + 16, 4);
                 const __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
-                for (int k = 0; k < NB; k++)
+                for (int k = 0; k < 2; k++)
                     a[k][i] = _mm256_add_epi16(a[k][i], _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], bl),
                                                                          _mm256_maddubs_epi16(hi[k], bh)));
             }
         }
-        for (int k = 0; k < NB; k++) {
-            const int64_t at = ((nb + k) * G + g) * 8 * es;
-            const __m256 sc = load8((const char *)scale + at, f16), of = load8((const char *)offset + at, f16);
+        for (int k = 0; k < 2; k++) {
+            const int64_t at = (g * 16 + 8 * k) * es;
+            const __m256 sc = load8(su + at, f16), of = load8(ou + at, f16);
             for (int i = 0; i < MT; i++) {
                 const int64_t m = m0 + i;
                 const __m256 ds = _mm256_mul_ps(sc, _mm256_broadcast_ss(r->d + m * G + g));
@@ -417,30 +354,10 @@ static inline __attribute__((always_inline)) void q4a8_tile(const int NB, const 
     }
     for (int i = 0; i < MT; i++) {
         float out[16];
-        for (int k = 0; k < NB; k++) _mm256_storeu_ps(out + 8 * k, _mm256_add_ps(acc[k][i], oacc[k][i]));
-        const int64_t n0 = nb * 8, n_end = n0 + 8 * NB < N ? n0 + 8 * NB : N;
+        for (int k = 0; k < 2; k++) _mm256_storeu_ps(out + 8 * k, _mm256_add_ps(acc[k][i], oacc[k][i]));
+        const int64_t n0 = u * 16, n_end = n0 + 16 < N ? n0 + 16 : N;
         for (int64_t n = n0; n < n_end; n++) y[(m0 + i) * N + n] = bias ? out[n - n0] + bias[n] : out[n - n0];
     }
-}
-
-/* Rows [m0, m_end) against one unit of weight rows: blocks 2u and 2u + 1 sharing each broadcast
- * activation (two rows a tile: measured faster than three or four, which spill), or the last block alone
- * when the number of blocks is odd. */
-static inline __attribute__((always_inline)) void q4a8_unit(const QuantRows8 *r, int64_t m0, int64_t m_end,
-                                                            int64_t u, int64_t blocks, int64_t K, int64_t N,
-                                                            const uint8_t *qs, const void *scale,
-                                                            const void *offset, const float *bias, float *y,
-                                                            const int f16) {
-    const int64_t nb = 2 * u;
-    int64_t m = m0;
-    if (nb + 1 < blocks) {
-        for (; m + 2 <= m_end; m += 2) q4a8_tile(2, 2, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-        if (m < m_end) q4a8_tile(2, 1, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-        return;
-    }
-    for (; m + 4 <= m_end; m += 4) q4a8_tile(1, 4, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-    for (; m + 2 <= m_end; m += 2) q4a8_tile(1, 2, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
-    if (m < m_end) q4a8_tile(1, 1, r, m, nb, K, N, qs, scale, offset, bias, y, f16);
 }
 
 /* q4_gemm's parallel structure over the q4a8 layout and int8 activation rows */
@@ -450,7 +367,7 @@ static inline __attribute__((always_inline)) int q4a8_gemm(const float *x, int64
                                                            const int f16) {
     QuantRows8 r;
     if (alloc_rows8(M, K, &r)) return -1;
-    const int64_t blocks = (N + 7) / 8, units = (blocks + 1) / 2;
+    const int64_t units = (N + 15) / 16;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -458,8 +375,12 @@ static inline __attribute__((always_inline)) int q4a8_gemm(const float *x, int64
         for (int64_t m0 = 0; m0 < M; m0 += Q4_ROW_CHUNK) {
             const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
 #pragma omp for schedule(static) nowait
-            for (int64_t u = 0; u < units; u++)
-                q4a8_unit(&r, m0, m_end, u, blocks, K, N, qs, scale, offset, bias, y, f16);
+            for (int64_t u = 0; u < units; u++) {
+                int64_t m = m0;
+                for (; m + Q4A8_TILE <= m_end; m += Q4A8_TILE)
+                    q4a8_tile(Q4A8_TILE, &r, m, u, K, N, qs, scale, offset, bias, y, f16);
+                if (m < m_end) q4a8_tile(1, &r, m, u, K, N, qs, scale, offset, bias, y, f16);
+            }
         }
     }
     free_rows8(&r);
