@@ -231,17 +231,14 @@ def test_stored_experts_run_on_their_own_groups(kind: str) -> None:
         assert freed == (kind == "int4")
         with decode_rows(2):
             got = moe(x)
-        tol = 1e-5 if kind == "int8" else 2e-3
-        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+        # both kinds round decode rows' activations to int16 steps per group of 32
+        torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
         poisoned_gate_up = [
             Int8Groups(g.q, g.scale * 0, g.group_size) if isinstance(g, Int8Groups) else
             Int4Groups(g.q, g.scale * 0, g.offset * 0, g.group_size) for g in gate_up
         ]  # fmt: skip
         # bytes one decode row streams: the router and top_k experts in their stored form
-        one_expert = sum(
-            g.nbytes if isinstance(g, native.Q4Packed) else g.q.numel() + 4 * g.scale.numel()
-            for g in moe.experts.stored[0]  # type: ignore[union-attr]
-        )
+        one_expert = sum(g.nbytes for g in moe.experts.stored[0])  # type: ignore[union-attr]
         assert moe.weight_bytes_read(1) == 4 * hidden * num_experts + 2 * one_expert
         moe.experts.use_stored(poisoned_gate_up, list(down))
         with decode_rows(2):

@@ -18,7 +18,8 @@ float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection
 * decode rows of a 4-bit weight the native kernel cannot take (no compiler, groups of 64...):
   torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations, scales and zeros); prompt rows oneDNN.
 * decode rows of a weight stored in int8 groups (GGUF Q8_0, groups of 32; Q6_K, groups of 16: see
-  quants.Int8Groups): the native int8 kernel, float32 activations (exact products). A fused
+  quants.Int8Groups): the native int8 kernel (csrc's q8b: int16 activations per group of 32, as the
+  4-bit kernel; exact integer dot products per scale group). A fused
   projection whose parts were stored in different types (Q4_K_M files keep v in Q6_K beside q/k in
   Q4_K) runs each part on its own kernel; those projections take the per-op path, not the one-call
   decode step (model/native_step.py takes whole 4-bit projections only).
@@ -27,8 +28,8 @@ Which rows are "decode" is the step's, not the call's: the engine runs each forw
 `decode_rows(n)` (the batch's first n rows are decode tokens, the rest prompt tokens), so a
 request's tokens go through the same kernels whatever else shares its batch (batch invariance;
 tests/test_batch_invariance.py). Outside such a scope (tests, the attention probe) a call of at
-most INT4_MAX_ROWS rows counts as decode. The logits (FastLMHead) of a weight stored as Q8_0 run
-the native int8 kernel with float32 activations (exact products; summation order only).
+most INT4_MAX_ROWS rows counts as decode. The logits (FastLMHead) of a weight stored as Q8_0 or Q6_K
+run the same native int8 kernel.
 
 The reference path (`kernels="reference"`) is the oracle the tests compare against.
 """
@@ -152,7 +153,7 @@ class FastLinear(nn.Module):
         self.int4_weight: torch.Tensor | None = None
         self.int4_scale_zeros: torch.Tensor | None = None
         # decode rows by parts (int8 groups, maybe beside int4 ones): native kernels, one call per part
-        self.parts: list[tuple[int, int, native.Q4Packed | Int8Groups]] = []
+        self.parts: list[tuple[int, int, native.Q4Packed | native.Q8Blocked]] = []
         if isinstance(stored, (Int4Groups, Int8Groups)):
             stored = [(0, self.out_features, stored)]
         if stored:
@@ -172,15 +173,13 @@ class FastLinear(nn.Module):
         lib = _native()
         if lib is None or self.in_features % 32:
             return  # int8 groups run on the native kernel only: oneDNN takes every row
-        packed: list[tuple[int, int, native.Q4Packed | Int8Groups]] = []
+        packed: list[tuple[int, int, native.Q4Packed | native.Q8Blocked]] = []
         for start, end, g in _merge_runs(parts):
             assert tuple(g.q.shape) == (end - start, self.in_features), (
                 "stored groups do not match the weight"
             )
             if isinstance(g, Int8Groups) and g.group_size in (16, 32):
-                packed.append(
-                    (start, end, Int8Groups(g.q.contiguous(), g.scale.float().contiguous(), g.group_size))
-                )
+                packed.append((start, end, native.pack_q8_blocked(g.q, g.scale, g.group_size)))
             elif isinstance(g, Int4Groups) and g.group_size == 32:
                 packed.append(
                     (
@@ -225,7 +224,7 @@ class FastLinear(nn.Module):
             return "native int4"
         if self.int4_weight is not None:
             return "torch int4"
-        kinds = {"int8" if isinstance(g, Int8Groups) else "int4" for _, _, g in self.parts}
+        kinds = {"int8" if isinstance(g, native.Q8Blocked) else "int4" for _, _, g in self.parts}
         return f"native {'+'.join(sorted(kinds))}" if kinds else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,8 +254,8 @@ class FastLinear(nn.Module):
             x2 = x2.contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             for start, end, g in self.parts:
-                if isinstance(g, Int8Groups):
-                    y[:, start:end] = native.q8_gemm(self._lib, x2, g.q, g.scale, None, threads, g.group_size)
+                if isinstance(g, native.Q8Blocked):
+                    y[:, start:end] = native.q8_blocked_gemm(self._lib, x2, g, None, threads)
                 else:
                     y[:, start:end] = native.q4_gemm(self._lib, x2, g, None, threads)
             if self.bias is not None:
@@ -276,10 +275,7 @@ class FastLinear(nn.Module):
             return self.q4.nbytes
         if self.has_decode_kernel and rows <= INT4_MAX_ROWS:
             if self.parts:
-                return sum(
-                    _nbytes(g.q) + _nbytes(g.scale) if isinstance(g, Int8Groups) else g.nbytes
-                    for _, _, g in self.parts
-                )
+                return sum(g.nbytes for _, _, g in self.parts)
             return sum(_nbytes(t) for t in (self.int4_weight, self.int4_scale_zeros) if t is not None)
         return self.in_features * self.out_features * 4
 

@@ -47,7 +47,7 @@ from onecall.model.fast_linear import INT4_MAX_ROWS, num_decode_rows
 from onecall.model.layers import Linear
 from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 
-ExpertGroups = native.Q4Packed | Int8Groups  # one expert weight in the form its decode kernel reads
+ExpertGroups = native.Q4Packed | native.Q8Blocked  # one expert weight in the form its decode kernel reads
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +146,8 @@ class Experts(nn.Module):
             return F.linear(h, (self.gate_up_proj if which == 0 else self.down_proj)[e])
         assert groups is not None and self._lib is not None
         head, threads = h[:num_decode].contiguous(), torch.get_num_threads()
-        if isinstance(groups, Int8Groups):
-            y = native.q8_gemm(self._lib, head, groups.q, groups.scale, None, threads, groups.group_size)
+        if isinstance(groups, native.Q8Blocked):
+            y = native.q8_blocked_gemm(self._lib, head, groups, None, threads)
         else:
             y = native.q4_gemm(self._lib, head, groups, None, threads)
         if num_decode == h.shape[0]:
@@ -165,7 +165,7 @@ def _for_kernel(groups: StoredGroups | native.Q4Packed | None, shape: tuple[int,
     if groups is None or tuple(groups.q.shape) != (rows, cols) or cols % 32:
         return None
     if isinstance(groups, Int8Groups) and groups.group_size in (16, 32):
-        return Int8Groups(groups.q.contiguous(), groups.scale.float().contiguous(), groups.group_size)
+        return native.pack_q8_blocked(groups.q, groups.scale, groups.group_size)
     if isinstance(groups, Int4Groups) and groups.group_size == 32:
         return pack_int4(groups)
     return None
@@ -211,10 +211,11 @@ class SparseMoE(nn.Module):
         for e in range(experts.num_experts):
             for which, param in enumerate((experts.gate_up_proj, experts.down_proj)):
                 groups = None if experts.stored is None else experts.stored[e][which]
-                if isinstance(groups, native.Q4Packed):
+                # 4-bit experts run every row on their groups; int8 ones decode rows only
+                if isinstance(groups, native.Q4Packed) or (
+                    isinstance(groups, native.Q8Blocked) and rows <= INT4_MAX_ROWS
+                ):
                     per_expert += groups.nbytes
-                elif isinstance(groups, Int8Groups) and rows <= INT4_MAX_ROWS:
-                    per_expert += groups.q.numel() + groups.scale.numel() * groups.scale.element_size()
                 else:
                     rows_, cols = experts.weight_shapes[which]
                     per_expert += rows_ * cols * param.element_size()

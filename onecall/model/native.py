@@ -145,8 +145,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_q4a8_gemm.restype = c_int
     lib.onecall_q8b_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int, c_int]
     lib.onecall_q8b_gemm.restype = c_int
-    lib.onecall_q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int, c_int]
-    lib.onecall_q8_gemm.restype = c_int
     # q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D, block_size,
     # scale, window, softcap, out, num_threads, kv_f16
     f32 = ctypes.c_float
@@ -292,30 +290,6 @@ def q8_blocked_gemm(
     if rc == -1:
         raise MemoryError("onecall_q8b_gemm: out of memory for the activation buffer")
     assert rc == 0, f"onecall_q8b_gemm refused group size {w.group_size} or K {k} (rc {rc})"
-    return y
-
-
-def q8_gemm(
-    lib: ctypes.CDLL,
-    x: torch.Tensor,
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    num_threads: int,
-    group_size: int = 32,
-) -> torch.Tensor:
-    """x (M, K) float32 contiguous -> (M, N) float32, W = q (N, K) int8 * scale (N, K / group_size)
-    float32, in groups of 32 (Q8_0) or 16 (Q6_K); K a multiple of 32."""
-    m, k = x.shape
-    n = q.shape[0]
-    assert q.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32
-    assert tuple(scale.shape) == (n, k // group_size), (tuple(scale.shape), n, k, group_size)
-    y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.onecall_q8_gemm(
-        x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), n,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, group_size,
-    )  # fmt: skip
-    assert rc == 0, f"onecall_q8_gemm refused group size {group_size} or K {k} (rc {rc})"
     return y
 
 

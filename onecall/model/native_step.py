@@ -33,7 +33,6 @@ from onecall.model.fast_linear import FastLinear, num_decode_rows
 from onecall.model.gemma import GemmaDecoderModel
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP
-from onecall.model.quants import Int8Groups
 
 
 class _Q4Weight(ctypes.Structure):
@@ -83,8 +82,8 @@ def _q4_weight(linear: nn.Module) -> _Q4Weight | None:
         return _Q4Weight(
             w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias, n, k, f16, 0, int(w.act8)
         )
-    if len(linear.parts) == 1 and isinstance(g := linear.parts[0][2], Int8Groups):
-        return _Q4Weight(g.q.data_ptr(), g.scale.data_ptr(), 0, bias, n, k, 0, g.group_size, 0)
+    if len(linear.parts) == 1 and isinstance(g := linear.parts[0][2], native.Q8Blocked):
+        return _Q4Weight(g.qs.data_ptr(), g.scale.data_ptr(), 0, bias, n, k, 0, g.group_size, 0)
     return None
 
 

@@ -11,7 +11,8 @@
  *   text); a group's weight x activation dot product is an exact integer (madd, then int32 adds),
  *   exactly representable in float32, scaled by weight scale x activation step in float32. The offset
  *   term uses the float32 sum of each activation group.
- *   q8 (the logits): activations stay float32; only the summation order differs from float32 math.
+ *   q8b (int8 weights: Q8_0/Q6_K projections and logits): the same int16 activation steps, exact
+ *   int32 dots per scale group. q4a8 (EngineConfig.int8_activations): int8 activation steps.
  *   Tolerances against the float32 reference are written down in tests/test_native_kernels.py.
  *
  * Batch invariance: every activation row goes through the same operations in the same order
@@ -25,8 +26,7 @@
  *       column j of the pair; the byte holds q[16u + 8k + b, g*32 + 2c + j] in its low nibble and
  *       q[.., g*32 + 16 + 2c + j] in its high nibble;
  *       scale, offset (N16 / 16, G, 2, 8) float32 or IEEE half. w = q * scale + offset, q in 0..15.
- *   q4a8 (int8 activations) and q8b (the logits): below, the same units.
- *   q8: q (N, K) int8. w = q * scale[n, g].
+ *   q4a8 (int8 activations) and q8b (int8 weights): below, in the same units.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -110,9 +110,6 @@ static inline __attribute__((always_inline)) __m256 load8(const void *p, const i
 
 #ifndef Q4_PREFETCH
 #define Q4_PREFETCH 16 /* groups ahead that the weight stream is prefetched */
-#endif
-#ifndef Q8_PREFETCH
-#define Q8_PREFETCH 8 /* weight rows ahead that the q8 weight stream is prefetched */
 #endif
 
 /* One unit u (two blocks of 8 weight rows) against MT activation rows from m0 (MT a compile-time
@@ -392,107 +389,6 @@ int onecall_q4a8_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, c
                       int64_t N, const float *bias, float *y, int num_threads, int f16_scales) {
     if (f16_scales) return q4a8_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 1);
     return q4a8_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 0);
-}
-
-/* Outputs (m, n) of weight row n for activation rows m0 .. m0 + MT - 1 (MT a compile-time constant
- * at each call site: the accumulators stay in registers, and a group's weights are converted once
- * for MT rows). Per group g of 32 (Q8_0), in 8 lanes: t = sum_k q_k x_k (the int8 weights as exact
- * float32 integers), acc = fma(t, scale[n, g], acc); then a fixed horizontal sum: the same operations
- * for an output whatever MT and M are. */
-static inline __attribute__((always_inline)) void q8_tile(const int MT, const float *x, int64_t m0, int64_t K,
-                                                          const int8_t *q, const float *scale, int64_t n,
-                                                          const float *bias, float *y, int64_t N) {
-    const int64_t G = K / 32;
-    __m256 acc[8];
-    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const int8_t *p = q + n * K + g * 32;
-        if (Q8_PREFETCH && m0 == 0 && (g & 1) == 0) /* the weight row Q8_PREFETCH ahead, a line at a time */
-            _mm_prefetch((const char *)(p + Q8_PREFETCH * K), _MM_HINT_T0);
-        const __m256 d = _mm256_broadcast_ss(scale + n * G + g);
-        __m256 w[4];
-        for (int k = 0; k < 4; k++)
-            w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * k))));
-        for (int i = 0; i < MT; i++) {
-            const float *xr = x + (m0 + i) * K + g * 32;
-            __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
-            for (int k = 1; k < 4; k++) t = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xr + 8 * k), t);
-            acc[i] = _mm256_fmadd_ps(t, d, acc[i]);
-        }
-    }
-    for (int i = 0; i < MT; i++) {
-        float v = hsum8(acc[i]);
-        if (bias) v += bias[n];
-        y[(m0 + i) * N + n] = v;
-    }
-}
-
-/* q8_tile for groups of 16 (Q6_K's sub-blocks): two scales per 32 weights, each 16-weight half summed
- * on its own and scaled into the accumulator in order. Written apart from q8_tile, whose group-32
- * loop (the logits of Q8_0 files) ran 30% slower at one row when both shared one body. */
-static inline __attribute__((always_inline)) void q8_tile16(const int MT, const float *x, int64_t m0, int64_t K,
-                                                            const int8_t *q, const float *scale, int64_t n,
-                                                            const float *bias, float *y, int64_t N) {
-    const int64_t G = K / 16;
-    __m256 acc[8];
-    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < K / 32; c++) {
-        const int8_t *p = q + n * K + c * 32;
-        if (Q8_PREFETCH && m0 == 0 && (c & 1) == 0)
-            _mm_prefetch((const char *)(p + Q8_PREFETCH * K), _MM_HINT_T0);
-        const __m256 d0 = _mm256_broadcast_ss(scale + n * G + 2 * c);
-        const __m256 d1 = _mm256_broadcast_ss(scale + n * G + 2 * c + 1);
-        __m256 w[4];
-        for (int k = 0; k < 4; k++)
-            w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * k))));
-        for (int i = 0; i < MT; i++) {
-            const float *xr = x + (m0 + i) * K + c * 32;
-            const __m256 t0 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xr)));
-            const __m256 t1 =
-                _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), _mm256_mul_ps(w[2], _mm256_loadu_ps(xr + 16)));
-            acc[i] = _mm256_fmadd_ps(t1, d1, _mm256_fmadd_ps(t0, d0, acc[i]));
-        }
-    }
-    for (int i = 0; i < MT; i++) {
-        float v = hsum8(acc[i]);
-        if (bias) v += bias[n];
-        y[(m0 + i) * N + n] = v;
-    }
-}
-
-static void q8_gemm32(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
-                      const float *bias, float *y, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < N; n++) {
-        int64_t m = 0;
-        for (; m + 8 <= M; m += 8) q8_tile(8, x, m, K, q, scale, n, bias, y, N);
-        for (; m + 4 <= M; m += 4) q8_tile(4, x, m, K, q, scale, n, bias, y, N);
-        for (; m < M; m++) q8_tile(1, x, m, K, q, scale, n, bias, y, N);
-    }
-}
-
-static void q8_gemm16(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
-                      const float *bias, float *y, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < N; n++) {
-        int64_t m = 0;
-        for (; m + 8 <= M; m += 8) q8_tile16(8, x, m, K, q, scale, n, bias, y, N);
-        for (; m + 4 <= M; m += 4) q8_tile16(4, x, m, K, q, scale, n, bias, y, N);
-        for (; m < M; m++) q8_tile16(1, x, m, K, q, scale, n, bias, y, N);
-    }
-}
-
-/* y (M, N) = x (M, K) @ W^T (+ bias), W int8 (N, K) with one float32 scale per group of group_size
- * (32 or 16; K % 32 == 0). Activations stay float32 (the weight is the checkpoint's own Q8_0 or
- * Q6_K, so the result differs from a float32 GEMM over the dequantized weight only in summation
- * order). Returns 0, or -2 for a group size it does not take. */
-int onecall_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
-                    const float *bias, float *y, int num_threads, int group_size) {
-    if (K % 32) return -2;
-    if (group_size == 32) q8_gemm32(x, M, K, q, scale, N, bias, y, num_threads);
-    else if (group_size == 16) q8_gemm16(x, M, K, q, scale, N, bias, y, num_threads);
-    else return -2;
-    return 0;
 }
 
 /* ---- int8 weights in pairs of 8-row blocks x int16 activations (the logits) -------------------------
@@ -897,12 +793,12 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  * stream on return.
  */
 typedef struct {         /* one projection: 4-bit (q8_group == 0) or int8 groups */
-    const uint8_t *qs;   /* q4: (n, k / 2) q4 layout; int8: (n, k) int8 */
-    const void *scale;   /* q4: (n, k / 32) float32, or IEEE half when f16; int8: (n, k / q8_group) float32 */
+    const uint8_t *qs;   /* q4: the q4 (or q4a8) layout; int8: the q8b layout */
+    const void *scale;   /* q4: float32, or IEEE half when f16; int8: float32 (q8b's layout) */
     const void *offset;  /* q4 only */
     const float *bias;   /* (n,) or NULL */
     int64_t n, k, f16;
-    int64_t q8_group;    /* 0: the q4 kernel; 32 or 16: onecall_q8_gemm with that group size */
+    int64_t q8_group;    /* 0: the q4 kernel; 32 or 16: onecall_q8b_gemm with that group size */
     int64_t act8;        /* q4 only: the q4a8 layout, run with int8 activations (onecall_q4a8_gemm) */
 } Q4Weight;
 
@@ -916,8 +812,8 @@ typedef struct {
 
 static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int num_threads) {
     if (w->q8_group)
-        return onecall_q8_gemm(x, M, w->k, (const int8_t *)w->qs, (const float *)w->scale, w->n, w->bias, y,
-                               num_threads, (int)w->q8_group);
+        return onecall_q8b_gemm(x, M, w->k, (const int8_t *)w->qs, (const float *)w->scale, w->n, w->bias, y,
+                                num_threads, (int)w->q8_group);
     if (w->act8)
         return onecall_q4a8_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
     return onecall_q4_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
