@@ -39,7 +39,7 @@ import torch
 from onecall.config import EngineConfig
 from onecall.engine.block_manager import BlockManager
 from onecall.engine.decode_graphs import BUCKETS, DecodeGraphs
-from onecall.engine.engine_parts import LoadedEngineParts, load_engine_parts
+from onecall.engine.engine_parts import LoadedEngineParts, install_fused_ops, load_engine_parts
 from onecall.engine.intake import Prompt, RequestIntake
 from onecall.engine.model_runner import ModelRunner, PromptLogprobs
 from onecall.engine.outputs import EngineStats, RequestOutput, make_output
@@ -59,16 +59,6 @@ if TYPE_CHECKING:
 
 # RequestOutput and EngineStats live in engine/outputs.py; they stay importable from here.
 __all__ = ["Engine", "EngineStats", "RequestOutput"]
-
-
-def install_fused_ops(model: torch.nn.Module, backend: str, kernels: str, device: torch.device) -> None:
-    """With the Triton attention backend and the fast kernels on CUDA, fuse the model's small ops
-    (norms, RoPE + K/V writes, SiLU: one kernel each, model/triton_ops.py); else leave it as it is.
-    Every rank's model runs this: the Engine's, and each tensor-parallel worker's (tp_worker_loop.py)."""
-    if backend == "triton" and kernels == "fast" and device.type == "cuda":
-        from onecall.model import triton_ops  # Triton loads only with its backend (CUDA)
-
-        triton_ops.install(model)
 
 
 class Engine:
@@ -110,8 +100,8 @@ class Engine:
         install_fused_ops(p.model, backend, self.config.kernels, self.device)
 
     def enable_static_decode(self, capture: bool, backend: str | None = None) -> None:
-        """Run pure-decode steps on static, bucketed buffers (engine/decode_graphs.py), captured as
-        CUDA graphs when `capture` (CUDA only). The pool's last block becomes the padding rows'
+        """Run decode steps, and steps with one short prompt chunk beside decode rows, on static,
+        bucketed buffers (engine/decode_graphs.py), captured as CUDA graphs when `capture` (CUDA only). The pool's last block becomes the padding rows'
         scratch block, so the block manager is rebuilt one block smaller: call it before any request.
         `backend` overrides the attention backend (tests run "triton" on CPU under the interpreter)."""
         assert not self._seqs, "enable_static_decode() before any request"

@@ -247,3 +247,13 @@ def _check_kv(config: EngineConfig, mc: ModelConfig, num_blocks: int, dtype: tor
             )
         return config.max_model_len
     return min(mc.max_position_embeddings, capacity)
+
+
+def install_fused_ops(model: torch.nn.Module, backend: str, kernels: str, device: torch.device) -> None:
+    """With the Triton attention backend and the fast kernels on CUDA, fuse the model's small ops
+    (norms, RoPE + K/V writes, SiLU: one kernel each, model/triton_ops.py); else leave it as it is.
+    Every rank's model runs this: the Engine's, and each tensor-parallel worker's (tp_worker_loop.py)."""
+    if backend == "triton" and kernels == "fast" and device.type == "cuda":
+        from onecall.model import triton_ops  # Triton loads only with its backend (CUDA)
+
+        triton_ops.install(model)

@@ -3,7 +3,7 @@
 The only engine module that touches tensors. A step has two halves:
 
   (a) pack(batch) -> StepInputs: plain ints and lists, nothing from the model folder, so under
-      tensor parallel rank 0 can send them to the other ranks (engine/tp_workers.py):
+      tensor parallel rank 0 can send them to the other ranks (engine/tp_messages.py):
         - the KV manager's pending copy-on-write slot copies,
         - every scheduled chunk flattened into one packed batch, decode rows first (input ids,
           positions, block tables, sequence and query lengths, run lengths),

@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 
 from onecall.config import EngineConfig
-from onecall.engine.engine import install_fused_ops
-from onecall.engine.engine_parts import kv_blocks_in_budget, load_model
+from onecall.engine.engine_parts import install_fused_ops, kv_blocks_in_budget, load_model
 from onecall.engine.model_runner import ModelRunner
 from onecall.engine.tp_messages import GROUP_TIMEOUT, backend_for, control_group, receive_step
 from onecall.model.attention import default_backend
