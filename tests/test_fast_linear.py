@@ -163,7 +163,7 @@ def test_a_q8_0_gguf_decodes_on_its_own_int8_groups(tmp_path: Path) -> None:
     ref = DecoderLM(mc)
     load_weights(ref, iter_weights(files, torch.float32))
     n = 4 * mc.num_hidden_layers
-    assert f"native int8 decode ({n} of {n} projections)" in fast.kernels, fast.kernels
+    assert f"native int8 ({n} of {n} projections, every row)" in fast.kernels, fast.kernels
     x = torch.randn(3, mc.hidden_size)
     for (_, name, owner, attr), (_, _, ref_owner, _) in zip(
         fast.projections(), ref.projections(), strict=True
@@ -309,15 +309,16 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
 
 @pytest.mark.slow
 def test_gguf_4bit_tensors_need_no_float32_copy() -> None:
-    """With expand_int4=False the GGUF loader yields each 4-bit tensor as a meta tensor (no float32
-    expansion) with its groups stored; the engine's load packs the projections from those groups alone
-    and expands anything else (here: nothing; the embedded GGUF's embedding is Q8_0)."""
+    """With expand_stored=False the GGUF loader yields each 4-bit or int8 tensor as a meta tensor (no
+    float32 expansion) with its groups stored; the engine's load packs the projections from those
+    groups alone and expands anything else (here: the embedding, stored as Q8_0)."""
     from onecall.model.checkpoint import iter_weights, resolve_model
     from onecall.model.quants import Int4Groups
 
     stored: dict[str, object] = {}
-    tensors = dict(iter_weights(resolve_model(None), torch.float32, stored, expand_int4=False))  # type: ignore[arg-type]
+    tensors = dict(iter_weights(resolve_model(None), torch.float32, stored, expand_stored=False))  # type: ignore[arg-type]
     meta = [name for name, t in tensors.items() if t.is_meta]
-    assert meta and all(isinstance(stored[name], Int4Groups) for name in meta)
-    assert all(name.endswith("_proj.weight") for name in meta)
+    assert meta and all(name in stored for name in meta)
+    assert {name for name in meta if not name.endswith("_proj.weight")} == {"model.embed_tokens.weight"}
+    assert all(isinstance(stored[name], Int4Groups) for name in meta if name.endswith("_proj.weight"))
     assert not any(t.is_meta for name, t in tensors.items() if name not in stored)

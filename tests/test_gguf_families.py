@@ -192,14 +192,13 @@ def _dequantized(state: dict[str, torch.Tensor], qtype: GGMLQuantizationType) ->
     return out
 
 
-# The fast path against transformers, on the rows that run the file's own groups: Q8_0's decode rows
-# (prompt rows stay on oneDNN float32: ATOL) and a Q8_0 output weight's logits run the native int8
-# kernel, which rounds activations to int16 steps per group of 32 (measured: up to 5.3e-4 on Gemma 2
-# and 3's decode logits, 2e-3 allowed); every row of a Q4_0 projection (prompt rows too) runs the
-# native int4 kernel, with the same rounding in every projection of every layer (measured: up to 1e-2
-# on a Gemma 3 prefill, whose inputs are scaled by sqrt(hidden_size); 1e-3 to 2e-3 elsewhere). Stored
-# groups in a wrong row order (Phi-3's split or partial-rotary permutation left out) are off by > 2.
-FAST_ATOL = {Q8_0: 2e-3, Q4_0: 2e-2}
+# The fast path against transformers: every row of a Q8_0 or Q4_0 projection (prompt rows too) and a
+# Q8_0 output weight's logits run the file's own groups on the native kernels, which round
+# activations to int16 steps per group of 32 in every projection of every layer (measured on a Gemma 3
+# prefill, whose inputs are scaled by sqrt(hidden_size): up to 2.7e-3 for Q8_0, 1e-2 for Q4_0, whose
+# coarser weights amplify it; 1e-3 to 2e-3 elsewhere; about 2x allowed). Stored groups in a wrong row
+# order (Phi-3's split or partial-rotary permutation left out) are off by > 2.
+FAST_ATOL = {Q8_0: 5e-3, Q4_0: 2e-2}
 
 
 @pytest.mark.parametrize("qtype", [Q8_0, Q4_0], ids=lambda t: t.name)
@@ -221,7 +220,7 @@ def test_a_quantized_gguf_matches_transformers_on_its_weights(
     assert projections and all(m.has_decode_kernel for m in projections)
     assert all(m.stored is not None for m in fast.modules() if isinstance(m, Experts))  # experts too
     harness, seq = Harness(fast), Seq(prompt(21, seed=7))
-    (logits,) = harness.step([(seq, 21)])  # prompt rows: oneDNN float32, or Q4_0's own groups
+    (logits,) = harness.step([(seq, 21)])  # prompt rows: the file's own groups too
     diff = (logits - hf_logits(hf, seq.tokens)).abs().max().item()
     assert diff <= FAST_ATOL[qtype], f"prefill: max abs diff {diff:.2e}"
     for _ in range(2):
@@ -254,7 +253,10 @@ def test_the_engine_serves_a_converted_gguf(family: str, qtype: GGMLQuantization
     with LLM(model=str(path), kv_cache_gib=0.01) as llm:
         out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
         kernels = llm.info.kernels
-    assert "onednn" in kernels and ("MoE layers" in kernels) == (family == "qwen3_moe")
+    # every projection on the file's own groups (Q8_0 and Q4_0 alike: no float32 copy, no oneDNN; a
+    # float output weight's logits may still run oneDNN)
+    assert "every row" in kernels and kernels.count("onednn") == kernels.count("onednn float32 logits"), kernels
+    assert ("MoE layers" in kernels) == (family == "qwen3_moe")
     assert out.token_ids == want[21:]
 
 

@@ -159,9 +159,10 @@ def load_model(
     )  # fmt: skip
     stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
     if model.tp is None:
-        # the native 4-bit kernel runs every row of a 4-bit projection: such tensors need no float32
-        # expansion (fast_linear.StreamingPacker packs them from their groups; the rest expands later)
-        weights = iter_weights(files, dtype, stored, expand_int4=stored is None or native.load() is None)
+        # the native kernels run every row of a 4-bit or Q8_0/Q6_K projection: such tensors need no
+        # float32 expansion (packing.StreamingPacker packs them from their groups; the rest, such as
+        # an int8 embedding, expands as it loads)
+        weights = iter_weights(files, dtype, stored, expand_stored=stored is None or native.load() is None)
     elif files.kind == "hf":
         weights = iter_rank_weights(files, dtype, model.tp, model_config)
     else:  # a GGUF's tensors are read (and dequantized) whole, then sliced

@@ -202,13 +202,14 @@ def iter_weights(
     files: ModelFiles,
     dtype: torch.dtype,
     stored_out: dict[str, StoredGroups] | None = None,
-    expand_int4: bool = True,
+    expand_stored: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face parameter name, CPU tensor in `dtype`) one at a time, never the whole model.
-    `stored_out` collects a GGUF's own quantized groups on the way; with `expand_int4` False its 4-bit
-    tensors come as meta tensors, their data only in `stored_out` (see GGUFFile.iter_tensors)."""
+    `stored_out` collects a GGUF's own quantized groups on the way; with `expand_stored` False its
+    4-bit and int8 2-D tensors come as meta tensors, their data only in `stored_out` (see
+    GGUFFile.iter_tensors)."""
     if files.kind == "gguf":
-        yield from open_gguf(files.path).iter_tensors(dtype, stored_out, expand_int4)
+        yield from open_gguf(files.path).iter_tensors(dtype, stored_out, expand_stored)
         return
     multimodal = is_multimodal(files)
     for shard in safetensors_shards(files.path):

@@ -3,26 +3,24 @@
 Decode on a CPU is bound by how fast the weights stream through the cores; torch's default
 float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection:
 
-* a weight the checkpoint stored in 4-bit groups of 32 (GGUF Q4_0/Q4_1/Q4_K, see quants.Int4Groups):
-  every row, decode and prompt alike, runs the native kernel on the file's own 4-bit weights
-  (model/native.py, csrc/quant_gemm.c: int16 activations per group of 32, exact integer dot
-  products), at an eighth of float32's bytes. At a prompt's many rows the kernel is compute-bound:
-  its int16 multiply-adds ran 1.0-1.2x oneDNN's float32 GEMM on this AVX2 machine (one thread,
-  benchmarks/bench_kernels.py), and one kernel for every row makes a row's result independent of
-  the batch by construction. No float32 copy is packed for such a weight (the load skips oneDNN's
-  reorder: cold start and memory).
+* a weight the checkpoint stored in 4-bit groups of 32 (GGUF Q4_0/Q4_1/Q4_K, see quants.Int4Groups)
+  or int8 groups (Q8_0, groups of 32; Q6_K, groups of 16: quants.Int8Groups), or in parts of those
+  (Q4_K_M files keep v in Q6_K beside q/k in Q4_K): every row, decode and prompt alike, runs the
+  native kernels on the file's own weights (model/native.py, csrc/quant_gemm.c: int16 activations
+  per group of 32, exact integer dot products; int8 ones with int8_activations for 4-bit groups), at
+  an eighth (4-bit) or a quarter (int8) of float32's bytes. At a prompt's many rows the kernels are
+  compute-bound: the 4-bit one's int16 multiply-adds ran 1.0-1.2x oneDNN's float32 GEMM on this
+  AVX2 machine (one thread, benchmarks/bench_kernels.py), the int8 one 0.75x (512 rows, 2 threads);
+  one kernel for every row makes a row's result independent of the batch by construction, and no
+  float32 copy is ever made for such a weight (cold start, and memory: a Q8_0 file's float32 copy
+  would be four times its size). A projection in parts runs one call per part and takes the per-op
+  path, not the one-call decode step (model/native_step.py takes whole projections only).
 * otherwise, prompt rows: oneDNN with the float32 weight prepacked once into its blocked layout
   (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`). Same float32 math as the
   reference, only the summation order differs; a row's result does not depend on how many rows
   share the call (checked in tests), so chunked prefill gives the same bits as one chunk.
 * decode rows of a 4-bit weight the native kernel cannot take (no compiler, groups of 64...):
   torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations, scales and zeros); prompt rows oneDNN.
-* decode rows of a weight stored in int8 groups (GGUF Q8_0, groups of 32; Q6_K, groups of 16: see
-  quants.Int8Groups): the native int8 kernel (csrc's q8b: int16 activations per group of 32, as the
-  4-bit kernel; exact integer dot products per scale group). A fused
-  projection whose parts were stored in different types (Q4_K_M files keep v in Q6_K beside q/k in
-  Q4_K) runs each part on its own kernel; those projections take the per-op path, not the one-call
-  decode step (model/native_step.py takes whole 4-bit projections only).
 
 Which rows are "decode" is the step's, not the call's: the engine runs each forward inside
 `decode_rows(n)` (the batch's first n rows are decode tokens, the rest prompt tokens), so a
@@ -101,15 +99,20 @@ def _native() -> ctypes.CDLL | None:
     return native.load()
 
 
-def runs_int4_only(stored: StoredGroups | Sequence[tuple[int, int, StoredGroups]]) -> bool:
-    """Whether a FastLinear over these stored groups runs every row on the native 4-bit kernel (then it
-    needs no float32 weight): all parts 4-bit groups of 32 along a multiple of 32, and the kernel built."""
+def runs_stored_only(stored: StoredGroups | Sequence[tuple[int, int, StoredGroups]]) -> bool:
+    """Whether a FastLinear over these stored groups runs every row on the native kernels (then it
+    needs no float32 weight): every part 4-bit groups of 32 or int8 groups of 32 or 16 (Q8_0, Q6_K),
+    along a multiple of 32, and the kernels built."""
     parts = [g for _, _, g in stored] if not isinstance(stored, (Int4Groups, Int8Groups)) else [stored]
-    return (
-        bool(parts)
-        and all(isinstance(g, Int4Groups) and g.group_size == 32 and g.q.shape[1] % 32 == 0 for g in parts)
-        and _native() is not None
-    )
+    return bool(parts) and all(_native_groups(g) for g in parts) and _native() is not None
+
+
+def _native_groups(g: StoredGroups) -> bool:
+    if g.q.shape[1] % 32:
+        return False
+    if isinstance(g, Int4Groups):
+        return g.group_size == 32
+    return isinstance(g, Int8Groups) and g.group_size in (16, 32)
 
 
 class FastLinear(nn.Module):
@@ -129,10 +132,10 @@ class FastLinear(nn.Module):
         groups run on the kernel that quantizes activations to int8 (EngineConfig.int8_activations)."""
         super().__init__()
         self.act8 = act8
-        if weight is None:  # every row on the stored 4-bit groups: no float32 copy exists (runs_int4_only)
-            assert stored is not None and runs_int4_only(stored), (
-                "a FastLinear without a weight needs int4 groups"
-            )
+        # every row, prompt and decode, on the stored groups' native kernels: no oneDNN copy is packed
+        self.every_row = stored is not None and runs_stored_only(stored)
+        if weight is None:  # no float32 copy exists (the loader did not expand the stored groups)
+            assert stored is not None and self.every_row, "without a weight, groups the native kernels run"
             parts = [(0, 0, stored)] if isinstance(stored, (Int4Groups, Int8Groups)) else list(stored)
             self.out_features = sum(g.q.shape[0] for _, _, g in parts)
             self.in_features = parts[0][2].q.shape[1]
@@ -143,7 +146,7 @@ class FastLinear(nn.Module):
             self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         # Opaque oneDNN tensor, packed for decode-sized batches (it serves any batch size); None when
-        # every row runs the native 4-bit kernel.
+        # every row runs the native kernels.
         self.packed: torch.Tensor | None = None
         self.group_size = 0
         # native q4 kernel: the groups in its layout, scales and offsets float16 where exact, else float32
@@ -152,13 +155,13 @@ class FastLinear(nn.Module):
         # torch's int4 kernel: packed weight and (in / group, out, 2) bfloat16 scales and zeros
         self.int4_weight: torch.Tensor | None = None
         self.int4_scale_zeros: torch.Tensor | None = None
-        # decode rows by parts (int8 groups, maybe beside int4 ones): native kernels, one call per part
+        # by parts (int8 groups, maybe beside int4 ones): native kernels, one call per part
         self.parts: list[tuple[int, int, native.Q4Packed | native.Q8Blocked]] = []
         if isinstance(stored, (Int4Groups, Int8Groups)):
             stored = [(0, self.out_features, stored)]
         if stored:
             self._pack_stored(list(stored))
-        if self.q4 is None:
+        if not self.every_row:
             assert weight is not None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(
                 weight.detach().contiguous(), _ONEDNN_PACK_ROWS
@@ -231,8 +234,8 @@ class FastLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        # every row on the native 4-bit kernel; else decode rows on the stored groups, prompt rows oneDNN
-        num_small = rows if self.q4 is not None else num_decode_rows(rows) if self.has_decode_kernel else 0
+        # every row on the native kernels; else decode rows on the stored groups, prompt rows oneDNN
+        num_small = rows if self.every_row else num_decode_rows(rows) if self.has_decode_kernel else 0
         if num_small == rows:
             y = self._decode(x2)
         elif num_small == 0:
@@ -242,7 +245,7 @@ class FastLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def _onednn(self, x2: torch.Tensor) -> torch.Tensor:
-        assert self.packed is not None, "no oneDNN weight: every row runs the native 4-bit kernel"
+        assert self.packed is not None, "no oneDNN weight: every row runs the native kernels"
         return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
 
     def _decode(self, x2: torch.Tensor) -> torch.Tensor:
@@ -273,15 +276,15 @@ class FastLinear(nn.Module):
         """Bytes of weights one call over `rows` rows (outside a decode_rows scope) streams."""
         if self.q4 is not None:
             return self.q4.nbytes
-        if self.has_decode_kernel and rows <= INT4_MAX_ROWS:
+        if self.has_decode_kernel and (self.every_row or rows <= INT4_MAX_ROWS):
             if self.parts:
                 return sum(g.nbytes for _, _, g in self.parts)
             return sum(_nbytes(t) for t in (self.int4_weight, self.int4_scale_zeros) if t is not None)
         return self.in_features * self.out_features * 4
 
     def extra_repr(self) -> str:
-        if self.q4 is not None:
-            kind = "native int4, every row"
+        if self.every_row:
+            kind = f"{self.decode_kernel}, every row"
         else:
             kind = f"{self.decode_kernel} decode + onednn" if self.has_decode_kernel else "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, kernels={kind}"

@@ -203,7 +203,7 @@ class GGUFFile:
         return plan
 
     def iter_tensors(
-        self, dtype: torch.dtype, stored_out: dict[str, StoredGroups] | None = None, expand_int4: bool = True
+        self, dtype: torch.dtype, stored_out: dict[str, StoredGroups] | None = None, expand_stored: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, dequantized CPU tensor in `dtype`), one tensor at a time, undoing what
         the converter changed (gguf_layout.py has the names):
@@ -219,10 +219,11 @@ class GGUFFile:
         With `stored_out`, every 4-bit (Q4_0/Q4_1/Q4_K) 2-D tensor is decoded once into Int4Groups and
         every Q8_0/Q6_K one into Int8Groups, stored there under its name (the fast kernels' exact
         copy: decode rows of projections, the logits), and expanded from them. Stacked experts are
-        expanded to dense tensors (model/moe.py runs them in float). With `expand_int4` False, a 4-bit
-        2-D tensor is yielded as a meta tensor of its shape instead (no float32 copy is made): the
-        consumer takes its data from `stored_out` (weights.load_weights does: a projection the native
-        4-bit kernel runs every row of never needs the float32 copy, cold start's largest cost).
+        expanded to dense tensors (model/moe.py runs them in float). With `expand_stored` False, a 2-D
+        tensor with stored groups (4-bit or int8) is yielded as a meta tensor of its shape instead (no
+        float32 copy is made): the consumer takes its data from `stored_out` (weights.load_weights
+        does: a projection the native kernels run every row of never needs the float32 copy, cold
+        start's largest cost and, for a Q8_0 file, four times its size in memory).
         """
         plan = self._check_loadable()
         num_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count", 0))
@@ -250,7 +251,7 @@ class GGUFFile:
                     )
                     groups = Int4Groups(q, scale, offset, groups.group_size)
                 stored_out[hf_name] = groups
-                if expand_int4:
+                if expand_stored:
                     yield hf_name, groups.dequantize().to(dtype)
                 else:
                     yield hf_name, torch.empty(groups.q.shape, dtype=dtype, device="meta")
@@ -261,7 +262,10 @@ class GGUFFile:
                     q, scale = (unpermute_qk_rows(t, heads) for t in (int8.q, int8.scale))
                     int8 = Int8Groups(q, scale, int8.group_size)
                 stored_out[hf_name] = int8
-                yield hf_name, int8.dequantize().to(dtype)  # bit-exact with dequantize()
+                if expand_stored:
+                    yield hf_name, int8.dequantize().to(dtype)  # bit-exact with dequantize()
+                else:
+                    yield hf_name, torch.empty(int8.q.shape, dtype=dtype, device="meta")
                 continue
             tensor = dequantize(raw, ggml_type, info.shape, dtype)
             yield hf_name, unpermute_qk_rows(tensor, heads) if heads else tensor

@@ -20,7 +20,7 @@ from torch import nn
 
 from onecall.model import native
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
-from onecall.model.fast_linear import FastLinear, FastLMHead, fast_kernels_supported, runs_int4_only
+from onecall.model.fast_linear import FastLinear, FastLMHead, fast_kernels_supported, runs_stored_only
 from onecall.model.layers import MLP, Attention, RMSNorm
 from onecall.model.moe import SparseMoE
 from onecall.model.native_step import NativeDecodeStep
@@ -48,7 +48,7 @@ class StreamingPacker:
     cold start pays neither their first-touch page faults nor a copy (about 0.4 s for
     SmolLM2-135M's 424 MB on this machine). A projection whose parts are all 4-bit groups the native
     kernel runs needs no float32 weight at all: its parts may arrive as meta tensors (a GGUF loader
-    that did not expand them, GGUFFile.iter_tensors(expand_int4=False)) and are packed from the stored
+    that did not expand them, GGUFFile.iter_tensors(expand_stored=False)) and are packed from the stored
     groups alone; any other meta part is expanded from its stored groups here. `finish` installs the
     modules and packs the logits.
     """
@@ -80,7 +80,7 @@ class StreamingPacker:
 
     def _submit_parts(self, slot: PackSlot, parts: dict[str, torch.Tensor]) -> None:
         stored = self._stored_parts(slot)
-        if stored is not None and runs_int4_only(stored):
+        if stored is not None and runs_stored_only(stored):
             self._jobs.append((slot, self._pool.submit(FastLinear, None, slot.bias, stored, self.act8)))
             return
         if len(parts) == 1:
@@ -158,11 +158,13 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
                 module.native = lib
         model.native_step = NativeDecodeStep.build(model.model)
     pieces = []
-    every_row = sum(m.q4 is not None for m in modules)  # every row on the native 4-bit kernel
+    every_row = [m for m in modules if m.every_row]  # every row on the stored groups' native kernels
     if every_row:
-        acts = ", int8 activations" if any(m.q4 is not None and m.q4.act8 for m in modules) else ""
-        pieces.append(f"native int4 ({every_row} of {len(modules)} projections, every row{acts})")
-    rest = [m for m in modules if m.q4 is None]  # prompt rows on oneDNN, decode rows maybe stored groups
+        kind = "/".join(sorted({(m.decode_kernel or "").removeprefix("native ") for m in every_row}))
+        act8 = any(m.act8 and m.decode_kernel != "native int8" for m in every_row)  # 4-bit groups only
+        acts = ", int8 activations" if act8 else ""
+        pieces.append(f"native {kind} ({len(every_row)} of {len(modules)} projections, every row{acts})")
+    rest = [m for m in modules if not m.every_row]  # prompt rows on oneDNN, decode rows maybe stored groups
     if rest:
         kinds = sorted({k for m in rest if (k := m.decode_kernel) is not None})
         num_stored = sum(m.has_decode_kernel for m in rest)

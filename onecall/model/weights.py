@@ -144,7 +144,7 @@ def load_weights(
                 )
             param, start, end = table[name]
             _check_shape(name, tensor, param[start:end].shape)
-            if tensor.is_meta:  # a 4-bit tensor the loader did not expand: its stored groups are the data
+            if tensor.is_meta:  # a tensor the loader did not expand: its stored groups are the data
                 if packer is not None and packer.accept(name, tensor):
                     loaded.add(name)
                     continue
