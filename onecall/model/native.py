@@ -1,4 +1,4 @@
-"""The native CPU kernels (csrc/quant_gemm.c, csrc/prefill_attention.c): built with the system C compiler at first use, cached.
+"""The native CPU kernels (csrc/*.c, one library): built with the system C compiler at first use, cached.
 
 Why native code at all: on an AVX2 CPU, torch's own int4 kernel expands 4-bit weights to floats
 and runs float FMAs; it is compute-bound well below the memory bandwidth (measured in the README's
@@ -8,7 +8,7 @@ the Q8_0 logits matrix as int8, and read the paged KV cache in place for decode 
 causal prefill attention (a flash-style tiled kernel, prefill_attention.c).
 
 How they are built and loaded:
-- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared -ffp-contract=off` on both sources into one library
+- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared -ffp-contract=off` on the sources into one library
   (about a second), into a cache folder keyed by a hash of the sources, the flags and the compiler's version: the next start loads the cached library.
   The folder is $ONECALL_CACHE_DIR/kernels, else $XDG_CACHE_HOME/onecall/kernels, else
   ~/.cache/onecall/kernels (read in onecall/envs.py).
@@ -36,15 +36,21 @@ import torch
 from onecall import envs
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "quant_gemm.c", _CSRC / "prefill_attention.c")  # one library, one cache key
-_HEADERS = (_CSRC / "simd.h",)  # included by the sources: part of the cache key, not compiled alone
+_SOURCES = (  # one library, one cache key
+    _CSRC / "gemm.c",  # the quantized GEMMs (q4, q4a8, q8b) and their activation quantization
+    _CSRC / "decode_attention.c",  # paged decode attention
+    _CSRC / "decode_step.c",  # the small fused ops and the whole decode step (onecall_decode_layers)
+    _CSRC / "prefill_attention.c",  # causal prefill attention
+)
+# included by the sources: part of the cache key, not compiled alone
+_HEADERS = (_CSRC / "kernels.h", _CSRC / "simd.h")
 # -ffp-contract=off: float arithmetic runs as written (FMAs only where the code asks for one), so two
 # paths that should give the same bits (float16 vs float32 scales, a row alone vs in a batch) do.
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # K/V cache dtypes the native decode attention and cache writes read and write directly.
 KV_DTYPES = (torch.float32, torch.float16)
-ATTENTION_MAX_HEADS = 128  # query heads the native decode attention takes (csrc: ATTN_MAX_HEADS)
+ATTENTION_MAX_HEADS = 128  # query heads decode attention takes (csrc/decode_attention.c: ATTN_MAX_HEADS)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

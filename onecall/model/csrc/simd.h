@@ -1,5 +1,6 @@
-/* SIMD helpers the native kernels share (csrc/quant_gemm.c, csrc/prefill_attention.c): one copy, so
- * the decode and prefill attention kernels compute the same exp bit for bit. AVX2 + FMA. */
+/* SIMD helpers the native kernels share (gemm.c, decode_attention.c, decode_step.c,
+ * prefill_attention.c): one copy, so the decode and prefill attention kernels compute the same exp bit
+ * for bit, and every horizontal sum or max runs in the same fixed order. AVX2 + FMA. */
 #ifndef ONECALL_SIMD_H
 #define ONECALL_SIMD_H
 
@@ -25,6 +26,22 @@ static inline __m256 exp256(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* The sum of v's 8 lanes, in a fixed order (high half onto low, then pairs, then the last two). */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The largest of v's 8 lanes (hsum8's order, with max). */
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 
 #endif /* ONECALL_SIMD_H */

@@ -1,8 +1,13 @@
-/* onecall's native CPU kernels: matrix products over weights kept as the GGUF stored them.
+/* The quantized GEMMs: y = x @ W^T (+ bias) over weights kept as the GGUF stored them, against
+ * activations quantized row by row here (QuantRows: int16 steps; QuantRows8: int8 steps).
  *
- * Built at first use by model/native.py (gcc -O3 -mavx2 -mfma -fopenmp), cached on disk, loaded
- * with ctypes. The OpenMP runtime here is the libgomp torch has already loaded (same soname), so
- * these loops run on torch's thread pool rather than spinning up a second one beside it.
+ *   onecall_q4_gemm    4-bit weights (the q4 layout) x int16 activations: the projections
+ *   onecall_q4a8_gemm  4-bit weights (the q4a8 layout) x int8 activations (EngineConfig.int8_activations)
+ *   onecall_q8b_gemm   int8 weights (the q8b layout) x int16 activations: Q8_0/Q6_K projections, logits
+ *
+ * All three share one parallel structure (q4_gemm): the rows are quantized, then chunk by chunk of
+ * Q4_ROW_CHUNK rows the weight units of 16 rows are split across the threads; each thread streams its
+ * units' weights in one sequential pass.
  *
  * Numerics:
  *   q4 (the projections): each activation row is quantized per group of 32 to int16 with a float32
@@ -34,16 +39,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #define ACT_MAX 32767.0f /* activations are quantized to int16 steps of absmax / ACT_MAX per group */
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 typedef struct {
     int16_t *q;  /* (M, K) */
@@ -55,13 +54,6 @@ static void free_rows(QuantRows *r) {
     free(r->q);
     free(r->d);
     free(r->sum);
-}
-
-static inline float hmax8(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 static int alloc_rows(int64_t M, int64_t K, QuantRows *r) {
@@ -239,11 +231,12 @@ int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
  *
  * Layout q4a8 (pack_q4(..., act8=True)), units of 16 rows as q4's: qs (N16 / 16, G, 2, 4, 8, 4) uint8:
  * unit, group, block k, quarter j, row b of the block, column t; the byte holds q[16u + 8k + b, g*32 +
- * 4j + t] in its low nibble and q[.., g*32 + 16 + 4j + t] in its high nibble. One 32-byte load of a quarter, masked or shifted, is 8 rows x 4 columns
- * as u8, row b in 32-bit lane b: against the activation row's 4 int8 values of those columns, broadcast,
- * one maddubs gives row b's two pair sums in int16 lanes 2b and 2b + 1. A group's 8 maddubs per row add
- * up in int16 (each <= 2 x 15 x 127 = 3810, 8 of them <= 30480 < 2^15: no saturation), and one madd
- * with ones sums the lane pair into row b's int32 dot. */
+ * 4j + t] in its low nibble and q[.., g*32 + 16 + 4j + t] in its high nibble. One 32-byte load of a
+ * quarter, masked or shifted, is 8 rows x 4 columns as u8, row b in 32-bit lane b: against the
+ * activation row's 4 int8 values of those columns, broadcast, one maddubs gives row b's two pair sums
+ * in int16 lanes 2b and 2b + 1. A group's 8 maddubs per row add up in int16 (each <= 2 x 15 x 127 =
+ * 3810, 8 of them <= 30480 < 2^15: no saturation), and one madd with ones sums the lane pair into row
+ * b's int32 dot. */
 #define ACT8_MAX 127.0f
 
 typedef struct {
@@ -501,361 +494,4 @@ int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, con
     if (group_size == 32) return q8b_gemm(0, x, M, K, qs, scale, N, bias, y, num_threads);
     if (group_size == 16) return q8b_gemm(1, x, M, K, qs, scale, N, bias, y, num_threads);
     return -2;
-}
-
-/* ---- attention over the paged KV cache, one query per sequence (decode) ------------------------
- *
- * out (S, H, D) = softmax(q k^T * scale) v for each sequence s over its seq_lens[s] cached positions
- * (row s of q starts at q + s * q_stride; its H heads of D values are contiguous),
- * reading K and V where they lie: position p of sequence s is slot
- * block_tables[s, p / block_size] * block_size + p % block_size of the (num_slots, KVH, D) caches.
- * GQA: query heads kvh*G .. kvh*G + G - 1 (G = H / KVH) share KV head kvh.
- *
- * Work is split into tasks (s, chunk of ATTN_CHUNK positions), each reading its slots' K and then V
- * rows whole (all KV heads: contiguous memory) once, keeping per query head a running max, sum and
- * weighted V sum; the chunks of a sequence are merged in position order afterwards. Chunk
- * boundaries are fixed positions, so a sequence's result depends only on its own query, KV and
- * length: never on the batch or the thread count.
- */
-#define ATTN_CHUNK 128
-#define ATTN_MAX_HEADS 128 /* query heads handled here (more: the caller falls back) */
-
-/* 8 K/V values from a float32 or (f16) IEEE half cache row, as float32. */
-static inline __attribute__((always_inline)) __m256 load_kv8(const void *row, int64_t i, const int f16) {
-    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    return _mm256_loadu_ps((const float *)row + i);
-}
-
-/* out[g] = dot(q + g * D, k, D) for g < n <= 4: four independent FMA chains share each load of k. */
-static inline __attribute__((always_inline)) void dots4(const float *q, const void *k, int64_t D, int n, float *out,
-                                                        const int f16) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < D; i += 8) {
-        const __m256 kv = load_kv8(k, i, f16);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv, a0);
-        if (n > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + i), kv, a1);
-        if (n > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + i), kv, a2);
-        if (n > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * D + i), kv, a3);
-    }
-    out[0] = hsum8(a0);
-    if (n > 1) out[1] = hsum8(a1);
-    if (n > 2) out[2] = hsum8(a2);
-    if (n > 3) out[3] = hsum8(a3);
-}
-
-/* The first position a decode query at position len - 1 sees: len - window with a sliding window
- * (window > 0: the query and the window - 1 positions before it), else 0. */
-static inline int64_t window_start(int64_t len, int64_t window) {
-    return window > 0 && len > window ? len - window : 0;
-}
-
-static inline __attribute__((always_inline)) int paged_decode_attention(
-    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
-    int64_t max_blocks, const int32_t *seq_lens, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-    float scale, int64_t window, float softcap, float *out, int num_threads, const int f16) {
-    const int64_t elem = f16 ? 2 : 4; /* bytes per cached value */
-    if (H > ATTN_MAX_HEADS || H % KVH || D % 8) return -2;
-    const int64_t G = H / KVH;
-    int64_t max_chunks = 1;
-    for (int64_t s = 0; s < S; s++) {
-        const int64_t span = seq_lens[s] - window_start(seq_lens[s], window);
-        const int64_t c = (span + ATTN_CHUNK - 1) / ATTN_CHUNK;
-        max_chunks = c > max_chunks ? c : max_chunks;
-    }
-    /* per task and query head: [max, sum, acc (D)] */
-    const int64_t stride = 2 + D;
-    const int64_t num_tasks = S * max_chunks;
-    float *part = malloc(sizeof(float) * (size_t)(num_tasks * H * stride));
-    if (!part) return -1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t t = 0; t < num_tasks; t++) {
-        const int64_t s = t / max_chunks, c = t % max_chunks;
-        const int64_t len = seq_lens[s], start = window_start(len, window) + c * ATTN_CHUNK;
-        float *pt = part + t * H * stride;
-        if (start >= len) {
-            for (int64_t h = 0; h < H; h++) pt[h * stride] = -INFINITY;
-            continue;
-        }
-        const int64_t n = (start + ATTN_CHUNK < len ? start + ATTN_CHUNK : len) - start;
-        const int32_t *table = block_tables + s * max_blocks;
-        const float *qs = q + s * q_stride; /* (H, D) contiguous */
-        float sc[ATTN_MAX_HEADS][ATTN_CHUNK];
-        int64_t slots[ATTN_CHUNK];
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t p = start + i;
-            slots[i] = (int64_t)table[p / block_size] * block_size + p % block_size;
-        }
-        /* 1. scores: each slot's K row (all KV heads) read once */
-        for (int64_t i = 0; i < n; i++) {
-            const char *krow = (const char *)k_cache + slots[i] * KVH * D * elem;
-            for (int64_t kh = 0; kh < KVH; kh++)
-                for (int64_t g0 = 0; g0 < G; g0 += 4) {
-                    float d4[4];
-                    const int m = (int)(G - g0 < 4 ? G - g0 : 4);
-                    dots4(qs + (kh * G + g0) * D, krow + kh * D * elem, D, m, d4, f16);
-                    for (int j = 0; j < m; j++) sc[kh * G + g0 + j][i] = d4[j] * scale;
-                }
-        }
-        if (softcap > 0.0f) /* Gemma 2's logit soft-capping: softcap * tanh(score / softcap) */
-            for (int64_t h = 0; h < H; h++)
-                for (int64_t i = 0; i < n; i++) sc[h][i] = softcap * tanhf(sc[h][i] / softcap);
-        /* 2. per query head: max, exp, sum */
-        for (int64_t h = 0; h < H; h++) {
-            float mx = -INFINITY;
-            for (int64_t i = 0; i < n; i++) mx = sc[h][i] > mx ? sc[h][i] : mx;
-            const __m256 m8 = _mm256_set1_ps(mx);
-            __m256 sum8 = _mm256_setzero_ps();
-            int64_t i = 0;
-            for (; i + 8 <= n; i += 8) {
-                const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(&sc[h][i]), m8));
-                _mm256_storeu_ps(&sc[h][i], e);
-                sum8 = _mm256_add_ps(sum8, e);
-            }
-            float sum = hsum8(sum8);
-            for (; i < n; i++) {
-                const float e = expf(sc[h][i] - mx);
-                sc[h][i] = e;
-                sum += e;
-            }
-
-            pt[h * stride] = mx;
-            pt[h * stride + 1] = sum;
-            for (int64_t d = 0; d < D; d++) pt[h * stride + 2 + d] = 0.0f;
-        }
-        /* 3. weighted values: each slot's V row read once */
-        for (int64_t j = 0; j < n; j++) {
-            const char *vrow = (const char *)v_cache + slots[j] * KVH * D * elem;
-            for (int64_t h = 0; h < H; h++) {
-                const char *vp = vrow + (h / G) * D * elem;
-                float *acc = pt + h * stride + 2;
-                const __m256 w = _mm256_set1_ps(sc[h][j]);
-                for (int64_t d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(w, load_kv8(vp, d, f16), _mm256_loadu_ps(acc + d)));
-            }
-        }
-    }
-    /* 4. merge the chunks of each (sequence, query head), in position order */
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t h = 0; h < H; h++) {
-            const float *first = part + s * max_chunks * H * stride + h * stride;
-            float m = -INFINITY;
-            for (int64_t c = 0; c < max_chunks; c++) {
-                const float cm = first[c * H * stride];
-                m = cm > m ? cm : m;
-            }
-            float *o = out + (s * H + h) * D;
-            float total = 0.0f;
-            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-            for (int64_t c = 0; c < max_chunks; c++) {
-                const float *pc = first + c * H * stride;
-                if (pc[0] == -INFINITY) continue;
-                const float w = expf(pc[0] - m);
-                total += w * pc[1];
-                for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
-            }
-            const float inv = 1.0f / total;
-            for (int64_t d = 0; d < D; d++) o[d] *= inv;
-        }
-    free(part);
-    return 0;
-}
-
-/* kv_f16: the caches hold IEEE half values (EngineConfig.kv_cache_dtype "float16"), else float32.
- * window > 0: a sliding window (each query sees its last `window` positions); softcap > 0: scores
- * are soft-capped before the softmax. 0 turns either off. */
-int onecall_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                                   const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
-                                   int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                                   float scale, int64_t window, float softcap, float *out, int num_threads,
-                                   int kv_f16) {
-    if (kv_f16)
-        return paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH,
-                                      D, block_size, scale, window, softcap, out, num_threads, 1);
-    return paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D,
-                                  block_size, scale, window, softcap, out, num_threads, 0);
-}
-
-/* Rows from which the small row-wise passes below split their rows across the threads (a prompt
- * chunk); fewer rows (decode) run on the calling thread, with no parallel region at all. A row's
- * arithmetic is the same either way. */
-#define SMALL_OPS_PAR_ROWS 32
-
-/* One row of onecall_add_rms_norm; y may be h (y[i] reads only h[i]). */
-static inline void add_rms_norm_row(float *hr, const float *rr, const float *w, int64_t K, float eps, float *yr) {
-    if (rr)
-        for (int64_t i = 0; i < K; i++) hr[i] += rr[i];
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= K; i += 8) {
-        const __m256 v = _mm256_loadu_ps(hr + i);
-        acc = _mm256_fmadd_ps(v, v, acc);
-    }
-    float ss = hsum8(acc);
-    for (; i < K; i++) ss += hr[i] * hr[i];
-    const float inv = 1.0f / sqrtf(ss / (float)K + eps);
-    for (i = 0; i < K; i++) yr[i] = hr[i] * inv * w[i];
-}
-
-/* h (M, K) += r (M, K) when r is given; then y = h / sqrt(mean(h^2) + eps) * w, row by row
- * (the residual add and RMSNorm of a pre-norm decoder in one pass; float32, fixed order). */
-void onecall_add_rms_norm(float *h, const float *r, const float *w, int64_t M, int64_t K, float eps,
-                          float *y) {
-    if (M < SMALL_OPS_PAR_ROWS) {
-        for (int64_t m = 0; m < M; m++) add_rms_norm_row(h + m * K, r ? r + m * K : NULL, w, K, eps, y + m * K);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < M; m++) add_rms_norm_row(h + m * K, r ? r + m * K : NULL, w, K, eps, y + m * K);
-}
-
-/* One row of onecall_silu_mul. */
-static inline void silu_mul_row(const float *gate, int64_t I, float *o) {
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    const float *up = gate + I;
-    int64_t i = 0;
-    for (; i + 8 <= I; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
-    }
-    for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-}
-
-/* out (M, I) = silu(y[:, :I]) * y[:, I:] for y (M, 2I): the gated MLP's activation, one pass. */
-void onecall_silu_mul(const float *y, int64_t M, int64_t I, float *out) {
-    if (M < SMALL_OPS_PAR_ROWS) {
-        for (int64_t m = 0; m < M; m++) silu_mul_row(y + m * 2 * I, I, out + m * I);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < M; m++) silu_mul_row(y + m * 2 * I, I, out + m * I);
-}
-
-/* RoPE (rotate_half layout) on the q and k heads of qkv (M, (H + 2 KVH) * D), in place, then the
- * rotated k heads and the v heads of each row m are stored at slot slot_mapping[m] of the
- * (num_slots, KVH, D) caches (float32, or IEEE half when kv_f16; KVH * D % 8 == 0 then).
- * cos, sin: (M, D / 2), the row's position's tables. q_norm, k_norm (D,) or NULL: Qwen3's per-head
- * RMSNorm (eps norm_eps), applied to each q / k head before it is rotated. */
-static inline void rope_store_row(float *row, int64_t H, int64_t KVH, int64_t D, const float *q_norm,
-                                  const float *k_norm, float norm_eps, const float *c, const float *sn,
-                                  int64_t slot, void *k_cache, void *v_cache, int kv_f16) {
-    const int64_t half = D / 2;
-    for (int64_t h = 0; h < H + KVH; h++) {
-        float *x = row + h * D;
-        const float *w = h < H ? q_norm : k_norm;
-        if (w) add_rms_norm_row(x, NULL, w, D, norm_eps, x); /* in place: y[i] reads only x[i] */
-        for (int64_t i = 0; i < half; i++) {
-            const float x1 = x[i], x2 = x[i + half];
-            x[i] = x1 * c[i] - x2 * sn[i];
-            x[i + half] = x2 * c[i] + x1 * sn[i];
-        }
-    }
-    if (kv_f16) { /* round to nearest even, like torch's .half() */
-        uint16_t *k = (uint16_t *)k_cache + slot * KVH * D, *v = (uint16_t *)v_cache + slot * KVH * D;
-        for (int64_t i = 0; i < KVH * D; i += 8) {
-            _mm_storeu_si128((__m128i *)(k + i), _mm256_cvtps_ph(_mm256_loadu_ps(row + H * D + i), _MM_FROUND_TO_NEAREST_INT));
-            _mm_storeu_si128((__m128i *)(v + i),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(row + (H + KVH) * D + i), _MM_FROUND_TO_NEAREST_INT));
-        }
-    } else {
-        memcpy((float *)k_cache + slot * KVH * D, row + H * D, sizeof(float) * (size_t)(KVH * D));
-        memcpy((float *)v_cache + slot * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
-    }
-}
-
-void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D, const float *q_norm,
-                        const float *k_norm, float norm_eps, const float *cos, const float *sin,
-                        const int64_t *slot_mapping, void *k_cache, void *v_cache, int kv_f16) {
-    const int64_t half = D / 2, width = (H + 2 * KVH) * D;
-    if (M < SMALL_OPS_PAR_ROWS) {
-        for (int64_t m = 0; m < M; m++)
-            rope_store_row(qkv + m * width, H, KVH, D, q_norm, k_norm, norm_eps, cos + m * half, sin + m * half,
-                           slot_mapping[m], k_cache, v_cache, kv_f16);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < M; m++) /* each row writes its own slot (the engine never maps two rows to one) */
-        rope_store_row(qkv + m * width, H, KVH, D, q_norm, k_norm, norm_eps, cos + m * half, sin + m * half,
-                       slot_mapping[m], k_cache, v_cache, kv_f16);
-}
-
-/* ---- a whole decode step, every layer in one call ----------------------------------------------
- *
- * The per-op path (model/layers.py) calls the kernels above one by one from Python, about twenty
- * calls a layer. For a step where every row is a decode row on the 4-bit kernel, this runs the same
- * kernels in the same order on the same values, from C: a decode row gets the same bits either way
- * (tests/test_native_kernels.py checks it bitwise), and the step costs one call into C instead of
- * hundreds of Python-level dispatches.
- *
- * Per layer, as DecoderLayer.forward does it: x = norm(h += r); qkv = x W_qkv (+b); q/k norms (Qwen3),
- * RoPE + K/V store; a = attention(q); h += a W_o and x = norm(h); r = silu(x W_gate) * (x W_up) W_down. After
- * the last layer, out = norm(h += r). h (M, hidden) holds the embeddings on entry and the residual
- * stream on return.
- */
-typedef struct {         /* one projection: 4-bit (q8_group == 0) or int8 groups */
-    const uint8_t *qs;   /* q4: the q4 (or q4a8) layout; int8: the q8b layout */
-    const void *scale;   /* q4: float32, or IEEE half when f16; int8: float32 (q8b's layout) */
-    const void *offset;  /* q4 only */
-    const float *bias;   /* (n,) or NULL */
-    int64_t n, k, f16;
-    int64_t q8_group;    /* 0: the q4 kernel; 32 or 16: onecall_q8b_gemm with that group size */
-    int64_t act8;        /* q4 only: the q4a8 layout, run with int8 activations (onecall_q4a8_gemm) */
-} Q4Weight;
-
-typedef struct {
-    const float *input_norm, *post_norm; /* (hidden,) */
-    const float *q_norm, *k_norm;        /* (D,), or NULL: no per-head q/k norm */
-    int64_t window;                      /* sliding window, 0: none */
-    float softcap;                       /* attention logit soft-cap, 0: none */
-    Q4Weight qkv, o, gate_up, down;
-} DecodeLayer;
-
-static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int num_threads) {
-    if (w->q8_group)
-        return onecall_q8b_gemm(x, M, w->k, (const int8_t *)w->qs, (const float *)w->scale, w->n, w->bias, y,
-                                num_threads, (int)w->q8_group);
-    if (w->act8)
-        return onecall_q4a8_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
-    return onecall_q4_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
-}
-
-int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, float *h, int64_t M, int64_t hidden,
-                          int64_t H, int64_t KVH, int64_t D, int64_t I, float eps, float attn_scale,
-                          const float *cos, const float *sin, const int64_t *slot_mapping, void *k_cache,
-                          void *v_cache, int64_t layer_stride, int kv_f16, const int32_t *block_tables,
-                          int64_t max_blocks, const int32_t *seq_lens, int64_t block_size,
-                          const float *final_norm, float *out, int num_threads) {
-    const int64_t width = (H + 2 * KVH) * D, elem = kv_f16 ? 2 : 4;
-    float *x = malloc(sizeof(float) * (size_t)(M * hidden));
-    float *qkv = malloc(sizeof(float) * (size_t)(M * width));
-    float *attn = malloc(sizeof(float) * (size_t)(M * H * D));
-    float *o = malloc(sizeof(float) * (size_t)(M * hidden));
-    float *gu = malloc(sizeof(float) * (size_t)(M * 2 * I));
-    float *act = malloc(sizeof(float) * (size_t)(M * I));
-    float *r = malloc(sizeof(float) * (size_t)(M * hidden));
-    int rc = (x && qkv && attn && o && gu && act && r) ? 0 : -1;
-    for (int64_t l = 0; l < num_layers && rc == 0; l++) {
-        const DecodeLayer *L = layers + l;
-        char *kc = (char *)k_cache + l * layer_stride * elem, *vc = (char *)v_cache + l * layer_stride * elem;
-        onecall_add_rms_norm(h, l ? r : NULL, L->input_norm, M, hidden, eps, x);
-        if ((rc = q4_apply(&L->qkv, x, M, qkv, num_threads))) break;
-        onecall_rope_store(qkv, M, H, KVH, D, L->q_norm, L->k_norm, eps, cos, sin, slot_mapping, kc, vc, kv_f16);
-        rc = onecall_paged_decode_attention(qkv, width, kc, vc, block_tables, max_blocks, seq_lens, M, H, KVH, D,
-                                            block_size, attn_scale, L->window, L->softcap, attn, num_threads,
-                                            kv_f16);
-        if (rc || (rc = q4_apply(&L->o, attn, M, o, num_threads))) break;
-        onecall_add_rms_norm(h, o, L->post_norm, M, hidden, eps, x);
-        if ((rc = q4_apply(&L->gate_up, x, M, gu, num_threads))) break;
-        onecall_silu_mul(gu, M, I, act);
-        rc = q4_apply(&L->down, act, M, r, num_threads);
-    }
-    if (rc == 0) onecall_add_rms_norm(h, num_layers ? r : NULL, final_norm, M, hidden, eps, out);
-    free(x);
-    free(qkv);
-    free(attn);
-    free(o);
-    free(gu);
-    free(act);
-    free(r);
-    return rc;
 }
