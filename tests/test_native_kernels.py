@@ -1,4 +1,4 @@
-"""The native CPU kernels (model/native.py, csrc/quant_gemm.c) against float64 references.
+"""The native CPU kernels (model/native.py, csrc/*.c) against float64 references.
 
 Tolerances, written down:
 * q4 GEMM (int16 activations): each activation is rounded to a multiple of its group's step

@@ -122,7 +122,7 @@ def _cached_library(compiler: str) -> Path:
     sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
     folder = envs.cache_dir() / "kernels"
-    path = folder / f"quant_gemm-{key}.so"
+    path = folder / f"onecall-kernels-{key}.so"
     if path.exists():
         return path
     try:

@@ -3,7 +3,7 @@
 The per-op fast path (model/layers.py with FastLinear) makes about twenty Python-level calls a layer:
 module dispatch, a ctypes call per kernel, a tensor per intermediate. At batch 1 on a 135M model
 that is a third of a decode step. When every row of a step is a decode row and every projection
-runs a native kernel (4-bit, or int8 groups), `csrc/quant_gemm.c: onecall_decode_layers` runs the same kernels in
+runs a native kernel (4-bit, or int8 groups), `csrc/decode_step.c: onecall_decode_layers` runs the same kernels in
 the same order over the same values from C, so:
 
 - a decode row's bits do not depend on which path ran it (a mixed step takes the per-op path, a
