@@ -21,17 +21,15 @@ A quantized GGUF's experts keep their own groups on the fast path (Experts.use_s
 model/weights.py) and run on the native kernels FastLinear uses (model/native.py), as projections do
 (model/fast_linear.py):
 
-| stored as             | decode rows               | prompt rows               | float32 weight kept |
-|-----------------------|---------------------------|---------------------------|---------------------|
-| Q4_0 / Q4_1 / Q4_K    | native int4 (1/8 bytes)   | native int4               | no (freed when the  |
-|                       |                           |                           | kind is 4-bit for   |
-|                       |                           |                           | every expert)       |
-| Q8_0 / Q6_K           | native int8 (1/4 bytes)   | float32 F.linear          | yes                 |
-| anything else         | float32 F.linear          | float32 F.linear          | yes                 |
+| stored as             | every row (decode and prompt) | float32 weight kept                       |
+|-----------------------|-------------------------------|-------------------------------------------|
+| Q4_0 / Q4_1 / Q4_K    | native int4 (1/8 bytes)       | no (freed when every expert of the weight |
+| Q8_0 / Q6_K           | native int8 (1/4 bytes)       | kind has groups; the loader may leave it  |
+|                       |                               | unfilled: model/weights.py)               |
+| anything else         | float32 F.linear              | yes                                       |
 
-per expert and weight (gate_up, down). Which rows are decode is the step's
-(fast_linear.num_decode_rows): the batch's first n tokens, and since an expert's rows are its tokens in
-ascending order, its decode rows come first.
+per expert and weight (gate_up, down). One kernel for every row keeps a token's result independent
+of the rest of its batch.
 """
 
 from __future__ import annotations
@@ -43,7 +41,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from onecall.model import native
-from onecall.model.fast_linear import INT4_MAX_ROWS, num_decode_rows
 from onecall.model.layers import Linear
 from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 
@@ -85,13 +82,14 @@ class Experts(nn.Module):
 
     def use_stored(
         self,
-        gate_up: list[StoredGroups | native.Q4Packed | None],
-        down: list[StoredGroups | native.Q4Packed | None],
+        gate_up: list[StoredGroups | native.Q4Packed | native.Q8Blocked | None],
+        down: list[StoredGroups | native.Q4Packed | native.Q8Blocked | None],
     ) -> bool:
         """Per expert, the checkpoint's own groups of gate_up (rows [gate; up]) and down, or None: that
         weight runs on its float32 copy. Groups the native kernels do not take (a group size or K they
-        do not run) count as None. A weight kind whose every expert is 4-bit never reads its float32
-        copy again, which is then freed: the loader may have left it unfilled (model/weights.py).
+        do not run) count as None. A weight kind whose every expert has groups (4-bit or int8) never
+        reads its float32 copy again, which is then freed: the loader may have left it unfilled
+        (model/weights.py).
         False, and nothing kept, without the native library or with no groups at all."""
         lib = native.load()
         assert len(gate_up) == len(down) == self.num_experts
@@ -103,7 +101,7 @@ class Experts(nn.Module):
             return False
         self.stored, self._lib = stored, lib
         for which, param in enumerate((self.gate_up_proj, self.down_proj)):
-            if all(isinstance(p[which], native.Q4Packed) for p in stored):
+            if all(p[which] is not None for p in stored):
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         return True
 
@@ -113,13 +111,6 @@ class Experts(nn.Module):
         flat = experts.reshape(-1)  # assignment a = token * top_k + j
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens ascending within
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        # assignments of the step's decode tokens (the first num_decode), per expert: its first rows
-        num_decode = num_decode_rows(x.shape[0]) if self.stored is not None else 0
-        decode_counts = (
-            torch.bincount(flat[: num_decode * top_k], minlength=self.num_experts).tolist()
-            if num_decode
-            else [0] * self.num_experts
-        )
         tokens = order // top_k
         scale = weights.reshape(-1)[order].unsqueeze(1)  # (num_assignments, 1)
         out = torch.zeros_like(x)
@@ -128,39 +119,31 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start : start + count]
-            gate, up = self._project(x[rows], e, 0, decode_counts[e]).chunk(2, dim=-1)
-            y = self._project(F.silu(gate) * up, e, 1, decode_counts[e])  # (count, hidden)
+            gate, up = self._project(x[rows], e, 0).chunk(2, dim=-1)
+            y = self._project(F.silu(gate) * up, e, 1)  # (count, hidden)
             out.index_add_(0, rows, y * scale[start : start + count])
             start += count
         return out
 
-    def _project(self, h: torch.Tensor, e: int, which: int, num_decode: int) -> torch.Tensor:
-        """Expert e's gate_up (which 0) or down (1) projection of rows h: the first num_decode of them on
-        the stored groups' kernel (every row, for 4-bit groups), the rest in float32."""
+    def _project(self, h: torch.Tensor, e: int, which: int) -> torch.Tensor:
+        """Expert e's gate_up (which 0) or down (1) projection of rows h: every row on the stored groups'
+        kernel, or in float32 where the expert has none for that weight."""
         groups = None if self.stored is None else self.stored[e][which]
-        if isinstance(groups, native.Q4Packed):
-            num_decode = h.shape[0]
-        elif groups is None:
-            num_decode = 0
-        if num_decode == 0:
+        if groups is None:
             return F.linear(h, (self.gate_up_proj if which == 0 else self.down_proj)[e])
         assert groups is not None and self._lib is not None
-        head, threads = h[:num_decode].contiguous(), torch.get_num_threads()
+        rows, threads = h.contiguous(), torch.get_num_threads()
         if isinstance(groups, native.Q8Blocked):
-            y = native.q8_blocked_gemm(self._lib, head, groups, None, threads)
-        else:
-            y = native.q4_gemm(self._lib, head, groups, None, threads)
-        if num_decode == h.shape[0]:
-            return y
-        return torch.cat(
-            (y, F.linear(h[num_decode:], (self.gate_up_proj if which == 0 else self.down_proj)[e]))
-        )
+            return native.q8_blocked_gemm(self._lib, rows, groups, None, threads)
+        return native.q4_gemm(self._lib, rows, groups, None, threads)
 
 
-def _for_kernel(groups: StoredGroups | native.Q4Packed | None, shape: tuple[int, int]) -> ExpertGroups | None:
+def _for_kernel(
+    groups: StoredGroups | native.Q4Packed | native.Q8Blocked | None, shape: tuple[int, int]
+) -> ExpertGroups | None:
     """One expert weight's stored groups in the native kernels' form, or None if they do not run it."""
     rows, cols = shape
-    if isinstance(groups, native.Q4Packed):
+    if isinstance(groups, (native.Q4Packed, native.Q8Blocked)):
         return groups if (groups.out_features, groups.in_features) == shape else None
     if groups is None or tuple(groups.q.shape) != (rows, cols) or cols % 32:
         return None
@@ -211,10 +194,7 @@ class SparseMoE(nn.Module):
         for e in range(experts.num_experts):
             for which, param in enumerate((experts.gate_up_proj, experts.down_proj)):
                 groups = None if experts.stored is None else experts.stored[e][which]
-                # 4-bit experts run every row on their groups; int8 ones decode rows only
-                if isinstance(groups, native.Q4Packed) or (
-                    isinstance(groups, native.Q8Blocked) and rows <= INT4_MAX_ROWS
-                ):
+                if groups is not None:  # every row on its groups
                     per_expert += groups.nbytes
                 else:
                     rows_, cols = experts.weight_shapes[which]

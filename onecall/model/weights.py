@@ -26,6 +26,7 @@ from onecall.errors import UnsupportedModelError
 from onecall.model import native
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
+from onecall.model.fast_linear import runs_stored_only
 from onecall.model.gemma import checkpoint_norm_weight
 from onecall.model.moe import SparseMoE, pack_int4
 from onecall.model.packing import install, new_packer
@@ -182,40 +183,58 @@ def load_weights(
 
 
 class _ExpertGroups:
-    """A GGUF's 4-bit expert weights as they stream in, taken from the stored groups and packed for the
-    native int4 kernel as soon as an expert's weight is whole (down at once, gate_up when both halves
-    are in), so no more than a layer's unpacked halves are ever held, and never copied into the float32
-    parameters: model/moe.py runs every row of a packed weight on the kernel, and frees a weight kind
-    whose every expert is packed. A half whose partner is not 4-bit is filled in float32 by finish()."""
+    """A GGUF's quantized expert weights as they stream in (4-bit groups of 32, Q8_0/Q6_K int8 groups),
+    taken from the stored groups and packed for the native kernels as soon as an expert's weight is
+    whole (down at once, gate_up when both halves are in), so no more than a layer's unpacked halves are
+    ever held, and never copied into the float32 parameters: model/moe.py runs every row of a packed
+    weight on its kernel, and frees a weight kind whose every expert is packed. A half whose partner
+    was stored in another form is filled in float32 by finish() (the partner's then too)."""
 
     def __init__(self, stored: MutableMapping[str, StoredGroups], act8: bool = False) -> None:
         self.stored = stored
-        self.act8 = act8  # pack for the int8-activation kernel (DecoderLM.int8_activations)
-        self.packed: dict[tuple[str, int], native.Q4Packed] = {}  # (".../experts.{e}", 0 gate_up / 1 down)
-        self.halves: dict[str, Int4Groups] = {}  # gate or up waiting for the other
+        self.act8 = act8  # 4-bit groups for the int8-activation kernel (DecoderLM.int8_activations)
+        # (".../experts.{e}", 0 gate_up / 1 down) -> the packed weight
+        self.packed: dict[tuple[str, int], native.Q4Packed | native.Q8Blocked] = {}
+        self.halves: dict[str, StoredGroups] = {}  # gate or up waiting for the other
 
     def take(self, name: str) -> bool:
-        """Whether `name` (a checkpoint tensor) is a 4-bit expert weight taken here, not to be copied."""
+        """Whether `name` (a checkpoint tensor) is a quantized expert weight taken here, not to be copied."""
         groups = self.stored.get(name) if ".mlp.experts." in name else None
-        if not isinstance(groups, Int4Groups) or groups.group_size != 32 or groups.q.shape[1] % 32:
+        if groups is None or not runs_stored_only(groups):
             return False
-        del self.stored[name]  # ours now: its unpacked groups live only until packed
         base, _, part = name.removesuffix(".weight").rpartition(".")  # ".../experts.{e}", "gate_proj"
         if part == "down_proj":
-            self.packed[(base, 1)] = pack_int4(groups, self.act8)
+            del self.stored[name]  # ours now: its unpacked groups live only until packed
+            self.packed[(base, 1)] = self._pack(groups)
             return True
         partner = f"{base}.{'up_proj' if part == 'gate_proj' else 'gate_proj'}.weight"
-        if (other := self.halves.pop(partner, None)) is None:
+        other = self.halves.get(partner)
+        if other is None:
+            del self.stored[name]
             self.halves[name] = groups
             return True
+        if type(other) is not type(groups) or other.group_size != groups.group_size:
+            return False  # stored in two forms: this half is copied, the waiting one filled by finish()
+        del self.stored[name], self.halves[partner]
         gate, up = (groups, other) if part == "gate_proj" else (other, groups)
-        self.packed[(base, 0)] = pack_int4(Int4Groups.cat([gate, up]), self.act8)
+        if isinstance(gate, Int4Groups) and isinstance(up, Int4Groups):
+            self.packed[(base, 0)] = self._pack(Int4Groups.cat([gate, up]))
+        else:
+            assert isinstance(gate, Int8Groups) and isinstance(up, Int8Groups)
+            cat = Int8Groups(torch.cat((gate.q, up.q)), torch.cat((gate.scale, up.scale)), gate.group_size)
+            self.packed[(base, 0)] = self._pack(cat)
         return True
+
+    def _pack(self, groups: StoredGroups) -> native.Q4Packed | native.Q8Blocked:
+        if isinstance(groups, Int4Groups):
+            return pack_int4(groups, self.act8)
+        return native.pack_q8_blocked(groups.q, groups.scale, groups.group_size)
 
     def finish(
         self, table: dict[str, tuple[torch.Tensor, int, int]]
-    ) -> dict[tuple[str, int], native.Q4Packed]:
-        """Fill the float32 slice of every half whose partner was not 4-bit; the packed weights."""
+    ) -> dict[tuple[str, int], native.Q4Packed | native.Q8Blocked]:
+        """Fill the float32 slice of every half whose partner was stored in another form; the packed
+        weights."""
         for name, groups in self.halves.items():
             param, start, end = table[name]
             param[start:end].copy_(groups.dequantize())
@@ -224,7 +243,9 @@ class _ExpertGroups:
 
 
 def _use_stored_experts(
-    model: DecoderLM, stored: Mapping[str, StoredGroups], packed: Mapping[tuple[str, int], native.Q4Packed]
+    model: DecoderLM,
+    stored: Mapping[str, StoredGroups],
+    packed: Mapping[tuple[str, int], native.Q4Packed | native.Q8Blocked],
 ) -> str:
     """Hand every MoE layer its experts' own groups (model/moe.py): the packed 4-bit ones, else int8
     groups (gate and up stacked as the parameter is, when both are int8), per expert and weight.
@@ -235,8 +256,8 @@ def _use_stored_experts(
         if not isinstance(mlp, SparseMoE):
             continue
         moe_layers += 1
-        gate_up: list[StoredGroups | native.Q4Packed | None] = []
-        down: list[StoredGroups | native.Q4Packed | None] = []
+        gate_up: list[StoredGroups | native.Q4Packed | native.Q8Blocked | None] = []
+        down: list[StoredGroups | native.Q4Packed | native.Q8Blocked | None] = []
         for e in range(mlp.experts.num_experts):
             base = f"model.layers.{i}.mlp.experts.{e}"
             gate, up = stored.get(f"{base}.gate_proj.weight"), stored.get(f"{base}.up_proj.weight")
