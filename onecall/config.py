@@ -49,8 +49,10 @@ class EngineConfig:
     # torch ops only, the oracle the tests compare the fast path against.
     kernels: str = "fast"
     # With the fast kernels on CPU: 4-bit projections quantize their activations to int8 per group of
-    # 32 (llama.cpp's arithmetic) instead of int16: faster prompts and batches; each output moves by
-    # up to ~1% of the largest (tests/test_native_kernels.py), so greedy text can differ.
+    # 32 (llama.cpp's arithmetic) instead of int16: faster prompts and batches. Each projection's
+    # outputs move by up to ~1% of their largest (tests/test_native_kernels.py), more through many
+    # layers, so greedy text can differ from the float32 reference's. No effect where the native 4-bit
+    # kernel does not run (CUDA, tensor parallel, other weight types): LLM.info.kernels says what ran.
     int8_activations: bool = False
     # dtype of the K/V cache: "auto" is the model's dtype. "float16" halves the bytes a decode step
     # reads from a long context (llama.cpp's default; the native CPU kernels read it directly).
@@ -90,6 +92,10 @@ class EngineConfig:
             raise InvalidParameterError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib!r}")
         if self.kernels not in ("fast", "reference"):
             raise InvalidParameterError("kernels", f"must be 'fast' or 'reference', got {self.kernels!r}")
+        if self.int8_activations is True and self.kernels == "reference":
+            raise InvalidParameterError(
+                "int8_activations", "rounds the fast kernels' activations: it needs kernels='fast'"
+            )
         for name in ("enable_prefix_caching", "cuda_graphs", "int8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, f"must be true or false, got {getattr(self, name)!r}")

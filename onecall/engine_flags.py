@@ -42,9 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--int8-activations",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="fast CPU kernels: quantize activations to int8 for the 4-bit weights, as llama.cpp does "
-        "(faster prompts and batches; outputs move by up to ~1%%, so greedy text can differ)",
+        "(faster prompts and batches; each projection moves by up to ~1%%, greedy text can differ)",
     )
     p.add_argument(
         "--tensor-parallel-size",

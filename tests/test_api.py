@@ -142,6 +142,7 @@ def test_sampling_params_name_the_parameter(kwargs: dict, param: str) -> None:
         ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
         ({"cuda_graphs": "yes"}, "cuda_graphs"),
         ({"int8_activations": 1}, "int8_activations"),
+        ({"int8_activations": True, "kernels": "reference"}, "int8_activations"),
     ],
 )
 def test_engine_config_names_the_parameter(kwargs: dict, param: str) -> None:

@@ -178,6 +178,9 @@ def test_int8_activations_are_recorded_and_replay_takes_them(tmp_path: Path, tin
     assert old.int8_activations is False
     flagged = build_parser().parse_args(["replay", str(path), "--int8-activations"])
     assert _replay_kwargs(flagged, old)["int8_activations"] is True
+    # and a bundle that ran int8 activations can be replayed on int16 ones
+    off = build_parser().parse_args(["replay", str(path), "--no-int8-activations"])
+    assert _replay_kwargs(off, bundle)["int8_activations"] is False
 
 
 def test_sampling_params_round_trip_every_field() -> None:

@@ -228,8 +228,10 @@ def test_stored_experts_run_on_their_own_groups(kind: str) -> None:
         assert moe.experts.gate_up_proj.numel() == 0 and moe.experts.down_proj.numel() == 0  # freed
         with decode_rows(2):
             got = moe(x)
-        # both kinds round activations to int16 steps per group of 32
-        torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+        # both kinds round activations to int16 steps per group of 32 (measured here: up to 1.1e-4 for
+        # int8 groups, 8e-4 for 4-bit ones; about 2-4x allowed)
+        tol = 5e-4 if kind == "int8" else 2e-3
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
         poisoned_gate_up = [
             Int8Groups(g.q, g.scale * 0, g.group_size) if isinstance(g, Int8Groups) else
             Int4Groups(g.q, g.scale * 0, g.offset * 0, g.group_size) for g in gate_up

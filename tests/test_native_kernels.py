@@ -76,7 +76,7 @@ def test_q4_gemm_rows_are_batch_invariant() -> None:
 def test_q8_blocked_gemm_within_the_activation_rounding_bound_and_batch_invariant(group_size: int) -> None:
     assert LIB is not None
     g = torch.Generator().manual_seed(group_size)
-    n, k = 85, 128  # 11 blocks of 8: the last partial and unpaired
+    n, k = 85, 128  # 6 units of 16 rows, the last partial (5 rows)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, k // group_size, generator=g) * 0.01
     w = native.pack_q8_blocked(q, scale, group_size)
@@ -238,7 +238,7 @@ def _q4a8(x: torch.Tensor, w: Int4Groups, bias: torch.Tensor | None = None) -> t
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 70])  # 70: past a chunk of 64 rows
 def test_q4_int8_activations_equal_their_emulation_and_stay_within_the_rounding_bound(rows: int) -> None:
-    w = _int4(85, 192, seed=rows)  # 85 rows: 11 blocks of 8, the last partial and unpaired
+    w = _int4(85, 192, seed=rows)  # 85 rows: 6 units of 16, the last partial (5 rows)
     bias = torch.randn(85)
     x = torch.randn(rows, 192) * 2
     x[:, 7] = 30.0  # an outlier feature: its group's step is coarse
@@ -279,3 +279,36 @@ def test_q4_int8_activations_float16_scales_give_the_float32_scales_bits() -> No
     ]
     half, full = (native.q4_gemm(LIB, x, p, None, 2) for p in packed)  # type: ignore[arg-type]
     assert torch.equal(half, full)
+
+
+def test_a_nan_poisons_its_row_and_a_tiny_group_adds_nothing_wrong() -> None:
+    """As in float32 math: a NaN anywhere in an activation row makes every output of that row NaN (in
+    each kernel, whichever column holds it), other rows untouched; a group of values so small that the
+    reciprocal of its step would overflow quantizes to zeros instead of flipping signs."""
+    assert LIB is not None
+    w4 = _int4(20, 64, seed=11)
+    g = torch.Generator().manual_seed(12)
+    q8 = torch.randint(-127, 128, (20, 64), generator=g, dtype=torch.int8)
+    kernels = {
+        "q4": lambda x: native.q4_gemm(LIB, x, native.pack_q4(w4.q, w4.scale, w4.offset), None, 2),
+        "q4a8": lambda x: native.q4_gemm(
+            LIB, x, native.pack_q4(w4.q, w4.scale, w4.offset, act8=True), None, 2
+        ),
+        "q8b": lambda x: native.q8_blocked_gemm(
+            LIB, x, native.pack_q8_blocked(q8, torch.full((20, 2), 0.01)), None, 2
+        ),
+    }
+    for name, run in kernels.items():
+        for col in (0, 5, 31, 40):
+            x = torch.randn(3, 64, generator=g)
+            x[1, col] = float("nan")
+            y = run(x)
+            assert bool(y[1].isnan().all()), (name, col)
+            assert not bool(y[0].isnan().any() or y[2].isnan().any()), (name, col)
+        x = torch.randn(2, 64, generator=g)
+        x[0, :32] = 1e-36  # its step's reciprocal overflows float32
+        y = run(x)
+        assert not bool(y.isnan().any()), name
+        ref = run(torch.cat((torch.zeros(1, 32), x[0:1, 32:]), dim=1).contiguous())
+        # the tiny group contributes at most its exact (~1e-34) share, never a flipped sign
+        assert float((y[0] - ref[0]).abs().max()) <= 1e-30, name

@@ -84,17 +84,19 @@ class Experts(nn.Module):
         self,
         gate_up: list[StoredGroups | native.Q4Packed | native.Q8Blocked | None],
         down: list[StoredGroups | native.Q4Packed | native.Q8Blocked | None],
+        act8: bool = False,
     ) -> bool:
         """Per expert, the checkpoint's own groups of gate_up (rows [gate; up]) and down, or None: that
         weight runs on its float32 copy. Groups the native kernels do not take (a group size or K they
         do not run) count as None. A weight kind whose every expert has groups (4-bit or int8) never
         reads its float32 copy again, which is then freed: the loader may have left it unfilled
         (model/weights.py).
-        False, and nothing kept, without the native library or with no groups at all."""
+        False, and nothing kept, without the native library or with no groups at all. `act8`: 4-bit
+        groups given unpacked are packed for the int8-activation kernel (int8_activations)."""
         lib = native.load()
         assert len(gate_up) == len(down) == self.num_experts
         stored = [
-            (_for_kernel(gu, self.weight_shapes[0]), _for_kernel(d, self.weight_shapes[1]))
+            (_for_kernel(gu, self.weight_shapes[0], act8), _for_kernel(d, self.weight_shapes[1], act8))
             for gu, d in zip(gate_up, down, strict=True)
         ]
         if lib is None or all(a is None and b is None for a, b in stored):
@@ -139,7 +141,7 @@ class Experts(nn.Module):
 
 
 def _for_kernel(
-    groups: StoredGroups | native.Q4Packed | native.Q8Blocked | None, shape: tuple[int, int]
+    groups: StoredGroups | native.Q4Packed | native.Q8Blocked | None, shape: tuple[int, int], act8: bool
 ) -> ExpertGroups | None:
     """One expert weight's stored groups in the native kernels' form, or None if they do not run it."""
     rows, cols = shape
@@ -150,7 +152,7 @@ def _for_kernel(
     if isinstance(groups, Int8Groups) and groups.group_size in (16, 32):
         return native.pack_q8_blocked(groups.q, groups.scale, groups.group_size)
     if isinstance(groups, Int4Groups) and groups.group_size == 32:
-        return pack_int4(groups)
+        return pack_int4(groups, act8)
     return None
 
 

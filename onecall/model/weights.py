@@ -272,7 +272,7 @@ def _use_stored_experts(
                 )
             gate_up.append(packed.get((base, 0), int8))
             down.append(packed.get((base, 1), stored.get(f"{base}.down_proj.weight")))
-        if mlp.experts.use_stored(gate_up, down):
+        if mlp.experts.use_stored(gate_up, down, model.int8_activations):
             used += 1
             assert mlp.experts.stored is not None
             kinds |= {

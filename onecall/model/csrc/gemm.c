@@ -33,6 +33,7 @@
  *       scale, offset (N16 / 16, G, 2, 8) float32 or IEEE half. w = q * scale + offset, q in 0..15.
  *   q4a8 (int8 activations) and q8b (int8 weights): below, in the same units.
  */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -68,6 +69,16 @@ static int alloc_rows(int64_t M, int64_t K, QuantRows *r) {
     return 0;
 }
 
+/* A group's step d = absmax / qmax and *inv = 1 / d where that is a normal float (a group of zeros, or
+ * of values so small that 1 / d would overflow, quantizes to zeros: it adds nothing); d = NaN when the
+ * group holds a NaN or infinities of both signs (its float32 sum is NaN), so every output it feeds is
+ * NaN as in float32 math, rather than the NaN turning into an integer. */
+static inline float group_step(float amax, float qmax, float sum, float *inv) {
+    const float d = amax / qmax;
+    *inv = d >= FLT_MIN ? 1.0f / d : 0.0f;
+    return isnan(sum) ? NAN : d;
+}
+
 /* Quantize row m of x (M, K) to int16 per group of 32: step d = absmax / ACT_MAX, q = round-to-nearest-even(x / d)
  * (the default rounding mode, as nearbyintf), and the group's float32 sum (fixed order: 8 lanes, then
  * a fixed horizontal sum). */
@@ -80,8 +91,9 @@ static inline void quantize_row(const float *x, int64_t m, int64_t K, QuantRows 
         const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
         const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
                                        _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-        const float amax = hmax8(a);
-        const float d = amax / ACT_MAX, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+        float inv;
+        const float d = group_step(hmax8(a), ACT_MAX, sum, &inv);
         const __m256 iv = _mm256_set1_ps(inv);
         const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv));
         const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
@@ -90,7 +102,7 @@ static inline void quantize_row(const float *x, int64_t m, int64_t K, QuantRows 
         _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
         _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8));
         r->d[m * G + g] = d;
-        r->sum[m * G + g] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+        r->sum[m * G + g] = sum;
     }
 }
 
@@ -274,8 +286,9 @@ static inline void quantize_row8(const float *x, int64_t m, int64_t K, QuantRows
         const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
         const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
                                        _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-        const float amax = hmax8(a);
-        const float d = amax / ACT8_MAX, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+        float inv;
+        const float d = group_step(hmax8(a), ACT8_MAX, sum, &inv);
         const __m256 iv = _mm256_set1_ps(inv);
         const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv));
         const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
@@ -283,7 +296,7 @@ static inline void quantize_row8(const float *x, int64_t m, int64_t K, QuantRows
         const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
         _mm256_storeu_si256((__m256i *)(r->q + m * K + g * 32), _mm256_permutevar8x32_epi32(b, order));
         r->d[m * G + g] = d;
-        r->sum[m * G + g] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+        r->sum[m * G + g] = sum;
     }
 }
 
