@@ -10,7 +10,7 @@ float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection
   per group of 32, exact integer dot products; int8 ones with int8_activations for 4-bit groups), at
   an eighth (4-bit) or a quarter (int8) of float32's bytes. At a prompt's many rows the kernels are
   compute-bound: the 4-bit one's int16 multiply-adds ran 1.0-1.2x oneDNN's float32 GEMM on this
-  AVX2 machine (one thread, benchmarks/bench_kernels.py), the int8 one 0.75x (512 rows, 2 threads);
+  AVX2 machine (one thread, benchmarks/bench_kernels.py), the int8 one 0.73-0.83x (512 rows, 2 threads);
   one kernel for every row makes a row's result independent of the batch by construction, and no
   float32 copy is ever made for such a weight (cold start, and memory: a Q8_0 file's float32 copy
   would be four times its size). A projection in parts runs one call per part and takes the per-op
