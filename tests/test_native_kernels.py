@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onecall.model import native
+from onecall.model import native, native_build
 from onecall.model.fast_linear import FastLMHead
 from onecall.model.quants import Int4Groups
 
@@ -172,8 +172,8 @@ def test_add_rms_norm_matches_torch() -> None:
 
 def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ONECALL_NATIVE_KERNELS", "0")
-    with pytest.raises(native._Unavailable, match="ONECALL_NATIVE_KERNELS=0"):
-        native._build_and_load()
+    with pytest.raises(native_build._Unavailable, match="ONECALL_NATIVE_KERNELS=0"):
+        native_build._build_and_load()
 
 
 def test_silu_mul_matches_torch() -> None:

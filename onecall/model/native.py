@@ -1,179 +1,31 @@
-"""The native CPU kernels (csrc/*.c, one library): built with the system C compiler at first use, cached.
+"""The native CPU kernels (csrc/*.c, one library) on tensors; native_build.py builds and loads it.
 
 Why native code at all: on an AVX2 CPU, torch's own int4 kernel expands 4-bit weights to floats
 and runs float FMAs; it is compute-bound well below the memory bandwidth (measured in the README's
-kernel table). The kernels in csrc/ multiply the GGUF's own 4-bit groups by int16-quantized
-activations with exact integer dot products (llama.cpp's idea, at a finer activation step), keep
-the Q8_0 logits matrix as int8, and read the paged KV cache in place for decode attention and for
+kernel table). The kernels in csrc/ multiply the GGUF's own 4-bit and int8 groups by int16-quantized
+activations with exact integer dot products (llama.cpp's idea, at a finer activation step; int8
+steps with int8_activations), and read the paged KV cache in place for decode attention and for
 causal prefill attention (a flash-style tiled kernel, prefill_attention.c).
 
-How they are built and loaded:
-- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared -ffp-contract=off` on the sources into one library
-  (about a second), into a cache folder keyed by a hash of the sources, the flags and the compiler's version: the next start loads the cached library.
-  The folder is $ONECALL_CACHE_DIR/kernels, else $XDG_CACHE_HOME/onecall/kernels, else
-  ~/.cache/onecall/kernels (read in onecall/envs.py).
-- loaded with ctypes after torch, so the library's libgomp is the one torch already loaded (the
-  same soname): one OpenMP thread pool, not two competing for the cores.
-- not available (no AVX2/FMA/F16C, no compiler, a failed build): `load()` returns None, says why in
-  `unavailable_reason()`, and the fast path falls back to torch's own kernels. Nothing raises.
+Every function here takes the library (`load()`: None where it cannot run, with the reason in
+`unavailable_reason()`) and contiguous CPU tensors, and checks the shapes it relies on.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from onecall import envs
+# the library's entry points, re-exported: callers take them from here
+from onecall.model.native_build import cpu_flags as cpu_flags
+from onecall.model.native_build import load as load
+from onecall.model.native_build import unavailable_reason as unavailable_reason
 
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (  # one library, one cache key
-    _CSRC / "gemm.c",  # the quantized GEMMs (q4, q4a8, q8b) and their activation quantization
-    _CSRC / "decode_attention.c",  # paged decode attention
-    _CSRC / "decode_step.c",  # the small fused ops and the whole decode step (onecall_decode_layers)
-    _CSRC / "prefill_attention.c",  # causal prefill attention
-)
-# included by the sources: part of the cache key, not compiled alone
-_HEADERS = (_CSRC / "kernels.h", _CSRC / "simd.h")
-# -ffp-contract=off: float arithmetic runs as written (FMAs only where the code asks for one), so two
-# paths that should give the same bits (float16 vs float32 scales, a row alone vs in a batch) do.
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
-_REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # K/V cache dtypes the native decode attention and cache writes read and write directly.
 KV_DTYPES = (torch.float32, torch.float16)
 ATTENTION_MAX_HEADS = 128  # query heads decode attention takes (csrc/decode_attention.c: ATTN_MAX_HEADS)
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None  # why the kernels are unavailable; None until load() decided
-_loaded = False
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo); empty where that cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def load() -> ctypes.CDLL | None:
-    """The kernel library, building it on first use; None where it cannot run here (see the docstring)."""
-    global _lib, _reason, _loaded
-    if _loaded:  # decided already (the hot path: no lock)
-        return _lib
-    with _lock:
-        if not _loaded:
-            try:
-                _lib = _build_and_load()
-            except _Unavailable as e:
-                _reason = str(e)
-            _loaded = True  # only now: a thread that saw _loaded outside the lock must see _lib set
-        return _lib
-
-
-def unavailable_reason() -> str | None:
-    """Why load() returned None (after it was called), else None."""
-    return _reason
-
-
-class _Unavailable(Exception):
-    pass
-
-
-def _build_and_load() -> ctypes.CDLL:
-    if envs.disable_native_kernels():
-        raise _Unavailable("disabled by ONECALL_NATIVE_KERNELS=0")
-    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in cpu_flags()]
-    if missing:
-        raise _Unavailable(f"this CPU lacks {', '.join(missing)}")
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise _Unavailable("no C compiler (cc or gcc) on PATH")
-    path = _cached_library(compiler)
-    torch.ones(1).add_(1)  # torch's libgomp is loaded (it is, once torch is imported); reuse it
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise _Unavailable(f"could not load {path}: {e}") from e
-    _declare(lib)
-    return lib
-
-
-def _cached_library(compiler: str) -> Path:
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-        ).stdout.splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError) as e:
-        raise _Unavailable(f"{compiler} --version failed: {e}") from e
-    sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
-    folder = envs.cache_dir() / "kernels"
-    path = folder / f"onecall-kernels-{key}.so"
-    if path.exists():
-        return path
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            out = Path(tmp) / path.name
-            result = subprocess.run(
-                [compiler, *_FLAGS, "-o", str(out), *map(str, _SOURCES), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if result.returncode != 0:
-                raise _Unavailable(f"building the kernels failed: {result.stderr.strip()[-500:]}")
-            os.replace(out, path)  # atomic: a concurrent start sees no half-written library
-    except (OSError, subprocess.SubprocessError) as e:
-        raise _Unavailable(f"building the kernels failed: {e}") from e
-    return path
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.onecall_q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int, c_int]
-    lib.onecall_q4_gemm.restype = c_int
-    lib.onecall_q4a8_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int, c_int]
-    lib.onecall_q4a8_gemm.restype = c_int
-    lib.onecall_q8b_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int, c_int]
-    lib.onecall_q8b_gemm.restype = c_int
-    # q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D, block_size,
-    # scale, window, softcap, out, num_threads, kv_f16
-    f32 = ctypes.c_float
-    attention_args: list[Any] = [p, i64, p, p, p, i64, p, i64, i64, i64, i64, i64, f32, i64, f32, p, c_int, c_int]  # fmt: skip
-    lib.onecall_paged_decode_attention.argtypes = attention_args
-    lib.onecall_paged_decode_attention.restype = c_int
-    # q, q_stride, k_cache, v_cache, blocks, kv_start, block_size, query_len, seq_len, H, KVH, D, scale,
-    # window, softcap, out, num_threads, kv_f16
-    prefill_args: list[Any] = [p, i64, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i64, f32, p, c_int, c_int]  # fmt: skip
-    lib.onecall_prefill_attention.argtypes = prefill_args
-    lib.onecall_prefill_attention.restype = c_int
-    lib.onecall_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p]
-    lib.onecall_add_rms_norm.restype = None
-    lib.onecall_silu_mul.argtypes = [p, i64, i64, p]
-    lib.onecall_silu_mul.restype = None
-    lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_float, p, p, p, p, p, c_int]
-    lib.onecall_rope_store.restype = None
-    # layers, num_layers, h, M, hidden, H, KVH, D, I, eps, attn_scale, cos, sin, slot_mapping, k_cache,
-    # v_cache, layer_stride, kv_f16, block_tables, max_blocks, seq_lens, block_size, final_norm, out,
-    # num_threads (model/native_step.py)
-    step_args: list[Any] = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, i64, c_int]
-    lib.onecall_decode_layers.argtypes = [*step_args, p, i64, p, i64, p, p, c_int]
-    lib.onecall_decode_layers.restype = c_int
 
 
 # ---- the kernels, on tensors ------------------------------------------------------------------
