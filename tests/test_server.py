@@ -113,6 +113,7 @@ def test_health_loading_then_ready_and_models(server: ServerProcess, client: ope
     for status, body in server.health_seen[:-1]:  # the socket is up before the model: "loading"
         assert status == 503 and "loading" in body["error"]["message"], body
     assert f"onecall: serving {NAME} on {server.base_url}" in server.log()
+    assert "onecall: cpu float32, native int4 (" in server.log()  # what the kernels switch gave
     models = client.models.list()
     assert [m.id for m in models.data] == [NAME]
     card = models.data[0]

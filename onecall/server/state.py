@@ -94,7 +94,9 @@ class ServerState:
         engine.start()
         self.engine = engine
         where = f" on {self.config.url}" if self.config.url else ""
+        parts = engine.engine.parts  # what the flags gave on this device: worth a line at startup
         logger.info("onecall: serving %s%s", self.model_name, where)
+        logger.info("onecall: %s %s, %s", parts.device, str(parts.dtype).removeprefix("torch."), parts.kernels)
 
     @property
     def model_name(self) -> str:
