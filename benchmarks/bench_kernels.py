@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from onecall import LLM
 from onecall.model import native
-from onecall.model.attention import build_attention_metadata
+from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.fast_linear import FastLinear, decode_rows
 from onecall.model.kv_cache import PagedKVCache
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from onecall.model import native
-from onecall.model.attention import build_attention_metadata, paged_attention
+from onecall.model.attention import paged_attention
+from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.kv_cache import PagedKVCache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4

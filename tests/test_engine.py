@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from onecall.errors import ContextLengthExceededError, InvalidParameterError
-from onecall.model.attention import build_attention_metadata
+from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.kv_cache import PagedKVCache
 from onecall.sampling_params import SamplingParams
 from tests.helpers.tiny_engine import embedded_tokenizer, run_all, tiny_engine, tiny_model

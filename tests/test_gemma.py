@@ -36,7 +36,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gem
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, Gemma2TextScaledWordEmbedding
 
 from onecall.model import native
-from onecall.model.attention import build_attention_metadata
+from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.config import GLOBAL, SLIDING, GemmaSpec, ModelConfig, RopeScaling
 from onecall.model.decoder import DecoderLM
 from onecall.model.gemma import (

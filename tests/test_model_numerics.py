@@ -25,7 +25,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from onecall.model.attention import build_attention_metadata
+from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.weights import load_weights

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from onecall.model import native
-from onecall.model.attention import build_attention_metadata
+from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
 from onecall.model.fast_linear import decode_rows
 from onecall.model.kv_cache import PagedKVCache

@@ -27,7 +27,7 @@ import torch
 from onecall import LLM
 from onecall.engine.decode_graphs import MAX_CHUNK, DecodeGraphs, Layout, layout_for
 from onecall.engine.model_runner import ModelRunner, StepInputs
-from onecall.model.attention import first_run_length
+from onecall.model.attention_metadata import first_run_length
 from onecall.model.kv_cache import PagedKVCache
 from onecall.sampling_params import SamplingParams
 from tests.helpers.tiny_engine import tiny_engine, tiny_model

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from onecall.errors import UnsupportedModelError
-from onecall.model.attention import build_attention_metadata
+from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache

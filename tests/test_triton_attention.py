@@ -17,7 +17,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is a test extra (pip install -e '.[test]')")
 
-from onecall.model.attention import build_attention_metadata, paged_attention
+from onecall.model.attention import paged_attention
+from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.kv_cache import PagedKVCache
 
 pytestmark = pytest.mark.skipif(

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from onecall.model.attention import AttentionMetadata, SeqSpan, padded_block_tables
+from onecall.model.attention_metadata import AttentionMetadata, SeqSpan, padded_block_tables
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 

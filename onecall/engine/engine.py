@@ -48,7 +48,7 @@ from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from onecall.engine.sequence import FinishReason, Sequence
 from onecall.engine.trace import StepRecord
 from onecall.errors import EngineDeadError, EngineStepError, InvalidParameterError
-from onecall.model.attention import default_backend
+from onecall.model.attention_metadata import default_backend
 from onecall.sampling.mask_prefetch import MaskPrefetcher
 from onecall.sampling.sampler import sample
 from onecall.sampling.types import SampleResult, SamplingRequest, TokenConstraint

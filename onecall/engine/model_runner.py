@@ -34,7 +34,7 @@ import torch
 from onecall.engine.block_manager import BlockManager
 from onecall.engine.decode_graphs import DecodeGraphs
 from onecall.engine.scheduler import ScheduledSeq
-from onecall.model.attention import build_attention_metadata
+from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
 from onecall.model.fast_linear import decode_rows
 from onecall.model.kv_cache import PagedKVCache

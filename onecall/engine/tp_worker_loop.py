@@ -33,7 +33,7 @@ from onecall.config import EngineConfig
 from onecall.engine.engine_parts import install_fused_ops, kv_blocks_in_budget, load_model
 from onecall.engine.model_runner import ModelRunner
 from onecall.engine.tp_messages import GROUP_TIMEOUT, backend_for, control_group, receive_step
-from onecall.model.attention import default_backend
+from onecall.model.attention_metadata import default_backend
 from onecall.model.checkpoint import load_hf_config_dict, resolve_model
 from onecall.model.config import ModelConfig
 from onecall.model.kv_cache import PagedKVCache

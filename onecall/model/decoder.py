@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from onecall.model.attention import AttentionMetadata
+from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig
 from onecall.model.fast_linear import FastLMHead, fast_kernels_supported
 from onecall.model.gemma import GemmaDecoderModel, GemmaRotary, soft_cap

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecall.model.attention import AttentionMetadata
+from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import SLIDING, GemmaSpec, ModelConfig
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from onecall.model import native, rope
-from onecall.model.attention import AttentionMetadata, paged_attention
+from onecall.model.attention import paged_attention
+from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig, RopeScaling
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from onecall.model import native
-from onecall.model.attention import AttentionMetadata
+from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.decoder import DecoderLayer, DecoderModel
 from onecall.model.fast_linear import FastLinear, num_decode_rows
 from onecall.model.gemma import GemmaDecoderModel

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from onecall.model.attention import AttentionMetadata
+    from onecall.model.attention_metadata import AttentionMetadata
 
 
 @triton.jit
