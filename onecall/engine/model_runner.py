@@ -100,7 +100,7 @@ class ModelRunner:
         assert size is not None, "a worker's runner needs the block size"
         self.block_size: int = size
         self.device = device
-        self.attention_backend = attention_backend  # model/attention.py: "paged", "triton" or "reference"
+        self.attention_backend = attention_backend  # model/attention_metadata.py: "paged", "triton" or "reference"
         self.decode_graphs: DecodeGraphs | None = None  # static-shape decode steps (CUDA graphs)
         self.tp_group = tp_group
 

@@ -1,6 +1,6 @@
 """Paged varlen attention in Triton: one kernel launch per layer for a whole mixed batch (CUDA).
 
-The batch is flat (see model/attention.py): sequence s owns query rows query_starts[s] ..
+The batch is flat (see model/attention_metadata.py): sequence s owns query rows query_starts[s] ..
 query_starts[s + 1] - 1, whose positions are the last query_len of its seq_len positions. One
 program handles (sequence, query head, block of BLOCK_M query rows) and streams that sequence's
 keys and values in tiles of BLOCK_N positions straight from the paged cache: position p lives in
