@@ -127,8 +127,10 @@ class FastLinear(nn.Module):
     ) -> None:
         """`weight` (out, in) float32 is packed and not kept. `bias` is kept by reference, not copied:
         a bias still being loaded in place (weights.load_weights) is seen once it lands. `stored`: the
-        checkpoint's own groups for decode rows, whole or as (first row, end row, groups) parts (a
-        fused projection whose parts were stored in different types, as in Q4_K_M files). `act8`: 4-bit
+        checkpoint's own groups, whole or as (first row, end row, groups) parts (a fused projection
+        whose parts were stored in different types, as in Q4_K_M files): every row runs on them where
+        the native kernels take every part (runs_stored_only; then `weight` may be None), else decode
+        rows do (torch's int4 kernel) and prompt rows run oneDNN on `weight`. `act8`: 4-bit
         groups run on the kernel that quantizes activations to int8 (EngineConfig.int8_activations)."""
         super().__init__()
         self.act8 = act8
@@ -237,18 +239,19 @@ class FastLinear(nn.Module):
         # every row on the native kernels; else decode rows on the stored groups, prompt rows oneDNN
         num_small = rows if self.every_row else num_decode_rows(rows) if self.has_decode_kernel else 0
         if num_small == rows:
-            y = self._decode(x2)
+            y = self._on_stored(x2)
         elif num_small == 0:
             y = self._onednn(x2)
         else:  # a mixed step: decode rows first, prompt rows after
-            y = torch.cat((self._decode(x2[:num_small]), self._onednn(x2[num_small:])))
+            y = torch.cat((self._on_stored(x2[:num_small]), self._onednn(x2[num_small:])))
         return y.view(*lead, self.out_features)
 
     def _onednn(self, x2: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None, "no oneDNN weight: every row runs the native kernels"
         return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
 
-    def _decode(self, x2: torch.Tensor) -> torch.Tensor:
+    def _on_stored(self, x2: torch.Tensor) -> torch.Tensor:
+        """The rows on the stored groups' kernels (native, or torch's int4 for decode rows)."""
         threads = torch.get_num_threads()
         if self.q4 is not None and self._lib is not None:
             return native.q4_gemm(self._lib, x2.contiguous(), self.q4, self.bias, threads)
