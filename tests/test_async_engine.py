@@ -369,8 +369,9 @@ def test_metrics_registries_are_independent() -> None:
     assert sample(second, "onecall_generation_tokens_total") == 0
 
 
-def test_an_idle_engine_thread_sleeps() -> None:
-    engine = tiny_engine()
+def _idle_polls(engine: Engine, window_s: float) -> tuple[int, bool]:
+    """After one request, how many times the engine thread checked for work during `window_s` of
+    idleness, and whether the engine was still running then."""
     real_check = engine.has_unfinished_requests
     calls = 0
 
@@ -380,16 +381,23 @@ def test_an_idle_engine_thread_sleeps() -> None:
         return real_check()
 
     engine.has_unfinished_requests = counted  # type: ignore[method-assign]
+    seen: list[tuple[int, bool]] = []
 
     async def body(ae: AsyncEngine) -> None:
         nonlocal calls
         await collect(await ae.add_request("a", "Hello", GREEDY))
         await asyncio.sleep(0.05)  # let the thread settle into its idle wait
         calls = 0
-        await asyncio.sleep(0.2)
-        assert calls <= 1, f"the idle engine thread polled {calls} times in 0.2 s"
+        await asyncio.sleep(window_s)
+        seen.append((calls, ae.is_running))
 
     run(body, engine)
+    return seen[0]
+
+
+def test_an_idle_engine_thread_sleeps() -> None:
+    calls, _ = _idle_polls(tiny_engine(), 0.2)
+    assert calls <= 1, f"the idle engine thread polled {calls} times in 0.2 s"
 
 
 class _FakeGroup:
@@ -441,22 +449,5 @@ def test_without_a_group_the_idle_thread_never_wakes_to_check_ranks() -> None:
     """No tensor parallel: one blocking wait, no periodic wake-up (the same counter as above)."""
     engine = tiny_engine()
     assert engine.parts.tp_group is None
-    real_check = engine.has_unfinished_requests
-    calls = 0
-
-    def counted() -> bool:
-        nonlocal calls
-        calls += 1
-        return real_check()
-
-    engine.has_unfinished_requests = counted  # type: ignore[method-assign]
-
-    async def body(ae: AsyncEngine) -> None:
-        nonlocal calls
-        await collect(await ae.add_request("a", "Hello", GREEDY))
-        await asyncio.sleep(0.05)
-        calls = 0
-        await asyncio.sleep(1.3)  # longer than the TP check period
-        assert calls == 0 and ae.is_running
-
-    run(body, engine)
+    calls, running = _idle_polls(engine, 1.3)  # longer than the TP check period
+    assert calls == 0 and running

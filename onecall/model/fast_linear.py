@@ -222,6 +222,13 @@ class FastLinear(nn.Module):
         return self.q4 is not None or self.int4_weight is not None or bool(self.parts)
 
     @property
+    def int8_activations(self) -> bool:
+        """Whether some of its rows' activations are rounded to int8 (act8 applies to 4-bit groups)."""
+        return self.act8 and (
+            self.q4 is not None or any(isinstance(g, native.Q4Packed) for _, _, g in self.parts)
+        )
+
+    @property
     def decode_kernel(self) -> str | None:
         """What decode rows run on: "native int4", "torch int4", "native int8", "native int4+int8" (a
         fused projection stored in two types), or None (oneDNN float32)."""

@@ -189,17 +189,16 @@ def paged_decode_attention(
     return out
 
 
+def _attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """What both attention kernels need: float32 queries (.., H, D), a float32 or float16 cache
+    (slots, KVH, D), whole query heads per KV head."""
+    return q.dtype == torch.float32 and k_cache.dtype in KV_DTYPES and q.shape[1] % k_cache.shape[1] == 0
+
+
 def decode_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Shapes and dtypes paged_decode_attention takes: float32 queries, a float32 or float16 cache,
-    head_dim a multiple of 8, at most 128 query heads, whole query heads per KV head."""
-    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[1]
-    return (
-        q.dtype == torch.float32
-        and k_cache.dtype in KV_DTYPES
-        and head_dim % 8 == 0
-        and num_heads <= ATTENTION_MAX_HEADS
-        and num_heads % num_kv_heads == 0
-    )
+    """Shapes and dtypes paged_decode_attention takes: _attention_fits, head_dim a multiple of 8, at
+    most 128 query heads."""
+    return _attention_fits(q, k_cache) and q.shape[2] % 8 == 0 and q.shape[1] <= ATTENTION_MAX_HEADS
 
 
 def prefill_attention(
@@ -244,16 +243,8 @@ def prefill_attention(
 
 
 def prefill_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Shapes and dtypes prefill_attention takes: float32 queries, a float32 or float16 cache, head_dim
-    a multiple of 16 up to 512, whole query heads per KV head."""
-    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[1]
-    return (
-        q.dtype == torch.float32
-        and k_cache.dtype in KV_DTYPES
-        and head_dim % 16 == 0
-        and head_dim <= 512
-        and num_heads % num_kv_heads == 0
-    )
+    """Shapes and dtypes prefill_attention takes: _attention_fits, head_dim a multiple of 16 up to 512."""
+    return _attention_fits(q, k_cache) and q.shape[2] % 16 == 0 and q.shape[2] <= 512
 
 
 def add_rms_norm(

@@ -161,8 +161,7 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
     every_row = [m for m in modules if m.every_row]  # every row on the stored groups' native kernels
     if every_row:
         kind = "/".join(sorted({(m.decode_kernel or "").removeprefix("native ") for m in every_row}))
-        act8 = any(m.act8 and m.decode_kernel != "native int8" for m in every_row)  # 4-bit groups only
-        acts = ", int8 activations" if act8 else ""
+        acts = ", int8 activations" if any(m.int8_activations for m in every_row) else ""
         pieces.append(f"native {kind} ({len(every_row)} of {len(modules)} projections, every row{acts})")
     rest = [m for m in modules if not m.every_row]  # prompt rows on oneDNN, decode rows maybe stored groups
     if rest:
