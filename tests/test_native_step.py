@@ -118,6 +118,32 @@ def test_native_step_takes_only_all_decode_steps_on_the_4bit_kernel() -> None:
     assert not step.accepts(decode, bf16, 2)
 
 
+def test_a_token_id_or_position_outside_the_tables_is_refused_before_anything_is_written() -> None:
+    """The step gathers embedding and RoPE rows in C: an id past the vocabulary or a position past the
+    RoPE tables raises IndexError, and the cache is left as it was."""
+    model = int4_engine("fast").parts.model
+    step = model.native_step
+    assert step is not None
+    c = model.config
+    cache = PagedKVCache(c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    cache.k.zero_(), cache.v.zero_()
+    tables = _scrambled_tables(40)
+    meta = build_attention_metadata(tables[:2], [6, 3], [1, 1], BLOCK, "cpu")
+    cos, sin = model.rotary.cos, model.rotary.sin  # type: ignore[union-attr]
+    ok_ids, ok_pos = torch.tensor([5, 7]), torch.tensor([5, 2])
+    for ids, pos in (
+        (torch.tensor([5, c.vocab_size]), ok_pos),
+        (torch.tensor([-1, 7]), ok_pos),
+        (ok_ids, torch.tensor([5, cos.shape[0]])),
+    ):
+        with torch.inference_mode(), decode_rows(2), pytest.raises(IndexError, match="vocabulary"):
+            step(ids, pos, cos, sin, cache, meta)
+        assert not cache.k.any() and not cache.v.any()
+    with torch.inference_mode(), decode_rows(2):
+        out = step(ok_ids, ok_pos, cos, sin, cache, meta)
+    assert out.shape == (2, c.hidden_size) and torch.isfinite(out).all() and cache.k.any()
+
+
 def test_models_it_cannot_run_exactly_keep_the_per_op_path() -> None:
     """No 4-bit copy of the projections (a float checkpoint): no native step, for any family."""
     for arch in ("llama", "qwen3"):

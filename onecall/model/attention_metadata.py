@@ -117,7 +117,10 @@ def build_attention_metadata(
         "one block table, seq_len, query_len per seq"
     )
     device = torch.device(device)
-    slot_parts: list[torch.Tensor] = []
+    # every new token's slot as a Python int, one tensor at the end: a decode step makes no tensor per
+    # sequence for its slots (a decode row is one int; a prompt chunk's run of ints costs far less than
+    # its forward)
+    slot_list: list[int] = []
     seqs: list[SeqSpan] = []
     q_start = 0
     for i, (table, seq_len, query_len) in enumerate(zip(block_tables, seq_lens, query_lens, strict=True)):
@@ -127,9 +130,9 @@ def build_attention_metadata(
         # 1. slots of the new tokens (positions seq_len - query_len .. seq_len - 1)
         first = seq_len - query_len
         if query_len == 1:
-            slot_parts.append(torch.tensor([table[first // block_size] * block_size + first % block_size]))
+            slot_list.append(table[first // block_size] * block_size + first % block_size)
         else:
-            slot_parts.append(_slots(table, first, seq_len, block_size))
+            slot_list += _slot_list(table, first, seq_len, block_size)
         # 2. where its whole KV lives, per backend
         kv_start, blocks, slots = -1, None, None
         if backend == "reference":
@@ -145,7 +148,7 @@ def build_attention_metadata(
             mask = _causal_mask(query_len, seq_len).to(device)
         seqs.append(SeqSpan(q_start, q_start + query_len, seq_len, kv_start, blocks, slots, mask))
         q_start += query_len
-    slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64)
+    slot_mapping = torch.tensor(slot_list, dtype=torch.int64)
     meta = AttentionMetadata(backend, slot_mapping.to(device), seqs, block_size)
     if backend == "paged" and device.type == "cpu" and native.load() is not None:
         meta.decode = _decode_rows(seqs, block_tables, block_size)
@@ -153,6 +156,15 @@ def build_attention_metadata(
     if backend == "triton":
         _add_triton_tensors(meta, block_tables, seq_lens, query_lens, device)
     return meta
+
+
+def _slot_list(table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """The slots of positions start..end-1, as ints."""
+    out: list[int] = []
+    for b in range(start // block_size, -(-end // block_size)):
+        base = table[b] * block_size
+        out += range(base + max(start - b * block_size, 0), base + min(end - b * block_size, block_size))
+    return out
 
 
 def _slots(table: Sequence[int], start: int, end: int, block_size: int) -> torch.Tensor:
@@ -174,10 +186,12 @@ def padded_block_tables(
     """(num_seqs, width) int32 on CPU: row i holds the blocks covering seq_lens[i] positions of
     table i, then `pad`. `width` defaults to the widest row; what the kernels read as block tables."""
     needed = [-(-s // block_size) for s in seq_lens]
-    tables = torch.full((len(needed), width or max(needed, default=0)), pad, dtype=torch.int32)
-    for row, (table, n) in enumerate(zip(block_tables, needed, strict=True)):
-        tables[row, :n] = torch.tensor(list(table[:n]), dtype=torch.int32)
-    return tables
+    width = width or max(needed, default=0)
+    flat: list[int] = []  # the rows, padded, in one list: one tensor, not one per row
+    for table, n in zip(block_tables, needed, strict=True):
+        flat += table[:n]
+        flat += [pad] * (width - n)
+    return torch.tensor(flat, dtype=torch.int32).view(len(needed), width)
 
 
 def _decode_rows(

@@ -167,6 +167,14 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) int64 -> hidden states (num_tokens, hidden_size)."""
+        step = self.native_step
+        if (
+            step is not None
+            and self.tp is None
+            and isinstance(self.rotary, RotaryEmbedding)
+            and step.accepts(meta, kv_cache, input_ids.shape[0])
+        ):  # the same kernels, from C; the embedding and RoPE lookups too
+            return step(input_ids, positions, self.rotary.cos, self.rotary.sin, kv_cache, meta)
         if self.tp is None:
             h = self.model.embed_tokens(input_ids)
         else:
@@ -177,9 +185,6 @@ class DecoderLM(nn.Module):
             ropes = self.rotary(positions)  # (cos, sin) per layer: sliding and global layers differ
         else:
             cos, sin = self.rotary(positions)
-            step = self.native_step
-            if step is not None and step.accepts(meta, kv_cache, h.shape[0]):
-                return step(h, cos.squeeze(1), sin.squeeze(1), kv_cache, meta)  # the same kernels, from C
             ropes = [(cos, sin)] * len(self.model.layers)
         residual: torch.Tensor | None = None
         for layer_idx, layer in enumerate(self.model.layers):

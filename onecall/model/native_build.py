@@ -158,9 +158,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_silu_mul.restype = None
     lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_float, p, p, p, p, p, c_int]
     lib.onecall_rope_store.restype = None
-    # layers, num_layers, h, M, hidden, H, KVH, D, I, eps, attn_scale, cos, sin, slot_mapping, k_cache,
-    # v_cache, layer_stride, kv_f16, block_tables, max_blocks, seq_lens, block_size, final_norm, out,
-    # num_threads (model/native_step.py)
-    step_args: list[Any] = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, p, p, i64, c_int]
+    # layers, num_layers, ids, embed, vocab, M, hidden, H, KVH, D, I, eps, attn_scale, positions,
+    # cos_table, sin_table, max_positions, slot_mapping, k_cache, v_cache, layer_stride, kv_f16,
+    # block_tables, max_blocks, seq_lens, block_size, final_norm, out, num_threads (model/native_step.py)
+    step_args: list[Any] = [p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, i64, p, p, p, i64, c_int]
     lib.onecall_decode_layers.argtypes = [*step_args, p, i64, p, i64, p, p, c_int]
     lib.onecall_decode_layers.restype = c_int

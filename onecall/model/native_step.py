@@ -9,7 +9,8 @@ the same order over the same values from C, so:
 - a decode row's bits do not depend on which path ran it (a mixed step takes the per-op path, a
   pure decode step this one): batch invariance holds across both, and tests/test_native_step.py
   checks the two paths bitwise;
-- the step's Python cost is the embedding lookup, the RoPE table lookup and one ctypes call.
+- the step's Python cost is one ctypes call: the embedding rows and the RoPE tables' rows are
+  gathered in C (token ids and positions are checked against the tables' sizes there first).
 
 `NativeDecodeStep.build(model)` returns None (and the per-op path stays the only one) for a model it
 cannot run: a projection without a native copy (not stored as Q4_0/Q4_1/Q4_K groups of 32 nor as
@@ -96,6 +97,7 @@ class NativeDecodeStep:
         self._lib = lib
         self._layers = layers  # the tensors these structs point at are the model's own
         self._final_norm = model.norm
+        self._embed = model.embed_tokens.weight  # (vocab, hidden) float32: build() checked it
         self._scale = attn.scale
         self._num_heads, self._num_kv_heads, self._head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self._hidden = first.input_layernorm.weight.shape[0]
@@ -113,6 +115,9 @@ class NativeDecodeStep:
         layers = [cast(DecoderLayer, layer) for layer in model.layers]
         if lib is None or not layers:
             return None
+        embed = model.embed_tokens.weight
+        if embed.dtype != torch.float32 or not embed.is_contiguous() or embed.device.type != "cpu":
+            return None  # the step gathers its rows from a float32 table in C
         structs = []
         for layer in layers:
             attn, mlp = layer.self_attn, cast(MLP, layer.mlp)  # checked above: every MLP is dense
@@ -149,28 +154,37 @@ class NativeDecodeStep:
 
     def __call__(
         self,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
         kv_cache: PagedKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """h (M, hidden) float32: the embeddings (overwritten: the residual stream); cos, sin (M, head_dim / 2)
-        contiguous. Returns the final norm's output (M, hidden)."""
+        """input_ids, positions (M,) int64; cos_table, sin_table (max_positions, head_dim / 2) float32, the
+        RoPE tables. Returns the final norm's output (M, hidden)."""
         d = meta.decode
-        assert d is not None and h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-        m = h.shape[0]
-        out = torch.empty_like(h)
+        assert d is not None and input_ids.dtype == positions.dtype == torch.int64
+        assert input_ids.is_contiguous() and positions.is_contiguous()
+        assert cos_table.is_contiguous() and sin_table.is_contiguous() and cos_table.dtype == torch.float32
+        m = input_ids.shape[0]
+        out = torch.empty(m, self._hidden)
         k, v = kv_cache.k, kv_cache.v
         rc = self._lib.onecall_decode_layers(
-            self._layers, len(self._layers), h.data_ptr(), m, self._hidden,
-            self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate, self._final_norm.eps, self._scale,
-            cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), k.data_ptr(), v.data_ptr(),
+            self._layers, len(self._layers), input_ids.data_ptr(), self._embed.data_ptr(), self._embed.shape[0],
+            m, self._hidden, self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate,
+            self._final_norm.eps, self._scale, positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
+            cos_table.shape[0], meta.slot_mapping.data_ptr(), k.data_ptr(), v.data_ptr(),
             k[0].numel(), int(k.dtype == torch.float16), d.block_tables.data_ptr(), d.block_tables.shape[1],
             d.seq_lens.data_ptr(), meta.block_size, self._final_norm.weight.data_ptr(), out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("onecall_decode_layers: out of memory for its activation buffers")
+        if rc == -3:
+            raise IndexError(
+                f"onecall_decode_layers: a token id outside the vocabulary ({self._embed.shape[0]}) or a "
+                f"position outside the RoPE tables ({cos_table.shape[0]})"
+            )
         assert rc == 0, f"onecall_decode_layers refused the shapes (rc {rc})"
         return out

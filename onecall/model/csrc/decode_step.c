@@ -129,8 +129,9 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  *
  * Per layer, as DecoderLayer.forward does it: x = norm(h += r); qkv = x W_qkv (+b); q/k norms (Qwen3),
  * RoPE + K/V store; a = attention(q); h += a W_o and x = norm(h); r = silu(x W_gate) * (x W_up) W_down. After
- * the last layer, out = norm(h += r). h (M, hidden) holds the embeddings on entry and the residual
- * stream on return.
+ * the last layer, out = norm(h += r). The step starts from the token ids and positions: h (the residual
+ * stream, a scratch buffer here) is gathered from the embedding table, each row's cos/sin from the RoPE
+ * tables, as DecoderLM.forward's lookups do (copies: the same values).
  */
 typedef struct {         /* one projection: 4-bit (q8_group == 0) or int8 groups */
     const uint8_t *qs;   /* q4: the q4 (or q4a8) layout; int8: the q8b layout */
@@ -159,13 +160,18 @@ static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int 
     return onecall_q4_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
 }
 
-int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, float *h, int64_t M, int64_t hidden,
-                          int64_t H, int64_t KVH, int64_t D, int64_t I, float eps, float attn_scale,
-                          const float *cos, const float *sin, const int64_t *slot_mapping, void *k_cache,
+int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, const int64_t *ids, const float *embed,
+                          int64_t vocab, int64_t M, int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t I,
+                          float eps, float attn_scale, const int64_t *positions, const float *cos_table,
+                          const float *sin_table, int64_t max_positions, const int64_t *slot_mapping, void *k_cache,
                           void *v_cache, int64_t layer_stride, int kv_f16, const int32_t *block_tables,
                           int64_t max_blocks, const int32_t *seq_lens, int64_t block_size,
                           const float *final_norm, float *out, int num_threads) {
-    const int64_t width = (H + 2 * KVH) * D, elem = kv_f16 ? 2 : 4;
+    const int64_t width = (H + 2 * KVH) * D, elem = kv_f16 ? 2 : 4, half = D / 2;
+    for (int64_t m = 0; m < M; m++) /* checked before anything is written: a bad row costs nothing */
+        if (ids[m] < 0 || ids[m] >= vocab || positions[m] < 0 || positions[m] >= max_positions) return -3;
+    float *h = malloc(sizeof(float) * (size_t)(M * hidden));
+    float *cos = malloc(sizeof(float) * (size_t)(M * half)), *sin = malloc(sizeof(float) * (size_t)(M * half));
     float *x = malloc(sizeof(float) * (size_t)(M * hidden));
     float *qkv = malloc(sizeof(float) * (size_t)(M * width));
     float *attn = malloc(sizeof(float) * (size_t)(M * H * D));
@@ -173,7 +179,12 @@ int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, float *
     float *gu = malloc(sizeof(float) * (size_t)(M * 2 * I));
     float *act = malloc(sizeof(float) * (size_t)(M * I));
     float *r = malloc(sizeof(float) * (size_t)(M * hidden));
-    int rc = (x && qkv && attn && o && gu && act && r) ? 0 : -1;
+    int rc = (h && cos && sin && x && qkv && attn && o && gu && act && r) ? 0 : -1;
+    for (int64_t m = 0; rc == 0 && m < M; m++) {
+        memcpy(h + m * hidden, embed + ids[m] * hidden, sizeof(float) * (size_t)hidden);
+        memcpy(cos + m * half, cos_table + positions[m] * half, sizeof(float) * (size_t)half);
+        memcpy(sin + m * half, sin_table + positions[m] * half, sizeof(float) * (size_t)half);
+    }
     for (int64_t l = 0; l < num_layers && rc == 0; l++) {
         const DecodeLayer *L = layers + l;
         char *kc = (char *)k_cache + l * layer_stride * elem, *vc = (char *)v_cache + l * layer_stride * elem;
@@ -190,6 +201,9 @@ int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, float *
         rc = q4_apply(&L->down, act, M, r, num_threads);
     }
     if (rc == 0) onecall_add_rms_norm(h, num_layers ? r : NULL, final_norm, M, hidden, eps, out);
+    free(h);
+    free(cos);
+    free(sin);
     free(x);
     free(qkv);
     free(attn);
