@@ -135,7 +135,7 @@ class DecodeGraphs:
     capture_errors: dict[str, str] = field(default_factory=dict)  # layout name -> why capture failed
 
     def __post_init__(self) -> None:
-        device = self.model.model.embed_tokens.weight.device
+        device = self.model.model.norm.weight.device
         tokens, seqs, width = self.max_bucket + MAX_CHUNK, self.max_bucket + 2, self.max_blocks_per_seq
         self.device = device
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)

@@ -30,7 +30,7 @@ def last_position_attention(model: DecoderLM, input_ids: torch.Tensor) -> torch.
     """(seq_len,) int64 prompt ids -> (num_layers, seq_len) float32: for each layer, the softmax
     attention of the last position over every position, averaged over heads. Each row sums to 1."""
     assert input_ids.dim() == 1 and input_ids.numel() > 0, "one non-empty sequence of ids"
-    device = model.model.embed_tokens.weight.device
+    device = model.model.norm.weight.device
     ids = input_ids.to(device=device, dtype=torch.int64)
     positions = torch.arange(ids.numel(), device=device)
     h = model.model.embed_tokens(ids)  # (seq_len, hidden_size)

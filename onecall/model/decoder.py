@@ -22,6 +22,7 @@ from torch import nn
 
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig
+from onecall.model.fast_embedding import Int8Embedding
 from onecall.model.fast_linear import FastLMHead, fast_kernels_supported
 from onecall.model.gemma import GemmaDecoderModel, GemmaRotary, soft_cap
 from onecall.model.kv_cache import PagedKVCache
@@ -91,7 +92,10 @@ class DecoderModel(nn.Module):
         # Built around an explicit (meta) weight: nn.Embedding would otherwise run normal_() on it,
         # and on the meta device that imports torch._dynamo (3 s of cold start) for nothing.
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        # packing.install may swap in an Int8Embedding (the checkpoint's int8 groups, no float32 table)
+        self.embed_tokens: nn.Embedding | Int8Embedding = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=weight
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device, i) for i in range(config.num_hidden_layers)
         )
@@ -178,7 +182,9 @@ class DecoderLM(nn.Module):
         if self.tp is None:
             h = self.model.embed_tokens(input_ids)
         else:
-            h = self.tp.embed(self.model.embed_tokens, input_ids, self.vocab_size)
+            embed = self.model.embed_tokens
+            assert isinstance(embed, nn.Embedding), "under tensor parallel the embedding stays float32"
+            h = self.tp.embed(embed, input_ids, self.vocab_size)
         if isinstance(self.rotary, GemmaRotary):
             assert isinstance(self.model, GemmaDecoderModel)
             h = h * self.model.embed_scale  # Gemma scales its embeddings by sqrt(hidden_size)
@@ -206,7 +212,15 @@ class DecoderLM(nn.Module):
 
     def output_weight(self) -> torch.Tensor:
         """The logits projection's (vocab_size, hidden_size) weight: the tied embedding or lm_head."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        embed = self.model.embed_tokens
+        if isinstance(embed, Int8Embedding):  # installed only beside the native int8 logits head
+            raise RuntimeError(
+                "the tied embedding is kept as the checkpoint's int8 groups (model/fast_embedding.py): "
+                "there is no float32 matrix; the logits run on the native int8 head"
+            )
+        return embed.weight
 
     def output_weight_name(self) -> str:
         """The checkpoint (Hugging Face) name of output_weight(): the loaders key stored groups by it."""

@@ -347,9 +347,11 @@ class FastLMHead(nn.Module):
         self.num_weights = w.numel()
         self.q8: native.Q8Blocked | None = None
         self.packed: torch.Tensor | None = None
+        self.from_stored = False  # q8 holds the checkpoint's own groups (bit-exact), not a re-quantization
         usable = int8 is not None and tuple(int8.q.shape) == tuple(w.shape) and w.shape[1] % 32 == 0
         if int8 is not None and usable and int8.group_size in (16, 32) and _native() is not None:
             self.q8 = native.pack_q8_blocked(int8.q, int8.scale, int8.group_size)
+            self.from_stored = True
         elif w.shape[1] % 32 == 0 and _native() is not None:
             q, scale = native.quantize_q8_groups(w)
             err = (q.view(w.shape[0], -1, 32).float() * scale.unsqueeze(-1)).view_as(w).sub_(w).abs_().max()

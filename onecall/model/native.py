@@ -133,6 +133,21 @@ def pack_q8_blocked(q: torch.Tensor, scale: torch.Tensor, group_size: int = 32) 
     return Q8Blocked(qs, _blocked(scale, n16, gs), n, k, group_size)
 
 
+def q8_blocked_rows(lib: ctypes.CDLL, w: Q8Blocked, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape, int64) of the (N, K) table packed by pack_q8_blocked, dequantized:
+    (*ids.shape, K) float32, each value float(q) * scale (an embedding lookup on int8 groups)."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.shape[0], w.in_features, dtype=torch.float32)
+    rc = lib.onecall_q8b_rows(
+        w.qs.data_ptr(), w.scale.data_ptr(), w.out_features, w.in_features, w.group_size,
+        flat.data_ptr(), flat.shape[0], out.data_ptr(),
+    )  # fmt: skip
+    if rc == -3:
+        raise IndexError(f"a token id outside the embedding's {w.out_features} rows")
+    assert rc == 0, f"onecall_q8b_rows refused group size {w.group_size} or K {w.in_features} (rc {rc})"
+    return out.view(*ids.shape, w.in_features)
+
+
 def q8_blocked_gemm(
     lib: ctypes.CDLL, x: torch.Tensor, w: Q8Blocked, bias: torch.Tensor | None, num_threads: int
 ) -> torch.Tensor:

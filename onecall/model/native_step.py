@@ -30,6 +30,7 @@ from torch import nn
 from onecall.model import native
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.decoder import DecoderLayer, DecoderModel
+from onecall.model.fast_embedding import Int8Embedding
 from onecall.model.fast_linear import FastLinear, num_decode_rows
 from onecall.model.gemma import GemmaDecoderModel
 from onecall.model.kv_cache import PagedKVCache
@@ -97,7 +98,10 @@ class NativeDecodeStep:
         self._lib = lib
         self._layers = layers  # the tensors these structs point at are the model's own
         self._final_norm = model.norm
-        self._embed = model.embed_tokens.weight  # (vocab, hidden) float32: build() checked it
+        embed = model.embed_tokens  # build() checked it: float32 rows, or int8 groups (fast_embedding.py)
+        self._embed_f32 = embed.weight if isinstance(embed, nn.Embedding) else None
+        self._embed_q8 = embed.table if isinstance(embed, Int8Embedding) else None
+        self._vocab = embed.num_embeddings
         self._scale = attn.scale
         self._num_heads, self._num_kv_heads, self._head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self._hidden = first.input_layernorm.weight.shape[0]
@@ -115,9 +119,14 @@ class NativeDecodeStep:
         layers = [cast(DecoderLayer, layer) for layer in model.layers]
         if lib is None or not layers:
             return None
-        embed = model.embed_tokens.weight
-        if embed.dtype != torch.float32 or not embed.is_contiguous() or embed.device.type != "cpu":
-            return None  # the step gathers its rows from a float32 table in C
+        embed = model.embed_tokens
+        if not isinstance(embed, Int8Embedding) and (
+            not isinstance(embed, nn.Embedding)
+            or embed.weight.dtype != torch.float32
+            or not embed.weight.is_contiguous()
+            or embed.weight.device.type != "cpu"
+        ):
+            return None  # the step gathers its rows in C: from a float32 table or int8 groups
         structs = []
         for layer in layers:
             attn, mlp = layer.self_attn, cast(MLP, layer.mlp)  # checked above: every MLP is dense
@@ -170,9 +179,11 @@ class NativeDecodeStep:
         m = input_ids.shape[0]
         out = torch.empty(m, self._hidden)
         k, v = kv_cache.k, kv_cache.v
+        f32, q8 = self._embed_f32, self._embed_q8
         rc = self._lib.onecall_decode_layers(
-            self._layers, len(self._layers), input_ids.data_ptr(), self._embed.data_ptr(), self._embed.shape[0],
-            m, self._hidden, self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate,
+            self._layers, len(self._layers), input_ids.data_ptr(), None if f32 is None else f32.data_ptr(),
+            None if q8 is None else q8.qs.data_ptr(), None if q8 is None else q8.scale.data_ptr(),
+            0 if q8 is None else q8.group_size, self._vocab, m, self._hidden, self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate,
             self._final_norm.eps, self._scale, positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
             cos_table.shape[0], meta.slot_mapping.data_ptr(), k.data_ptr(), v.data_ptr(),
             k[0].numel(), int(k.dtype == torch.float16), d.block_tables.data_ptr(), d.block_tables.shape[1],
@@ -183,7 +194,7 @@ class NativeDecodeStep:
             raise MemoryError("onecall_decode_layers: out of memory for its activation buffers")
         if rc == -3:
             raise IndexError(
-                f"onecall_decode_layers: a token id outside the vocabulary ({self._embed.shape[0]}) or a "
+                f"onecall_decode_layers: a token id outside the vocabulary ({self._vocab}) or a "
                 f"position outside the RoPE tables ({cos_table.shape[0]})"
             )
         assert rc == 0, f"onecall_decode_layers refused the shapes (rc {rc})"

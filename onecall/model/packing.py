@@ -20,6 +20,7 @@ from torch import nn
 
 from onecall.model import native
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
+from onecall.model.fast_embedding import Int8Embedding
 from onecall.model.fast_linear import FastLinear, FastLMHead, fast_kernels_supported, runs_stored_only
 from onecall.model.layers import MLP, Attention, RMSNorm
 from onecall.model.moe import SparseMoE
@@ -125,6 +126,11 @@ class StreamingPacker:
         finally:
             self.close()
 
+    @property
+    def stored(self) -> Mapping[str, StoredGroups]:
+        """The checkpoint's stored groups by Hugging Face name (whole once the weights are loaded)."""
+        return self._stored
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
@@ -156,6 +162,9 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
         for module in model.modules():
             if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.native = lib
+        embedding = _int8_embedding(model, packer.stored)
+        if embedding is not None:  # the float32 table goes (fast_embedding.py)
+            model.model.embed_tokens = embedding
         model.native_step = NativeDecodeStep.build(model.model)
     pieces = []
     every_row = [m for m in modules if m.every_row]  # every row on the stored groups' native kernels
@@ -173,6 +182,28 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
     model.kernels = f"{', '.join(pieces)}, {model.fast_lm_head.kernel} logits{step}"
 
 
+def _int8_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> Int8Embedding | None:
+    """The token embedding as the checkpoint's int8 groups (fast_embedding.py), or None: the float32
+    table stays (no such groups, tensor parallel, not on CPU, or a tied embedding whose logits head
+    did not take those groups and so may still need the float32 matrix)."""
+    groups = stored.get("model.embed_tokens.weight")
+    embed = model.model.embed_tokens
+    if (
+        model.tp is not None
+        or not isinstance(groups, Int8Groups)
+        or groups.group_size not in (16, 32)
+        or not isinstance(embed, nn.Embedding)
+        or embed.weight.device.type != "cpu"
+        or tuple(groups.q.shape) != tuple(embed.weight.shape)
+        or embed.weight.shape[1] % 32
+    ):
+        return None
+    if model.lm_head is None:  # tied: look rows up in the logits head's own bytes
+        head = model.fast_lm_head
+        return Int8Embedding(head.q8) if head is not None and head.q8 is not None and head.from_stored else None
+    return Int8Embedding(native.pack_q8_blocked(groups.q, groups.scale, groups.group_size))
+
+
 @torch.no_grad()
 def enable_fast_kernels(model: DecoderLM, stored_weights: Mapping[str, StoredGroups] | None = None) -> str:
     """Swap every projection for a FastLinear (and the logits for a FastLMHead) after a dense
@@ -182,8 +213,12 @@ def enable_fast_kernels(model: DecoderLM, stored_weights: Mapping[str, StoredGro
 
     Returns what was enabled, for logs and traces. A no-op ("reference") off float32 CPU.
     """
-    weight = model.model.embed_tokens.weight
-    if model.kernels != "reference" or not fast_kernels_supported(weight.device, weight.dtype):
+    embed = model.model.embed_tokens  # its float32 table until install() may swap it out
+    if (
+        model.kernels != "reference"
+        or not isinstance(embed, nn.Embedding)
+        or not fast_kernels_supported(embed.weight.device, embed.weight.dtype)
+    ):
         return model.kernels
     packer = new_packer(model, {} if stored_weights is None else stored_weights)
     try:

@@ -137,7 +137,8 @@ def load_weights(
                 continue  # transformers' RoPE buffer; we compute our own tables
             if tied and name == "lm_head.weight":
                 # Tied checkpoints may still carry lm_head; the embedding is the one we use.
-                _check_shape(name, tensor, model.model.embed_tokens.weight.shape)
+                embed = model.model.embed_tokens
+                _check_shape(name, tensor, torch.Size((embed.num_embeddings, embed.embedding_dim)))
                 continue
             if name not in table:
                 raise UnsupportedModelError(

@@ -2,9 +2,10 @@
  *
  * The library: gemm.c (the quantized GEMMs), decode_attention.c (paged decode attention),
  * decode_step.c (the small fused ops and the whole decode step), prefill_attention.c (causal prefill
- * attention), with simd.h's shared helpers. Built at first use by model/native.py (gcc -O3 -mavx2 -mfma
- * -fopenmp, every source into one shared library), cached on disk, loaded with ctypes; native.py's
- * _declare lists every exported function's arguments. The OpenMP runtime here is the libgomp torch has
+ * attention), embedding.c (rows of an int8 table), with simd.h's shared helpers. Built at first use by
+ * model/native.py (gcc -O3 -mavx2 -mfma -fopenmp, every source into one shared library), cached on
+ * disk, loaded with ctypes; native.py's _declare lists every exported function's arguments. The OpenMP
+ * runtime here is the libgomp torch has
  * already loaded (same soname), so these loops run on torch's thread pool rather than spinning up a
  * second one beside it.
  *
@@ -32,5 +33,10 @@ int onecall_paged_decode_attention(const float *q, int64_t q_stride, const void 
                                    int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                                    float scale, int64_t window, float softcap, float *out, int num_threads,
                                    int kv_f16);
+
+/* embedding.c: rows ids[0..M) of an (N, K) int8 table in the q8b layout, dequantized into out (M, K). 0 on
+ * success, -2 a group size or K it does not take, -3 an id outside 0..N-1 (nothing written). */
+int onecall_q8b_rows(const int8_t *qs, const float *scale, int64_t N, int64_t K, int64_t group_size,
+                     const int64_t *ids, int64_t M, float *out);
 
 #endif /* ONECALL_KERNELS_H */

@@ -1,0 +1,77 @@
+"""Int8Embedding (model/fast_embedding.py): a token embedding kept as the checkpoint's int8 groups, its
+rows dequantized on lookup in C. Every row must equal the GGUF dequantization of the same bytes bit for
+bit (the float32 table it replaces); an id outside the table is an IndexError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from onecall.model import native
+from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+from onecall.model.config import ModelConfig
+from onecall.model.decoder import DecoderLM
+from onecall.model.fast_embedding import Int8Embedding
+from onecall.model.quants import StoredGroups, dequantize, int8_groups
+from onecall.model.weights import load_weights
+from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
+from tests.test_fast_linear import _q6_k_blocks
+
+pytestmark = pytest.mark.skipif(
+    native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
+)
+T = GGMLQuantizationType
+
+
+@pytest.mark.parametrize(("qtype", "cols"), [(T.Q8_0, 96), (T.Q6_K, 512)], ids=["Q8_0", "Q6_K"])
+def test_rows_are_the_dequantized_table_bit_for_bit(qtype: T, cols: int) -> None:
+    rows = 45  # not a whole number of 16-row units: the layout's padding rows are never read
+    if qtype == T.Q8_0:
+        w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)) * 0.05
+        raw = torch.from_numpy(quantize(w.numpy(), qtype)).view(torch.uint8).reshape(-1)
+    else:  # gguf's quantize has no Q6_K: random blocks, as test_fast_linear makes them
+        raw = _q6_k_blocks(rows * cols // 256, np.random.default_rng(0))
+    groups = int8_groups(raw, qtype, (rows, cols))
+    assert groups is not None and groups.group_size == (16 if qtype == T.Q6_K else 32)
+    table = dequantize(raw, qtype, (rows, cols), torch.float32)
+    embed = Int8Embedding(native.pack_q8_blocked(groups.q, groups.scale, groups.group_size))
+    assert torch.equal(embed(torch.arange(rows)), table)
+    ids = torch.tensor([[44, 0, 7], [7, 16, 15]])  # any shape, repeats, the edges of a unit
+    assert torch.equal(embed(ids), table[ids])
+    for bad in (-1, rows):
+        with pytest.raises(IndexError, match=f"{rows} rows"):
+            embed(torch.tensor([3, bad]))
+
+
+def _load(path: Path, fast: bool) -> DecoderLM:
+    files = resolve_model(path)
+    stored: dict[str, StoredGroups] | None = {} if fast else None
+    model = DecoderLM(ModelConfig.from_hf_config(load_hf_config_dict(files)), pack_on_load=fast)
+    load_weights(model, iter_weights(files, torch.float32, stored), stored)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_q8_0_gguf_keeps_its_embedding_as_int8(tied: bool, tmp_path: Path) -> None:
+    """Tied: the lookup reads the logits head's own bytes. Untied: a packed copy of the embedding's
+    groups, the head keeps the output matrix's. Either way the float32 table is gone, and a greedy
+    forward gives the float32 model's logits exactly (the same rows go in)."""
+    config = tiny_hf_config("qwen3", tie_word_embeddings=tied)
+    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q8_0)
+    fast, ref = _load(path, fast=True), _load(path, fast=False)
+    embed, head = fast.model.embed_tokens, fast.fast_lm_head
+    assert isinstance(embed, Int8Embedding) and head is not None and head.q8 is not None
+    assert (embed.table is head.q8) == tied
+    assert "model.embed_tokens.weight" not in dict(fast.named_parameters())
+    ids = torch.arange(config["vocab_size"])
+    ref_embed = ref.model.embed_tokens
+    assert isinstance(ref_embed, torch.nn.Embedding)
+    assert torch.equal(embed(ids), ref_embed(ids))
+    if tied:
+        with pytest.raises(RuntimeError, match="int8 groups"):
+            fast.output_weight()
