@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from onecall.model import native
+from onecall.model import native, weights
 from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
@@ -52,18 +52,26 @@ def _load(path: Path, fast: bool) -> DecoderLM:
     files = resolve_model(path)
     stored: dict[str, StoredGroups] | None = {} if fast else None
     model = DecoderLM(ModelConfig.from_hf_config(load_hf_config_dict(files)), pack_on_load=fast)
-    load_weights(model, iter_weights(files, torch.float32, stored), stored)
+    # as engine_parts loads: stored groups not expanded where the native kernels take them
+    load_weights(model, iter_weights(files, torch.float32, stored, expand_stored=not fast), stored)
     return model.eval()
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_a_q8_0_gguf_keeps_its_embedding_as_int8(tied: bool, tmp_path: Path) -> None:
+def test_a_q8_0_gguf_keeps_its_embedding_as_int8(
+    tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Tied: the lookup reads the logits head's own bytes. Untied: a packed copy of the embedding's
-    groups, the head keeps the output matrix's. Either way the float32 table is gone, and a greedy
-    forward gives the float32 model's logits exactly (the same rows go in)."""
+    groups, the head keeps the output matrix's. Either way no float32 table is ever allocated (the
+    loader never materializes it), and the rows are the float32 model's."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=tied)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q8_0)
-    fast, ref = _load(path, fast=True), _load(path, fast=False)
+    ref = _load(path, fast=False)
+    bare = DecoderLM(ModelConfig.from_hf_config(load_hf_config_dict(resolve_model(path))), pack_on_load=True)
+    assert bare.model.embed_tokens.weight.is_meta  # built without the table: the loader decides
+    with monkeypatch.context() as m:
+        m.setattr(weights, "materialize_embedding", _never)
+        fast = _load(path, fast=True)
     embed, head = fast.model.embed_tokens, fast.fast_lm_head
     assert isinstance(embed, Int8Embedding) and head is not None and head.q8 is not None
     assert (embed.table is head.q8) == tied
@@ -75,3 +83,17 @@ def test_a_q8_0_gguf_keeps_its_embedding_as_int8(tied: bool, tmp_path: Path) -> 
     if tied:
         with pytest.raises(RuntimeError, match="int8 groups"):
             fast.output_weight()
+
+
+def _never(model: DecoderLM) -> None:
+    raise AssertionError("the float32 embedding table was allocated")
+
+
+def test_an_embedding_in_other_types_stays_float32(tmp_path: Path) -> None:
+    """A 4-bit embedding (Q4_0) has no int8 groups: the loader fills the float32 table, as before."""
+    config = tiny_hf_config("qwen3", tie_word_embeddings=True)
+    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q4_0)
+    fast, ref = _load(path, fast=True), _load(path, fast=False)
+    embed, ref_embed = fast.model.embed_tokens, ref.model.embed_tokens
+    assert isinstance(embed, torch.nn.Embedding) and isinstance(ref_embed, torch.nn.Embedding)
+    assert torch.equal(embed.weight, ref_embed.weight)

@@ -148,9 +148,11 @@ class DecoderLM(nn.Module):
         self.kernels = "reference"  # what the projections run on, for logs and traces
         self.int8_activations = int8_activations
         self.pack_on_load = pack_on_load and fast_kernels_supported(device, dtype)
-        # Packed on load, projection weights stay on "meta" (no memory) until their FastLinear replaces them.
+        # Packed on load, projection weights stay on "meta" (no memory) until their FastLinear replaces
+        # them; so does the embedding table, until the loader knows whether it stays as the checkpoint's
+        # int8 groups (model/fast_embedding.py) or is filled in float32 (weights.load_weights).
         skip = (
-            {id(getattr(owner, attr)) for _, _, owner, attr in self.projections()}
+            {id(getattr(owner, attr)) for _, _, owner, attr in self.projections()} | {id(self.model.embed_tokens)}
             if self.pack_on_load
             else set()
         )
@@ -248,6 +250,15 @@ class DecoderLM(nn.Module):
             "mlp.gate_proj": (0, c.intermediate_size),
             "mlp.up_proj": (c.intermediate_size, 2 * c.intermediate_size),
         }
+
+
+def materialize_embedding(model: DecoderLM) -> nn.Parameter:
+    """Allocate the embedding table left on meta by pack_on_load (uninitialised) and return it."""
+    embed = model.model.embed_tokens
+    assert isinstance(embed, nn.Embedding) and embed.weight.is_meta, "the embedding table is already real"
+    w, device = embed.weight, model.model.norm.weight.device
+    embed.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=device), requires_grad=False)
+    return embed.weight
 
 
 def _materialize(module: nn.Module, device: torch.device, skip_weights_of: Collection[int] = ()) -> None:

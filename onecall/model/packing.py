@@ -163,7 +163,7 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
             if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.native = lib
         embedding = _int8_embedding(model, packer.stored)
-        if embedding is not None:  # the float32 table goes (fast_embedding.py)
+        if embedding is not None:  # the float32 table goes, or was never made (fast_embedding.py)
             model.model.embed_tokens = embedding
         model.native_step = NativeDecodeStep.build(model.model)
     pieces = []
@@ -182,22 +182,31 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
     model.kernels = f"{', '.join(pieces)}, {model.fast_lm_head.kernel} logits{step}"
 
 
-def _int8_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> Int8Embedding | None:
-    """The token embedding as the checkpoint's int8 groups (fast_embedding.py), or None: the float32
-    table stays (no such groups, tensor parallel, not on CPU, or a tied embedding whose logits head
-    did not take those groups and so may still need the float32 matrix)."""
-    groups = stored.get("model.embed_tokens.weight")
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def keeps_int8_embedding(model: DecoderLM, groups: StoredGroups | None) -> bool:
+    """Whether the token embedding, stored as `groups`, stays int8 groups once the fast kernels are in
+    (fast_embedding.py): int8 groups the native kernels take, one process, on CPU. A tied embedding's
+    logits head (FastLMHead) takes the same groups under the same conditions."""
     embed = model.model.embed_tokens
-    if (
-        model.tp is not None
-        or not isinstance(groups, Int8Groups)
-        or groups.group_size not in (16, 32)
-        or not isinstance(embed, nn.Embedding)
-        or embed.weight.device.type != "cpu"
-        or tuple(groups.q.shape) != tuple(embed.weight.shape)
-        or embed.weight.shape[1] % 32
-    ):
+    return (
+        model.tp is None
+        and isinstance(groups, Int8Groups)
+        and groups.group_size in (16, 32)
+        and tuple(groups.q.shape) == (embed.num_embeddings, embed.embedding_dim)
+        and embed.embedding_dim % 32 == 0
+        and model.model.norm.weight.device.type == "cpu"
+        and native.load() is not None
+    )
+
+
+def _int8_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> Int8Embedding | None:
+    """The token embedding as the checkpoint's int8 groups, or None: the float32 table stays."""
+    groups = stored.get(EMBEDDING)
+    if not keeps_int8_embedding(model, groups):
         return None
+    assert isinstance(groups, Int8Groups)
     if model.lm_head is None:  # tied: look rows up in the logits head's own bytes
         head = model.fast_lm_head
         return Int8Embedding(head.q8) if head is not None and head.q8 is not None and head.from_stored else None
