@@ -10,10 +10,13 @@ table costs nothing beyond what the logits already hold; an untied one is packed
 dequantized table (tests/test_fast_embedding.py checks it against the float32 embedding of the same file).
 
 packing.install puts one in place of the model's nn.Embedding on CPU with the native kernels when the
-checkpoint stored the embedding as int8 groups (one process, not tensor parallel); otherwise the float32
-nn.Embedding stays. The module has no `weight`: code that needs the float32 matrix (a logits projection
-without the native head) never meets one, since it is installed only beside a native int8 logits head or
-for an untied embedding.
+checkpoint stored the embedding as int8 groups (one process, not tensor parallel: packing.
+keeps_int8_embedding); otherwise the float32 nn.Embedding stays. A model packed on load never allocates
+the float32 table in that case (weights.load_weights leaves it on meta and fills it only where it cannot
+stay int8), so the table costs neither steady-state nor peak memory. The module has no `weight`: code
+that needs the float32 matrix (a logits projection without the native head) never meets one, since it
+is installed only beside a native int8 logits head or for an untied embedding (DecoderLM.output_weight
+says so if asked).
 """
 
 from __future__ import annotations
