@@ -62,19 +62,21 @@ def test_a_q8_0_gguf_keeps_its_embedding_as_int8(
     tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Tied: the lookup reads the logits head's own bytes. Untied: a packed copy of the embedding's
-    groups, the head keeps the output matrix's. Either way no float32 table is ever allocated (the
-    loader never materializes it), and the rows are the float32 model's."""
+    groups, the head keeps the output matrix's. Either way no float32 table (nor an untied head's
+    matrix) is ever allocated, and the rows are the float32 model's."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=tied)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q8_0)
     ref = _load(path, fast=False)
     bare = DecoderLM(ModelConfig.from_hf_config(load_hf_config_dict(resolve_model(path))), pack_on_load=True)
     assert bare.model.embed_tokens.weight.is_meta  # built without the table: the loader decides
     with monkeypatch.context() as m:
-        m.setattr(weights, "materialize_embedding", _never)
+        m.setattr(weights, "materialize_weight", _never)
         fast = _load(path, fast=True)
     embed, head = fast.model.embed_tokens, fast.fast_lm_head
     assert isinstance(embed, Int8Embedding) and head is not None and head.q8 is not None
-    assert (embed.table is head.q8) == tied
+    assert (embed.table is head.q8) == tied and head.from_stored
+    if not tied:  # an untied head's float32 matrix was never allocated either: its int8 groups are the head
+        assert fast.lm_head is not None and fast.lm_head.weight.is_meta
     assert "model.embed_tokens.weight" not in dict(fast.named_parameters())
     ids = torch.arange(config["vocab_size"])
     ref_embed = ref.model.embed_tokens
@@ -85,8 +87,8 @@ def test_a_q8_0_gguf_keeps_its_embedding_as_int8(
             fast.output_weight()
 
 
-def _never(model: DecoderLM) -> None:
-    raise AssertionError("the float32 embedding table was allocated")
+def _never(model: DecoderLM, module: torch.nn.Module) -> None:
+    raise AssertionError(f"a float32 weight was allocated: {module}")
 
 
 def test_an_embedding_in_other_types_stays_float32(tmp_path: Path) -> None:

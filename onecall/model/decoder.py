@@ -149,10 +149,12 @@ class DecoderLM(nn.Module):
         self.int8_activations = int8_activations
         self.pack_on_load = pack_on_load and fast_kernels_supported(device, dtype)
         # Packed on load, projection weights stay on "meta" (no memory) until their FastLinear replaces
-        # them; so does the embedding table, until the loader knows whether it stays as the checkpoint's
-        # int8 groups (model/fast_embedding.py) or is filled in float32 (weights.load_weights).
+        # them; so do the embedding table and an untied lm_head, until the loader knows whether they stay
+        # the checkpoint's int8 groups (model/fast_embedding.py, FastLMHead) or are filled in float32
+        # (weights.load_weights, packing.stays_int8).
         skip = (
-            {id(getattr(owner, attr)) for _, _, owner, attr in self.projections()} | {id(self.model.embed_tokens)}
+            {id(getattr(owner, attr)) for _, _, owner, attr in self.projections()}
+            | {id(self.model.embed_tokens), id(self.lm_head)}
             if self.pack_on_load
             else set()
         )
@@ -252,13 +254,14 @@ class DecoderLM(nn.Module):
         }
 
 
-def materialize_embedding(model: DecoderLM) -> nn.Parameter:
-    """Allocate the embedding table left on meta by pack_on_load (uninitialised) and return it."""
-    embed = model.model.embed_tokens
-    assert isinstance(embed, nn.Embedding) and embed.weight.is_meta, "the embedding table is already real"
-    w, device = embed.weight, model.model.norm.weight.device
-    embed.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=device), requires_grad=False)
-    return embed.weight
+def materialize_weight(model: DecoderLM, module: nn.Module) -> nn.Parameter:
+    """Allocate a `weight` pack_on_load left on meta (the embedding table, an untied lm_head), on the
+    model's device, uninitialised, and return it."""
+    w = module.weight
+    assert isinstance(w, nn.Parameter) and w.is_meta, "that weight is already real"
+    fresh = torch.empty(w.shape, dtype=w.dtype, device=model.model.norm.weight.device)
+    module.weight = nn.Parameter(fresh, requires_grad=False)
+    return module.weight
 
 
 def _materialize(module: nn.Module, device: torch.device, skip_weights_of: Collection[int] = ()) -> None:

@@ -11,7 +11,7 @@ dequantized table (tests/test_fast_embedding.py checks it against the float32 em
 
 packing.install puts one in place of the model's nn.Embedding on CPU with the native kernels when the
 checkpoint stored the embedding as int8 groups (one process, not tensor parallel: packing.
-keeps_int8_embedding); otherwise the float32 nn.Embedding stays. A model packed on load never allocates
+stays_int8); otherwise the float32 nn.Embedding stays. A model packed on load never allocates
 the float32 table in that case (weights.load_weights leaves it on meta and fills it only where it cannot
 stay int8), so the table costs neither steady-state nor peak memory. The module has no `weight`: code
 that needs the float32 matrix (a logits projection without the native head) never meets one, since it

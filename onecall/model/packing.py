@@ -182,13 +182,16 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
     model.kernels = f"{', '.join(pieces)}, {model.fast_lm_head.kernel} logits{step}"
 
 
-EMBEDDING = "model.embed_tokens.weight"
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def keeps_int8_embedding(model: DecoderLM, groups: StoredGroups | None) -> bool:
-    """Whether the token embedding, stored as `groups`, stays int8 groups once the fast kernels are in
-    (fast_embedding.py): int8 groups the native kernels take, one process, on CPU. A tied embedding's
-    logits head (FastLMHead) takes the same groups under the same conditions."""
+def stays_int8(model: DecoderLM, name: str, groups: StoredGroups | None) -> bool:
+    """Whether the embedding table or an untied lm_head (`name`), stored as `groups`, stays int8 groups
+    once the fast kernels are in, so its float32 matrix is never needed: int8 groups of 16 or 32 the
+    native kernels take, one process, on CPU. The embedding becomes an Int8Embedding (fast_embedding.py)
+    and a tied one's logits head (FastLMHead) takes the same groups under the same conditions; an
+    untied lm_head's groups become its FastLMHead."""
+    assert name in (EMBEDDING, LM_HEAD)
     embed = model.model.embed_tokens
     return (
         model.tp is None
@@ -204,7 +207,7 @@ def keeps_int8_embedding(model: DecoderLM, groups: StoredGroups | None) -> bool:
 def _int8_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> Int8Embedding | None:
     """The token embedding as the checkpoint's int8 groups, or None: the float32 table stays."""
     groups = stored.get(EMBEDDING)
-    if not keeps_int8_embedding(model, groups):
+    if not stays_int8(model, EMBEDDING, groups):
         return None
     assert isinstance(groups, Int8Groups)
     if model.lm_head is None:  # tied: look rows up in the logits head's own bytes

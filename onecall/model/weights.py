@@ -25,11 +25,11 @@ import torch
 from onecall.errors import UnsupportedModelError
 from onecall.model import native
 from onecall.model.config import ModelConfig
-from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_embedding
+from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weight
 from onecall.model.fast_linear import runs_stored_only
 from onecall.model.gemma import checkpoint_norm_weight
 from onecall.model.moe import SparseMoE, pack_int4
-from onecall.model.packing import EMBEDDING, install, keeps_int8_embedding, new_packer
+from onecall.model.packing import EMBEDDING, LM_HEAD, install, new_packer, stays_int8
 from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 from onecall.model.rope import partial_rotary_permutation
 
@@ -140,12 +140,13 @@ def load_weights(
                 embed = model.model.embed_tokens
                 _check_shape(name, tensor, torch.Size((embed.num_embeddings, embed.embedding_dim)))
                 continue
-            if name == EMBEDDING and model.model.embed_tokens.weight.is_meta:  # left on meta by pack_on_load
+            owner = {EMBEDDING: model.model.embed_tokens, LM_HEAD: model.lm_head}.get(name)
+            if owner is not None and owner.weight.is_meta:  # left on meta by pack_on_load
                 groups = stored_weights.get(name) if tensor.is_meta and stored_weights is not None else None
-                if packer is not None and keeps_int8_embedding(model, groups):
-                    loaded.add(name)  # stays the stored int8 groups: install() makes the Int8Embedding
+                if packer is not None and stays_int8(model, name, groups):
+                    loaded.add(name)  # stays the stored int8 groups: install() takes them from there
                     continue
-                table[name] = (materialize_embedding(model), 0, tensor.shape[0])
+                table[name] = (materialize_weight(model, owner), 0, tensor.shape[0])
             if name not in table:
                 raise UnsupportedModelError(
                     f"unexpected tensor {name!r} in checkpoint for {model.config.architecture}"
