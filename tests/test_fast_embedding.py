@@ -1,9 +1,10 @@
-"""Int8Embedding (model/fast_embedding.py): a token embedding kept as the checkpoint's int8 groups, its
-rows dequantized on lookup in C. Every row must equal the GGUF dequantization of the same bytes bit for
-bit (the float32 table it replaces); an id outside the table is an IndexError."""
+"""StoredEmbedding (model/fast_embedding.py): a token embedding kept as the checkpoint's int8 or 4-bit
+groups, its rows dequantized on lookup in C. Every row must equal the GGUF dequantization of the same
+bytes bit for bit (the float32 table it replaces); an id outside the table is an IndexError."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +17,13 @@ from onecall.model import native, weights
 from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
-from onecall.model.fast_embedding import Int8Embedding
-from onecall.model.quants import StoredGroups, dequantize, int8_groups
+from onecall.model.fast_embedding import StoredEmbedding
+from onecall.model.kv_cache import PagedKVCache
+from onecall.model.quants import StoredGroups, dequantize, int4_groups, int8_groups
 from onecall.model.weights import load_weights
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
-from tests.test_fast_linear import _q6_k_blocks
+from tests.test_fast_linear import _q6_k_blocks, _random_blocks
+from tests.test_native_step import BLOCK, PROMPT_LENS, _decode, _prefill, _scrambled_tables
 
 pytestmark = pytest.mark.skipif(
     native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
@@ -39,13 +42,29 @@ def test_rows_are_the_dequantized_table_bit_for_bit(qtype: T, cols: int) -> None
     groups = int8_groups(raw, qtype, (rows, cols))
     assert groups is not None and groups.group_size == (16 if qtype == T.Q6_K else 32)
     table = dequantize(raw, qtype, (rows, cols), torch.float32)
-    embed = Int8Embedding(native.pack_q8_blocked(groups.q, groups.scale, groups.group_size))
+    embed = StoredEmbedding(native.pack_q8_blocked(groups.q, groups.scale, groups.group_size))
     assert torch.equal(embed(torch.arange(rows)), table)
     ids = torch.tensor([[44, 0, 7], [7, 16, 15]])  # any shape, repeats, the edges of a unit
     assert torch.equal(embed(ids), table[ids])
     for bad in (-1, rows):
         with pytest.raises(IndexError, match=f"{rows} rows"):
             embed(torch.tensor([3, bad]))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K], ids=lambda t: t.name)
+def test_4bit_rows_are_the_dequantized_table_bit_for_bit(qtype: T) -> None:
+    rows, cols = 37, 256
+    block_cols = 256 if qtype == T.Q4_K else 32
+    raw = _random_blocks(qtype, rows * cols // block_cols, np.random.default_rng(1))
+    groups = int4_groups(raw, qtype, (rows, cols))
+    assert groups is not None and groups.group_size == 32
+    table = dequantize(raw, qtype, (rows, cols), torch.float32)
+    embed = StoredEmbedding(native.pack_int4_rows(groups.q, groups.scale, groups.offset))
+    assert torch.equal(embed(torch.arange(rows)), table)
+    ids = torch.tensor([[36, 0], [5, 5]])
+    assert torch.equal(embed(ids), table[ids])
+    with pytest.raises(IndexError, match=f"{rows} rows"):
+        embed(torch.tensor([rows]))
 
 
 def _load(path: Path, fast: bool) -> DecoderLM:
@@ -57,25 +76,31 @@ def _load(path: Path, fast: bool) -> DecoderLM:
     return model.eval()
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_a_q8_0_gguf_keeps_its_embedding_as_int8(
-    tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("qtype", "tied"), [(T.Q8_0, True), (T.Q8_0, False), (T.Q4_0, False)], ids=["Q8_0-tied", "Q8_0-untied", "Q4_0-untied"]
+)
+def test_a_gguf_keeps_its_embedding_as_stored(
+    qtype: T, tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Tied: the lookup reads the logits head's own bytes. Untied: a packed copy of the embedding's
-    groups, the head keeps the output matrix's. Either way no float32 table (nor an untied head's
-    matrix) is ever allocated, and the rows are the float32 model's."""
+    """Q8_0 tied: the lookup reads the logits head's own bytes. Q8_0 untied: a packed copy of the
+    embedding's groups, the head keeps the output matrix's (and that float32 matrix is never made
+    either). Q4_0 untied: 4-bit rows. No float32 table is ever allocated, the rows are the float32
+    model's, and the native decode step gives the per-op path's bits."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=tied)
-    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q8_0)
+    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=qtype)
     ref = _load(path, fast=False)
     bare = DecoderLM(ModelConfig.from_hf_config(load_hf_config_dict(resolve_model(path))), pack_on_load=True)
     assert bare.model.embed_tokens.weight.is_meta  # built without the table: the loader decides
     with monkeypatch.context() as m:
-        m.setattr(weights, "materialize_weight", _never)
+        if qtype == T.Q8_0:  # (a 4-bit untied head is filled in float32: its logits need the matrix)
+            m.setattr(weights, "materialize_weight", _never)
         fast = _load(path, fast=True)
     embed, head = fast.model.embed_tokens, fast.fast_lm_head
-    assert isinstance(embed, Int8Embedding) and head is not None and head.q8 is not None
-    assert (embed.table is head.q8) == tied and head.from_stored
-    if not tied:  # an untied head's float32 matrix was never allocated either: its int8 groups are the head
+    assert isinstance(embed, StoredEmbedding) and head is not None
+    assert isinstance(embed.table, native.Q8Blocked if qtype == T.Q8_0 else native.Int4Rows)
+    if qtype == T.Q8_0:
+        assert head.q8 is not None and (embed.table is head.q8) == tied and head.from_stored
+    if qtype == T.Q8_0 and not tied:  # the untied head's int8 groups are the head: no float32 matrix
         assert fast.lm_head is not None and fast.lm_head.weight.is_meta
     assert "model.embed_tokens.weight" not in dict(fast.named_parameters())
     ids = torch.arange(config["vocab_size"])
@@ -85,6 +110,20 @@ def test_a_q8_0_gguf_keeps_its_embedding_as_int8(
     if tied:
         with pytest.raises(RuntimeError, match="int8 groups"):
             fast.output_weight()
+    # the native decode step gathers from the same table in C
+    step = fast.native_step
+    assert step is not None
+    c = fast.config
+    cache = PagedKVCache(c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    cache.k.zero_(), cache.v.zero_()
+    tables = _scrambled_tables(40)
+    _prefill(fast, cache, tables)
+    lens = [n + 1 for n in PROMPT_LENS]
+    per_op_cache = copy.deepcopy(cache)
+    got = _decode(fast, cache, tables, lens)
+    fast.native_step = None
+    want = _decode(fast, per_op_cache, tables, lens)
+    assert torch.equal(got, want)
 
 
 def _never(model: DecoderLM, module: torch.nn.Module) -> None:

@@ -30,7 +30,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from onecall.engine.engine import Engine
 from onecall.model import native
-from onecall.model.fast_embedding import Int8Embedding
+from onecall.model.fast_embedding import StoredEmbedding
 from onecall.model.fast_linear import INT4_MAX_ROWS, FastLinear, FastLMHead, onednn_available
 from onecall.model.quants import Int4Groups, StoredGroups, dequantize, int4_groups, int8_groups
 from onecall.sampling_params import SamplingParams
@@ -292,7 +292,7 @@ def test_embedded_gguf_packs_while_loading_with_its_own_int4_groups() -> None:
         torch.testing.assert_close(head.q8.scale, want.scale, rtol=2**-20, atol=0)
         # ... and the tied embedding is looked up in those bytes: no float32 table, the same rows
         embed = fast.model.model.embed_tokens
-        assert isinstance(embed, Int8Embedding) and embed.table is head.q8 and head.from_stored
+        assert isinstance(embed, StoredEmbedding) and embed.table is head.q8 and head.from_stored
         ids_all = torch.arange(fast.model.vocab_size)
         assert torch.equal(embed(ids_all), ref.model.model.embed_tokens(ids_all))
     assert not any(name.endswith(("proj.weight",)) for name, _ in fast.model.named_parameters())

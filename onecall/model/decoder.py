@@ -22,7 +22,7 @@ from torch import nn
 
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig
-from onecall.model.fast_embedding import Int8Embedding
+from onecall.model.fast_embedding import StoredEmbedding
 from onecall.model.fast_linear import FastLMHead, fast_kernels_supported
 from onecall.model.gemma import GemmaDecoderModel, GemmaRotary, soft_cap
 from onecall.model.kv_cache import PagedKVCache
@@ -92,8 +92,8 @@ class DecoderModel(nn.Module):
         # Built around an explicit (meta) weight: nn.Embedding would otherwise run normal_() on it,
         # and on the meta device that imports torch._dynamo (3 s of cold start) for nothing.
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        # packing.install may swap in an Int8Embedding (the checkpoint's int8 groups, no float32 table)
-        self.embed_tokens: nn.Embedding | Int8Embedding = nn.Embedding(
+        # packing.install may swap in an StoredEmbedding (the checkpoint's int8 groups, no float32 table)
+        self.embed_tokens: nn.Embedding | StoredEmbedding = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=weight
         )
         self.layers = nn.ModuleList(
@@ -219,7 +219,7 @@ class DecoderLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head.weight
         embed = self.model.embed_tokens
-        if isinstance(embed, Int8Embedding):  # installed only beside the native int8 logits head
+        if isinstance(embed, StoredEmbedding):  # installed only beside the native int8 logits head
             raise RuntimeError(
                 "the tied embedding is kept as the checkpoint's int8 groups (model/fast_embedding.py): "
                 "there is no float32 matrix; the logits run on the native int8 head"

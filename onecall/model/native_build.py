@@ -35,7 +35,7 @@ _SOURCES = (  # one library, one cache key
     _CSRC / "decode_attention.c",  # paged decode attention
     _CSRC / "decode_step.c",  # the small fused ops and the whole decode step (onecall_decode_layers)
     _CSRC / "prefill_attention.c",  # causal prefill attention
-    _CSRC / "embedding.c",  # rows of an int8 table (a token embedding kept as stored)
+    _CSRC / "embedding.c",  # rows of a quantized table (a token embedding kept as stored)
 )
 # included by the sources: part of the cache key, not compiled alone
 _HEADERS = (_CSRC / "kernels.h", _CSRC / "simd.h")
@@ -159,12 +159,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_silu_mul.restype = None
     lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_float, p, p, p, p, p, c_int]
     lib.onecall_rope_store.restype = None
-    # layers, num_layers, ids, embed (float32 or NULL), embed_qs, embed_scale, embed_group, vocab, M, hidden, H, KVH, D, I, eps, attn_scale, positions,
+    # layers, num_layers, ids, embed (float32 or NULL), embed_qs, embed_scale, embed_offset, embed_group, vocab, M, hidden, H, KVH, D, I, eps, attn_scale, positions,
     # cos_table, sin_table, max_positions, slot_mapping, k_cache, v_cache, layer_stride, kv_f16,
     # block_tables, max_blocks, seq_lens, block_size, final_norm, out, num_threads (model/native_step.py)
-    step_args: list[Any] = [p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, i64, p, p, p, i64, c_int]
+    step_args: list[Any] = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, i64, p, p, p, i64, c_int]
     lib.onecall_decode_layers.argtypes = [*step_args, p, i64, p, i64, p, p, c_int]
     lib.onecall_decode_layers.restype = c_int
     # qs, scale, N, K, group_size, ids, M, out
     lib.onecall_q8b_rows.argtypes = [p, p, i64, i64, i64, p, i64, p]
     lib.onecall_q8b_rows.restype = c_int
+    # qs, scale, offset, N, K, ids, M, out
+    lib.onecall_q4_rows.argtypes = [p, p, p, i64, i64, p, i64, p]
+    lib.onecall_q4_rows.restype = c_int

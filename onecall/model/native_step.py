@@ -30,7 +30,7 @@ from torch import nn
 from onecall.model import native
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.decoder import DecoderLayer, DecoderModel
-from onecall.model.fast_embedding import Int8Embedding
+from onecall.model.fast_embedding import StoredEmbedding
 from onecall.model.fast_linear import FastLinear, num_decode_rows
 from onecall.model.gemma import GemmaDecoderModel
 from onecall.model.kv_cache import PagedKVCache
@@ -100,7 +100,7 @@ class NativeDecodeStep:
         self._final_norm = model.norm
         embed = model.embed_tokens  # build() checked it: float32 rows, or int8 groups (fast_embedding.py)
         self._embed_f32 = embed.weight if isinstance(embed, nn.Embedding) else None
-        self._embed_q8 = embed.table if isinstance(embed, Int8Embedding) else None
+        self._embed_groups = embed.table if isinstance(embed, StoredEmbedding) else None
         self._vocab = embed.num_embeddings
         self._scale = attn.scale
         self._num_heads, self._num_kv_heads, self._head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -120,7 +120,7 @@ class NativeDecodeStep:
         if lib is None or not layers:
             return None
         embed = model.embed_tokens
-        if not isinstance(embed, Int8Embedding) and (
+        if not isinstance(embed, StoredEmbedding) and (
             not isinstance(embed, nn.Embedding)
             or embed.weight.dtype != torch.float32
             or not embed.weight.is_contiguous()
@@ -179,11 +179,12 @@ class NativeDecodeStep:
         m = input_ids.shape[0]
         out = torch.empty(m, self._hidden)
         k, v = kv_cache.k, kv_cache.v
-        f32, q8 = self._embed_f32, self._embed_q8
+        f32, g = self._embed_f32, self._embed_groups
         rc = self._lib.onecall_decode_layers(
             self._layers, len(self._layers), input_ids.data_ptr(), None if f32 is None else f32.data_ptr(),
-            None if q8 is None else q8.qs.data_ptr(), None if q8 is None else q8.scale.data_ptr(),
-            0 if q8 is None else q8.group_size, self._vocab, m, self._hidden, self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate,
+            None if g is None else g.qs.data_ptr(), None if g is None else g.scale.data_ptr(),
+            g.offset.data_ptr() if isinstance(g, native.Int4Rows) else None,
+            g.group_size if isinstance(g, native.Q8Blocked) else 0, self._vocab, m, self._hidden, self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate,
             self._final_norm.eps, self._scale, positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
             cos_table.shape[0], meta.slot_mapping.data_ptr(), k.data_ptr(), v.data_ptr(),
             k[0].numel(), int(k.dtype == torch.float16), d.block_tables.data_ptr(), d.block_tables.shape[1],

@@ -20,12 +20,12 @@ from torch import nn
 
 from onecall.model import native
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
-from onecall.model.fast_embedding import Int8Embedding
+from onecall.model.fast_embedding import StoredEmbedding
 from onecall.model.fast_linear import FastLinear, FastLMHead, fast_kernels_supported, runs_stored_only
 from onecall.model.layers import MLP, Attention, RMSNorm
 from onecall.model.moe import SparseMoE
 from onecall.model.native_step import NativeDecodeStep
-from onecall.model.quants import Int8Groups, StoredGroups
+from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 
 
 @dataclass
@@ -162,7 +162,7 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
         for module in model.modules():
             if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.native = lib
-        embedding = _int8_embedding(model, packer.stored)
+        embedding = _stored_embedding(model, packer.stored)
         if embedding is not None:  # the float32 table goes, or was never made (fast_embedding.py)
             model.model.embed_tokens = embedding
         model.native_step = NativeDecodeStep.build(model.model)
@@ -185,18 +185,25 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def stays_int8(model: DecoderLM, name: str, groups: StoredGroups | None) -> bool:
-    """Whether the embedding table or an untied lm_head (`name`), stored as `groups`, stays int8 groups
-    once the fast kernels are in, so its float32 matrix is never needed: int8 groups of 16 or 32 the
-    native kernels take, one process, on CPU. The embedding becomes an Int8Embedding (fast_embedding.py)
-    and a tied one's logits head (FastLMHead) takes the same groups under the same conditions; an
-    untied lm_head's groups become its FastLMHead."""
+def stays_stored(model: DecoderLM, name: str, groups: StoredGroups | None) -> bool:
+    """Whether the embedding table or an untied lm_head (`name`), stored as `groups`, stays those groups
+    once the fast kernels are in, so its float32 matrix is never needed (one process, on CPU, with the
+    native kernels):
+    - the embedding: int8 groups of 16 or 32 (a StoredEmbedding in the q8b layout; tied, the logits
+      head, FastLMHead, takes the same groups under the same conditions), or, untied, 4-bit groups of
+      32 (a StoredEmbedding of 4-bit rows; a tied 4-bit one stays float32 for its logits head);
+    - an untied lm_head: int8 groups of 16 or 32, which become its FastLMHead."""
     assert name in (EMBEDDING, LM_HEAD)
+    if isinstance(groups, Int8Groups):
+        kept = groups.group_size in (16, 32)
+    elif isinstance(groups, Int4Groups):
+        kept = name == EMBEDDING and model.lm_head is not None and groups.group_size == 32
+    else:
+        return False
     embed = model.model.embed_tokens
     return (
-        model.tp is None
-        and isinstance(groups, Int8Groups)
-        and groups.group_size in (16, 32)
+        kept
+        and model.tp is None
         and tuple(groups.q.shape) == (embed.num_embeddings, embed.embedding_dim)
         and embed.embedding_dim % 32 == 0
         and model.model.norm.weight.device.type == "cpu"
@@ -204,16 +211,18 @@ def stays_int8(model: DecoderLM, name: str, groups: StoredGroups | None) -> bool
     )
 
 
-def _int8_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> Int8Embedding | None:
-    """The token embedding as the checkpoint's int8 groups, or None: the float32 table stays."""
+def _stored_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> StoredEmbedding | None:
+    """The token embedding as the checkpoint's groups, or None: the float32 table stays."""
     groups = stored.get(EMBEDDING)
-    if not stays_int8(model, EMBEDDING, groups):
+    if not stays_stored(model, EMBEDDING, groups):
         return None
+    if isinstance(groups, Int4Groups):
+        return StoredEmbedding(native.pack_int4_rows(groups.q, groups.scale, groups.offset))
     assert isinstance(groups, Int8Groups)
     if model.lm_head is None:  # tied: look rows up in the logits head's own bytes
         head = model.fast_lm_head
-        return Int8Embedding(head.q8) if head is not None and head.q8 is not None and head.from_stored else None
-    return Int8Embedding(native.pack_q8_blocked(groups.q, groups.scale, groups.group_size))
+        return StoredEmbedding(head.q8) if head is not None and head.q8 is not None and head.from_stored else None
+    return StoredEmbedding(native.pack_q8_blocked(groups.q, groups.scale, groups.group_size))
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weigh
 from onecall.model.fast_linear import runs_stored_only
 from onecall.model.gemma import checkpoint_norm_weight
 from onecall.model.moe import SparseMoE, pack_int4
-from onecall.model.packing import EMBEDDING, LM_HEAD, install, new_packer, stays_int8
+from onecall.model.packing import EMBEDDING, LM_HEAD, install, new_packer, stays_stored
 from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 from onecall.model.rope import partial_rotary_permutation
 
@@ -143,7 +143,7 @@ def load_weights(
             owner = {EMBEDDING: model.model.embed_tokens, LM_HEAD: model.lm_head}.get(name)
             if owner is not None and owner.weight.is_meta:  # left on meta by pack_on_load
                 groups = stored_weights.get(name) if tensor.is_meta and stored_weights is not None else None
-                if packer is not None and stays_int8(model, name, groups):
+                if packer is not None and stays_stored(model, name, groups):
                     loaded.add(name)  # stays the stored int8 groups: install() takes them from there
                     continue
                 table[name] = (materialize_weight(model, owner), 0, tensor.shape[0])

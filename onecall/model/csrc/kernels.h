@@ -2,7 +2,7 @@
  *
  * The library: gemm.c (the quantized GEMMs), decode_attention.c (paged decode attention),
  * decode_step.c (the small fused ops and the whole decode step), prefill_attention.c (causal prefill
- * attention), embedding.c (rows of an int8 table), with simd.h's shared helpers. Built at first use by
+ * attention), embedding.c (rows of a quantized table), with simd.h's shared helpers. Built at first use by
  * model/native.py (gcc -O3 -mavx2 -mfma -fopenmp, every source into one shared library), cached on
  * disk, loaded with ctypes; native.py's _declare lists every exported function's arguments. The OpenMP
  * runtime here is the libgomp torch has
@@ -38,5 +38,8 @@ int onecall_paged_decode_attention(const float *q, int64_t q_stride, const void 
  * success, -2 a group size or K it does not take, -3 an id outside 0..N-1 (nothing written). */
 int onecall_q8b_rows(const int8_t *qs, const float *scale, int64_t N, int64_t K, int64_t group_size,
                      const int64_t *ids, int64_t M, float *out);
+/* embedding.c: the same over 4-bit rows (two columns a byte) with float32 scale and offset per group of 32. */
+int onecall_q4_rows(const uint8_t *qs, const float *scale, const float *offset, int64_t N, int64_t K,
+                    const int64_t *ids, int64_t M, float *out);
 
 #endif /* ONECALL_KERNELS_H */
