@@ -5,7 +5,8 @@ executes the kernel with numpy), so the CUDA path's numerics are checked here wi
 benchmarks/gpu_check.py runs it on a GPU.
 Tolerance: float32 throughout, online softmax against SDPA's: max abs diff <= 2e-5 on outputs of
 magnitude ~1. The batch mixes a fresh prefill, a chunk after a cached prefix, and decode rows, over
-scrambled physical blocks, with grouped-query heads.
+scrambled physical blocks, with grouped-query heads. A second test runs the Qwen3-8B head shape in
+float16 and caches stored in another dtype than the queries (its tolerances in its docstring).
 """
 
 from __future__ import annotations
@@ -58,3 +59,40 @@ def test_triton_matches_the_reference_backend(
         outs[backend] = paged_attention(q, k_new, v_new, kv, 0, meta, head_dim**-0.5)
     diff = (outs["triton"] - outs["reference"]).abs().max().item()
     assert diff <= 2e-5, diff
+
+
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype", "atol"),
+    [
+        (torch.float16, torch.float16, 2e-3),
+        (torch.float32, torch.float16, 2e-5),  # kv_cache_dtype float16 under a float32 model
+        (torch.float16, torch.float32, 2e-3),
+    ],
+)
+def test_qwen3_8b_head_shape_and_a_cache_of_another_dtype(
+    q_dtype: torch.dtype, kv_dtype: torch.dtype, atol: float
+) -> None:
+    """The 8B shape's constexprs (head_dim 128, 4 query heads per KV head, 16-token blocks, BLOCK_M 64
+    for a 20-row chunk and 16 for decode rows, BLOCK_N 64) in low precision, and a cache stored in
+    another dtype than the queries (converted on load: tl.dot refuses mixed operands). float16 stands
+    in for bfloat16: Triton's interpreter computes bfloat16 dot products wrongly (it multiplies the
+    raw bits), so bfloat16 is checked on a GPU (benchmarks/gpu_check.py). Tolerance: two float16 ulps
+    at the outputs' magnitude (~1) where the output is float16; float32's 2e-5 otherwise."""
+    g = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 128, 16
+    kv = PagedKVCache(1, 16, block_size, num_kv_heads, head_dim, kv_dtype, "cpu")
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    tables, seq_lens, query_lens = (
+        [[3, 1, 7], [2, 9, 4]],
+        [40, 33],
+        [20, 1],
+    )  # a chunk after 20 cached; a decode row
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(q_dtype)
+    outs = {}
+    for backend in ("reference", "triton"):
+        meta = build_attention_metadata(tables, seq_lens, query_lens, block_size, "cpu", backend=backend)
+        outs[backend] = paged_attention(q, None, None, kv, 0, meta, head_dim**-0.5)
+    assert outs["triton"].dtype == q_dtype
+    diff = (outs["triton"].float() - outs["reference"].float()).abs().max().item()
+    assert diff <= atol, diff

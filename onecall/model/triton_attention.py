@@ -9,8 +9,9 @@ copied per layer. Softmax is the online (flash) form in float32; causality is by
 at position t sees keys 0..t), which covers a prefill chunk after a cached prefix and a decode row
 (query_len 1) alike.
 
-Numerics: float32 caches use IEEE float32 dot products (no TF32); bfloat16/float16 caches
-accumulate in float32. tests/test_triton_attention.py holds it against the reference backend under
+Numerics: float32 queries use IEEE float32 dot products (no TF32); bfloat16/float16 ones accumulate
+in float32. A cache stored in another dtype than the queries (kv_cache_dtype) is converted to the
+queries' dtype as it is loaded, as the reference backend converts it. tests/test_triton_attention.py holds it against the reference backend under
 TRITON_INTERPRET=1 on CPU (the interpreter runs the same kernel with numpy), and
 benchmarks/gpu_check.py against transformers on a GPU.
 
@@ -89,8 +90,10 @@ def _paged_attention_kernel(
         block = tl.load(block_tables_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=pos_ok, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_off = slot[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :]
-        k = tl.load(k_ptr + kv_off, mask=pos_ok[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
-        v = tl.load(v_ptr + kv_off, mask=pos_ok[:, None], other=0.0)
+        # (BLOCK_N, HEAD_DIM), in q's dtype: a cache of another dtype (kv_cache_dtype) is read as the
+        # reference backend reads it, converted (tl.dot takes two operands of one dtype)
+        k = tl.load(k_ptr + kv_off, mask=pos_ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + kv_off, mask=pos_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N) float32
         if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), from exp alone (portable across backends)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
