@@ -72,3 +72,38 @@ def test_an_engine_on_the_triton_backend_sets_static_decode_up_itself(
     assert all(len(o.token_ids) == 4 for o in out.values())
     assert engine.runner.decode_graphs.buckets  # decode steps ran on the static buffers
     assert not tiny_engine(arch="llama", cuda_graphs=False).runner.decode_graphs
+
+
+@needs_triton
+def test_a_capture_that_raises_any_error_falls_back_to_the_eager_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed capture runs its layout eagerly from then on, the reason kept in capture_errors,
+    whatever it raised: Triton's own errors (OutOfResources, CompilationError) are no RuntimeError.
+    The buffers live on CPU here; `device` says CUDA so that _prepare tries the capture."""
+    import torch
+
+    class TritonLikeError(Exception):  # triton.errors.TritonError derives from Exception only
+        pass
+
+    prompts = {"a": "Hello there", "b": "Two"}
+    params = {rid: SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True) for rid in prompts}
+    eager = run_all(tiny_engine(arch="qwen2"), prompts, params)
+    engine = tiny_engine(arch="qwen2")
+    engine.enable_static_decode(capture=True, backend="triton")
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None
+    graphs.device = torch.device("cuda")  # only _prepare reads it after the buffers are made
+    attempts: list[str] = []
+
+    def failing_capture(layout: object) -> None:
+        attempts.append(str(layout))
+        raise TritonLikeError("out of resources: shared memory")
+
+    monkeypatch.setattr(graphs, "_capture", failing_capture)
+    static = run_all(engine, prompts, params)
+    for rid in prompts:
+        assert static[rid].token_ids == eager[rid].token_ids, rid
+    assert graphs.buckets and not any(graphs.buckets.values())  # every layout ran eagerly
+    assert len(attempts) == len(graphs.capture_errors) == len(graphs.buckets) + len(graphs.chunk_buckets)
+    assert set(graphs.capture_errors.values()) == {"TritonLikeError: out of resources: shared memory"}

@@ -260,14 +260,13 @@ class DecodeGraphs:
     def _prepare(self, layout: Layout) -> _Graph:
         """Capture the layout's graph (CUDA), or mark it eager. The buffers hold a valid step (the
         current one) when this runs, so the warm-up and the capture compute real values."""
-        if not (self.capture and self.device.type == "cuda"):
-            graph = _Graph(None)
-        else:
+        graph = _Graph(None)
+        if self.capture and self.device.type == "cuda":
             try:
                 graph = self._capture(layout)
-            except RuntimeError as e:  # capture is an optimisation: never fail the step for it
-                self.capture_errors[layout.name] = str(e)
-                graph = _Graph(None)
+            except Exception as e:  # capture is an optimisation: never fail the step for it (Triton's
+                # errors are no RuntimeError; a forward that fails outright fails again, eagerly)
+                self.capture_errors[layout.name] = f"{type(e).__name__}: {e}"
         self._graphs[layout] = graph
         return graph
 
