@@ -59,6 +59,14 @@ def test_a_cached_prefix_chunk_beside_a_decode_row_equals_transformers(backend: 
         assert "decode 1 + chunk 16" in result["graphs"]["chunk_graphs"], result["graphs"]
 
 
+def test_tiny_qwen3_in_bfloat16_stays_within_its_regret_tolerance() -> None:
+    """The bfloat16 section on CPU's reference kernels (Triton's interpreter cannot do bfloat16 dot
+    products): the tolerance it states holds where the arithmetic is right."""
+    result = _gpu_check().check_tiny_qwen3_bf16(torch.device("cpu"), max_tokens=12)
+    assert result["within_tolerance"], result
+    assert result["tokens"] == 36 and result["max_regret"] >= 0.0
+
+
 @pytest.mark.slow
 def test_tensor_parallel_check_runs_on_cpu() -> None:
     """The script's tensor-parallel line (2 GPUs over NCCL on a CUDA machine) on CPU over gloo: the
