@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from onecall.model import native, weights
+from onecall.model import native, packing, weights
 from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
@@ -134,6 +134,18 @@ def test_an_embedding_in_other_types_stays_float32(tmp_path: Path) -> None:
     """A 4-bit embedding (Q4_0) has no int8 groups: the loader fills the float32 table, as before."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=True)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q4_0)
+    fast, ref = _load(path, fast=True), _load(path, fast=False)
+    embed, ref_embed = fast.model.embed_tokens, ref.model.embed_tokens
+    assert isinstance(embed, torch.nn.Embedding) and isinstance(ref_embed, torch.nn.Embedding)
+    assert torch.equal(embed.weight, ref_embed.weight)
+
+
+def test_groups_no_stored_embedding_takes_fill_the_float32_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader left the table on meta for groups that then found no StoredEmbedding: install fills
+    the float32 table from them, rather than leaving a model without an embedding."""
+    config = tiny_hf_config("qwen3", tie_word_embeddings=True)
+    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q8_0)
+    monkeypatch.setattr(packing, "_stored_embedding", lambda model, stored: None)
     fast, ref = _load(path, fast=True), _load(path, fast=False)
     embed, ref_embed = fast.model.embed_tokens, ref.model.embed_tokens
     assert isinstance(embed, torch.nn.Embedding) and isinstance(ref_embed, torch.nn.Embedding)

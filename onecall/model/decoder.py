@@ -92,7 +92,7 @@ class DecoderModel(nn.Module):
         # Built around an explicit (meta) weight: nn.Embedding would otherwise run normal_() on it,
         # and on the meta device that imports torch._dynamo (3 s of cold start) for nothing.
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        # packing.install may swap in an StoredEmbedding (the checkpoint's int8 groups, no float32 table)
+        # packing.install may swap in a StoredEmbedding (the checkpoint's own groups, no float32 table)
         self.embed_tokens: nn.Embedding | StoredEmbedding = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=weight
         )
@@ -150,8 +150,8 @@ class DecoderLM(nn.Module):
         self.pack_on_load = pack_on_load and fast_kernels_supported(device, dtype)
         # Packed on load, projection weights stay on "meta" (no memory) until their FastLinear replaces
         # them; so do the embedding table and an untied lm_head, until the loader knows whether they stay
-        # the checkpoint's int8 groups (model/fast_embedding.py, FastLMHead) or are filled in float32
-        # (weights.load_weights, packing.stays_int8).
+        # the checkpoint's groups (model/fast_embedding.py, FastLMHead) or are filled in float32
+        # (weights.load_weights, packing.stays_stored).
         skip = (
             {id(getattr(owner, attr)) for _, _, owner, attr in self.projections()}
             | {id(self.model.embed_tokens), id(self.lm_head)}

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from onecall.model import native
-from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
+from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weight
 from onecall.model.fast_embedding import StoredEmbedding
 from onecall.model.fast_linear import FastLinear, FastLMHead, fast_kernels_supported, runs_stored_only
 from onecall.model.layers import MLP, Attention, RMSNorm
@@ -165,6 +165,10 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
         embedding = _stored_embedding(model, packer.stored)
         if embedding is not None:  # the float32 table goes, or was never made (fast_embedding.py)
             model.model.embed_tokens = embedding
+        elif isinstance(embed := model.model.embed_tokens, nn.Embedding) and embed.weight.is_meta:
+            # the loader kept the groups but no StoredEmbedding took them (were stays_stored's conditions
+            # and FastLMHead's ever to differ): the float32 table after all, not a model without one
+            materialize_weight(model, embed).copy_(packer.stored[EMBEDDING].dequantize())
         model.native_step = NativeDecodeStep.build(model.model)
     pieces = []
     every_row = [m for m in modules if m.every_row]  # every row on the stored groups' native kernels
