@@ -38,7 +38,8 @@ network is used. Sections, in the order they run (each is a key of the JSON):
   decode_eager       the same with cuda_graphs off
   ttft_eager         time to first token of a prompt whose first 1,000 tokens are in the prefix cache,
                      plus 20 new, graphs off (the first such request, then a second one: the number)
-  batch64            decode throughput at batch 64 (64 requests x 32 tokens)
+  batch64            decode throughput at batch 64 (64 requests x 32 tokens; a short batch first, so
+                     the 64-row decode graph is captured before the timing)
   prefill_1024       prefill tokens/s of a 1,024-token prompt
   ttft_graphs        the cached-prefix TTFT with graphs on: the 20 new tokens are one short prompt
                      chunk, a static step replayed as a CUDA graph
@@ -50,7 +51,8 @@ under its key and the next one runs; a section whose prerequisite failed records
 (as do the sections left once --max-seconds, default 480, is spent). A step that fails inside the engine (which
 recovers by failing that step's requests) is raised as the section's error. After each section a
 line `partial: {...}` holds everything so far, flushed, so a run cut short still leaves its numbers;
-the last line is one JSON object with every section. Nothing is a timed assertion: the exit status
+the last line is one JSON object with every section (or, when onecall itself fails to import, one
+line {"import": {"error": ...}}). Nothing is a timed assertion: the exit status
 is 1 when tokens differ from transformers' (or TP=N's from one process's), the bfloat16 regret is
 out of tolerance, or a section raised, else 0; the speed figures are reported as measured.
 """
@@ -70,21 +72,36 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # onecall from this source tree
-
-from onecall.config import EngineConfig  # noqa: E402
-from onecall.engine.engine import Engine, RequestOutput  # noqa: E402
-from onecall.engine.engine_parts import LoadedEngineParts  # noqa: E402
-from onecall.model.checkpoint import ModelFiles  # noqa: E402
-from onecall.model.config import ModelConfig  # noqa: E402
-from onecall.model.decoder import DecoderLM  # noqa: E402
-from onecall.model.kv_cache import PagedKVCache  # noqa: E402
-from onecall.model.packing import weight_bytes_read  # noqa: E402
-from onecall.model.weights import load_weights  # noqa: E402
-from onecall.sampling_params import SamplingParams  # noqa: E402
-from onecall.text.tokenizer import Tokenizer  # noqa: E402
-
 TRACEBACK_LINES = 8  # of the innermost exception's traceback, kept in a section's error record
+
+
+def error_record(e: BaseException) -> dict[str, Any]:
+    """{"error": "<type>: <message>", "traceback_tail": the innermost cause's last lines}."""
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    lines = "".join(traceback.format_exception(type(root), root, root.__traceback__)).splitlines()
+    return {"error": f"{type(e).__name__}: {e}"[:4000], "traceback_tail": lines[-TRACEBACK_LINES:]}
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # onecall from this source tree
+try:
+    from onecall.config import EngineConfig
+    from onecall.engine.engine import Engine, RequestOutput
+    from onecall.engine.engine_parts import LoadedEngineParts
+    from onecall.model.checkpoint import ModelFiles
+    from onecall.model.config import ModelConfig
+    from onecall.model.decoder import DecoderLM
+    from onecall.model.kv_cache import PagedKVCache
+    from onecall.model.packing import weight_bytes_read
+    from onecall.model.weights import load_weights
+    from onecall.sampling_params import SamplingParams
+    from onecall.text.tokenizer import Tokenizer
+except Exception as e:  # a tree that does not import still ends in one JSON line saying what broke
+    print(
+        json.dumps({"bench": "gpu_check", "torch": torch.__version__, "import": error_record(e)}), flush=True
+    )
+    raise
 
 
 def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
@@ -599,6 +616,7 @@ def sec_ttft_eager(b: Bench) -> dict[str, Any]:
 
 def sec_batch64(b: Bench) -> dict[str, Any]:
     engine = b.engine("graphs")
+    run(engine, [b.ids(32) for _ in range(64)], greedy(2))  # warm-up: the 64-row decode graph's capture
     prompts = [b.ids(32) for _ in range(64)]
     sync(b.device)
     t0 = time.perf_counter()
@@ -654,15 +672,6 @@ SECTIONS = (
     Section("graphs", sec_graphs, _8B),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
-
-
-def error_record(e: BaseException) -> dict[str, Any]:
-    """{"error": "<type>: <message>", "traceback_tail": the innermost cause's last lines}."""
-    root = e
-    while root.__cause__ is not None:
-        root = root.__cause__
-    lines = "".join(traceback.format_exception(type(root), root, root.__traceback__)).splitlines()
-    return {"error": f"{type(e).__name__}: {e}"[:4000], "traceback_tail": lines[-TRACEBACK_LINES:]}
 
 
 def run_section(section: Section, b: Bench) -> dict[str, Any]:
