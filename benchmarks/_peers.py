@@ -16,6 +16,8 @@ Each system is a small adapter (load, first_token, prefill, decode, serve) and o
   4. aggregate: all concurrent prompts, greedy, EOS ignored; total generated tokens / wall time,
      best of the repeats (as prefill and decode are: every system gets its best of the same
      number of runs, so a noisy moment on a shared machine does not decide a ratio)
+  and memory: the resident set after the cold-start turn, and the process's peak over the whole run
+  (the model file's mapped pages count where they are touched, for every system alike)
 
 Heavy imports (torch, transformers, llama_cpp, onecall) happen inside the adapters' constructors:
 they belong to the cold start being measured.
@@ -24,6 +26,7 @@ they belong to the cold start being measured.
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -102,6 +105,7 @@ def measure(w: Workload, load: Callable[[Workload], System]) -> dict[str, Any]:
     w.mark("loaded")
     token_ids = system.first_token()
     w.mark("first_token")
+    loaded_rss_mb = resident_mb()
     emit("first_token", {"marks": dict(w.marks), "token_ids": token_ids})
 
     # 2. prefill, a different prompt per repeat
@@ -138,8 +142,17 @@ def measure(w: Workload, load: Callable[[Workload], System]) -> dict[str, Any]:
         "long_decode": {"tokens_per_s": long_rate, "context": len(w.long_prompt), "tokens": w.long_tokens},
         "aggregate": aggregate,
     }
+    result["memory"] = {
+        "loaded_rss_mb": loaded_rss_mb,  # resident right after the cold-start turn
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,  # Linux: KiB
+    }
     result.update(system.extras(result))
     return result
+
+
+def resident_mb() -> float:
+    """This process's resident memory now (Linux /proc/self/statm: resident pages)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 1e6
 
 
 # ---- transformers -------------------------------------------------------------------------------

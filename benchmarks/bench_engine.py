@@ -237,6 +237,8 @@ def metric(result: dict[str, Any], name: str) -> float | None:
         "decode": lambda r: r["decode_tokens_per_s"]["best"],
         "long_decode": lambda r: r["long_decode"]["tokens_per_s"],
         "aggregate": lambda r: r["aggregate"]["tokens_per_s"],
+        "loaded_rss": lambda r: r["memory"]["loaded_rss_mb"],
+        "peak_rss": lambda r: r["memory"]["peak_rss_mb"],
     }[name](result)
 
 
@@ -253,6 +255,8 @@ def print_report(results: dict[str, dict[str, Any]], w: Workload, quick: bool) -
         ("decode", f"decode tok/s, batch 1, {w.decode_tokens} tokens (best of {w.decode_repeats})"),
         ("long_decode", f"decode tok/s at a {len(w.long_prompt)}-token context, {w.long_tokens} tokens"),
         ("aggregate", f"aggregate tok/s, {n_conc} requests x {n_tok} tokens (best of {w.aggregate_repeats})"),
+        ("loaded_rss", "resident memory after the first token (MB)"),
+        ("peak_rss", "peak resident memory of the whole run (MB)"),
     ]
     names = list(results)
     peers = [p for p in ("llamacpp", "transformers") if p in names]
