@@ -29,7 +29,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "block_size"), [(4, 2, 16, 4), (6, 3, 32, 16)]
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(4, 2, 16, 4), (6, 3, 32, 16), (4, 2, 96, 16), (4, 2, 8, 4)],
+    ids=["16", "32", "96-phi3-padded-to-128", "8-padded-to-16"],
 )
 def test_triton_matches_the_reference_backend(
     num_heads: int, num_kv_heads: int, head_dim: int, block_size: int

@@ -56,13 +56,16 @@ def _torch_rope_store(qkv, heads, kv_heads, head_dim, cos, sin, slots, kv, norms
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 2, 32), (8, 2, 128)], ids=["tiny", "qwen3-8b-head"]
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 2, 32), (8, 2, 128), (4, 2, 96)],
+    ids=["tiny", "qwen3-8b-head", "phi3-head"],
 )
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_rope_store_matches_norm_rope_and_cache_writes(
     with_norm: bool, heads: int, kv_heads: int, head_dim: int
 ) -> None:
-    """Also at the 8B model's head shape (HALF 64, 4 query heads per KV head), the GPU run's."""
+    """Also at the 8B model's head shape (HALF 64, 4 query heads per KV head), the GPU run's, and at
+    Phi-3's head_dim 96 (HALF 48: lanes masked up to a power of two)."""
     g = torch.Generator().manual_seed(2)
     n = 6
     qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g)

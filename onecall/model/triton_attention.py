@@ -7,13 +7,15 @@ keys and values in tiles of BLOCK_N positions straight from the paged cache: pos
 slot block_tables[s, p // block_size] * block_size + p % block_size, so nothing is gathered or
 copied per layer. Softmax is the online (flash) form in float32; causality is by position (a query
 at position t sees keys 0..t), which covers a prefill chunk after a cached prefix and a decode row
-(query_len 1) alike.
+(query_len 1) alike. Any head size: a tile's width is head_dim rounded up to a power of two, at least
+16 (tl.dot's least), the extra columns masked (Phi-3's 96 runs in 128-wide tiles).
 
 Numerics: float32 queries use IEEE float32 dot products (no TF32); bfloat16/float16 ones accumulate
 in float32. A cache stored in another dtype than the queries (kv_cache_dtype) is converted to the
-queries' dtype as it is loaded, as the reference backend converts it. tests/test_triton_attention.py holds it against the reference backend under
-TRITON_INTERPRET=1 on CPU (the interpreter runs the same kernel with numpy), and
-benchmarks/gpu_check.py against transformers on a GPU.
+queries' dtype as it is loaded, as the reference backend converts it. tests/test_triton_attention.py
+holds the kernel against the reference backend under TRITON_INTERPRET=1 on CPU (the interpreter runs
+it with numpy; bfloat16 dot products excepted, which it gets wrong), and benchmarks/gpu_check.py
+against transformers on a GPU, bfloat16 included.
 
 Triton is imported only when this backend is used; nothing else in onecall needs it.
 """
@@ -52,6 +54,7 @@ def _paged_attention_kernel(
     HAS_SOFTCAP: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16): the tiles' width
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -70,14 +73,19 @@ def _paged_attention_kernel(
 
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) row within the sequence's queries
     row_ok = rows < query_len
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
+    # a static (constexpr) if: a power-of-two head compiles without the column mask
+    if BLOCK_D == HEAD_DIM:  # noqa: SIM108
+        q_mask = row_ok[:, None]
+    else:  # padded columns load as 0: they add nothing to q.k, and are not stored
+        q_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     q_off = (q_start + rows)[:, None] * stride_q_tok + head * stride_q_head + dims[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM)
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
     q_pos = context_len + rows  # (BLOCK_M,) absolute positions
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     # keys up to the last query position of this block (causal), never past seq_len; with a window,
     # from the first key its first row sees (tiles before it are all outside every row's window)
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_M)
@@ -90,10 +98,14 @@ def _paged_attention_kernel(
         block = tl.load(block_tables_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=pos_ok, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_off = slot[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :]
-        # (BLOCK_N, HEAD_DIM), in q's dtype: a cache of another dtype (kv_cache_dtype) is read as the
+        if BLOCK_D == HEAD_DIM:  # noqa: SIM108
+            kv_mask = pos_ok[:, None]
+        else:
+            kv_mask = pos_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        # (BLOCK_N, BLOCK_D), in q's dtype: a cache of another dtype (kv_cache_dtype) is read as the
         # reference backend reads it, converted (tl.dot takes two operands of one dtype)
-        k = tl.load(k_ptr + kv_off, mask=pos_ok[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + kv_off, mask=pos_ok[:, None], other=0.0).to(q.dtype)
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N) float32
         if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), from exp alone (portable across backends)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -110,7 +122,7 @@ def _paged_attention_kernel(
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = (q_start + rows)[:, None] * stride_o_tok + head * stride_o_head + dims[None, :]
-    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
 def triton_paged_attention(
@@ -127,18 +139,18 @@ def triton_paged_attention(
     assert meta.block_tables is not None and meta.seq_lens_t is not None and meta.query_starts_t is not None
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, "head_dim must be a power of two >= 16"
     assert k_cache.stride(2) == 1 and q.stride(2) == 1
     out = torch.empty_like(q)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 at least; Phi-3's 96 -> 128
     block_m = 16 if meta.max_query_len <= 16 else 64
-    block_n = 64 if head_dim <= 128 else 32
+    block_n = 64 if block_d <= 128 else 32
     grid = (len(meta.seqs), num_heads, triton.cdiv(meta.max_query_len, block_m))
     kernel: Any = _paged_attention_kernel
     kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens_t, meta.query_starts_t, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.shape[1], sliding_window or 0, logit_softcap or 1.0,
-        HAS_SOFTCAP=logit_softcap is not None, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size,
+        HAS_SOFTCAP=logit_softcap is not None, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=meta.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out

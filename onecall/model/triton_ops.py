@@ -86,15 +86,17 @@ def _rope_store_kernel(
     eps,
     HAS_NORM: tl.constexpr,
     LOW_PRECISION: tl.constexpr,
-    HALF: tl.constexpr,  # head_dim // 2, a power of two
+    HALF: tl.constexpr,  # head_dim // 2
+    BLOCK_H: tl.constexpr,  # HALF rounded up to a power of two; the lanes past HALF are masked
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)  # 0 .. heads + 2 * kv_heads - 1: q heads, then k, then v
-    offs = tl.arange(0, HALF)
+    offs = tl.arange(0, BLOCK_H)
+    ok = offs < HALF  # all true for a power-of-two half (Phi-3's head_dim 96: 48 of 64)
     base = qkv_ptr + tok * stride_tok + head * 2 * HALF
     slot = tl.load(slot_ptr + tok)
-    x1 = tl.load(base + offs)
-    x2 = tl.load(base + HALF + offs)
+    x1 = tl.load(base + offs, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF + offs, mask=ok, other=0.0)
     dtype = x1.dtype
     if head < num_heads + num_kv_heads:  # q or k: (norm,) rotate, write back; k also to the cache
         a = x1.to(tl.float32)
@@ -102,11 +104,11 @@ def _rope_store_kernel(
         if HAS_NORM:
             rstd = 1.0 / tl.sqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF) + eps)
             if head < num_heads:
-                w1 = tl.load(q_norm_ptr + offs).to(tl.float32)
-                w2 = tl.load(q_norm_ptr + HALF + offs).to(tl.float32)
+                w1 = tl.load(q_norm_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                w2 = tl.load(q_norm_ptr + HALF + offs, mask=ok, other=0.0).to(tl.float32)
             else:
-                w1 = tl.load(k_norm_ptr + offs).to(tl.float32)
-                w2 = tl.load(k_norm_ptr + HALF + offs).to(tl.float32)
+                w1 = tl.load(k_norm_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                w2 = tl.load(k_norm_ptr + HALF + offs, mask=ok, other=0.0).to(tl.float32)
             a = a * rstd
             b = b * rstd
             if LOW_PRECISION:
@@ -114,20 +116,20 @@ def _rope_store_kernel(
                 b = b.to(dtype).to(tl.float32)
             a = (a * w1).to(dtype).to(tl.float32)  # the norm's output is a model-dtype tensor
             b = (b * w2).to(dtype).to(tl.float32)
-        c = tl.load(cos_ptr + tok * stride_cs + offs).to(tl.float32)
-        s = tl.load(sin_ptr + tok * stride_cs + offs).to(tl.float32)
+        c = tl.load(cos_ptr + tok * stride_cs + offs, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + tok * stride_cs + offs, mask=ok, other=0.0).to(tl.float32)
         y1 = (a * c - b * s).to(dtype)
         y2 = (b * c + a * s).to(dtype)
-        tl.store(base + offs, y1)
-        tl.store(base + HALF + offs, y2)
+        tl.store(base + offs, y1, mask=ok)
+        tl.store(base + HALF + offs, y2, mask=ok)
         if head >= num_heads:
             dst = k_cache_ptr + slot * stride_slot + (head - num_heads) * stride_kv_head
-            tl.store(dst + offs, y1.to(k_cache_ptr.dtype.element_ty))
-            tl.store(dst + HALF + offs, y2.to(k_cache_ptr.dtype.element_ty))
+            tl.store(dst + offs, y1.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + HALF + offs, y2.to(k_cache_ptr.dtype.element_ty), mask=ok)
     else:
         dst = v_cache_ptr + slot * stride_slot + (head - num_heads - num_kv_heads) * stride_kv_head
-        tl.store(dst + offs, x1.to(v_cache_ptr.dtype.element_ty))
-        tl.store(dst + HALF + offs, x2.to(v_cache_ptr.dtype.element_ty))
+        tl.store(dst + offs, x1.to(v_cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF + offs, x2.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -177,7 +179,7 @@ def rope_store(
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     half = head_dim // 2
-    assert half & (half - 1) == 0, "head_dim must be twice a power of two"
+    assert head_dim % 2 == 0, "RoPE rotates pairs: head_dim must be even"
     assert qkv.stride(1) == 1 and cos.stride(1) == 1 and k_cache.stride() == v_cache.stride()
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     _rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
@@ -185,6 +187,7 @@ def rope_store(
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
         num_heads, num_kv_heads, eps,
         HAS_NORM=qk_norm is not None, LOW_PRECISION=qkv.dtype != torch.float32, HALF=half,
+        BLOCK_H=triton.next_power_of_2(half),
     )  # fmt: skip
 
 
