@@ -12,6 +12,9 @@ float16 and caches stored in another dtype than the queries (its tolerances in i
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,3 +101,49 @@ def test_qwen3_8b_head_shape_and_a_cache_of_another_dtype(
     assert outs["triton"].dtype == q_dtype
     diff = (outs["triton"].float() - outs["reference"].float()).abs().max().item()
     assert diff <= atol, diff
+
+
+# Compiled for an H100/H200 (sm_90) in a subprocess without the interpreter (it cannot compile while
+# TRITON_INTERPRET=1 is set): Triton's own compiler and ptxas run here, no GPU needed. What the
+# interpreter cannot see: the kernel as the GPU compiles it (static branches, dtypes tl.dot takes,
+# shared memory). The 8B model's bfloat16 layouts (both BLOCK_M), a float16 cache under bfloat16
+# queries, Phi-3's padded head, Gemma 2's soft-capped 256-wide head, the tiny float32 model's.
+_COMPILE_ATTENTION = r"""
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+if "nvidia" not in triton.backends.backends:
+    sys.exit(77)
+from onecall.model.triton_attention import _paged_attention_kernel as kernel
+ints = "stride_q_tok stride_q_head stride_k_slot stride_k_head stride_o_tok stride_o_head max_blocks window"
+consts = "HAS_SOFTCAP GROUP HEAD_DIM BLOCK_D BLOCK_SIZE BLOCK_M BLOCK_N PRECISION"
+for q, kv, head_dim, block_d, block_m, block_n, softcap in [
+    ("bf16", "bf16", 128, 128, 16, 64, False), ("bf16", "bf16", 128, 128, 64, 64, False),
+    ("bf16", "fp16", 128, 128, 16, 64, False), ("bf16", "bf16", 96, 128, 64, 64, False),
+    ("bf16", "bf16", 256, 256, 64, 32, True), ("fp32", "fp32", 32, 32, 16, 64, False),
+]:
+    sig = {"q_ptr": "*" + q, "k_ptr": "*" + kv, "v_ptr": "*" + kv, "o_ptr": "*" + q, "block_tables_ptr": "*i32",
+           "seq_lens_ptr": "*i32", "query_starts_ptr": "*i32", "scale": "fp32", "softcap": "fp32"}
+    sig |= {name: "i32" for name in ints.split()} | {name: "constexpr" for name in consts.split()}
+    sig = {name: sig[name] for name in kernel.arg_names}
+    const = {"HAS_SOFTCAP": softcap, "GROUP": 4, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_SIZE": 16,
+             "BLOCK_M": block_m, "BLOCK_N": block_n, "PRECISION": "ieee" if q == "fp32" else "tf32"}
+    compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32))
+    assert compiled.metadata.shared <= 232448, (q, head_dim, block_m, compiled.metadata.shared)  # sm_90's most
+"""
+
+
+def compile_for_sm90(code: str) -> None:
+    """Run `code` in a Python without TRITON_INTERPRET (skip when Triton has no CUDA backend)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    if done.returncode == 77:
+        pytest.skip("this Triton has no CUDA backend to compile for")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_kernel_compiles_for_an_h200() -> None:
+    compile_for_sm90(_COMPILE_ATTENTION)

@@ -143,3 +143,33 @@ def test_engine_greedy_tokens_equal_with_the_fused_ops() -> None:
         assert (calls["rope_store"] > 0) == fused
         tokens.append({rid: list(o.token_ids) for rid, o in out.items()})
     assert tokens[0] == tokens[1]
+
+
+# The three kernels as the GPU compiles them (sm_90, no GPU needed; see test_triton_attention.py):
+# the 8B model's bfloat16 shapes, and rope_store's masked lanes at Phi-3's head_dim 96.
+_COMPILE_OPS = r"""
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+if "nvidia" not in triton.backends.backends:
+    sys.exit(77)
+from onecall.model.triton_ops import _add_rms_norm_kernel, _rope_store_kernel, _silu_mul_kernel
+
+types = {name: "*bf16" for name in "h_ptr r_ptr w_ptr y_ptr qkv_ptr cos_ptr sin_ptr q_norm_ptr k_norm_ptr".split()}
+types |= {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16", "slot_ptr": "*i64", "eps": "fp32"}
+
+def build(kernel, consts):  # every other argument is an int
+    sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in kernel.arg_names}
+    triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
+
+build(_add_rms_norm_kernel, {"HAS_RESIDUAL": True, "LOW_PRECISION": True, "BLOCK": 4096})
+for half in (64, 48):
+    build(_rope_store_kernel, {"HAS_NORM": True, "LOW_PRECISION": True, "HALF": half, "BLOCK_H": 64})
+build(_silu_mul_kernel, {"BLOCK": 1024})
+"""
+
+
+def test_the_kernels_compile_for_an_h200() -> None:
+    from tests.test_triton_attention import compile_for_sm90
+
+    compile_for_sm90(_COMPILE_OPS)
