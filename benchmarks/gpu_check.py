@@ -48,7 +48,8 @@ network is used. Sections, in the order they run (each is a key of the JSON):
 
 Fail-soft: a section that raises records {"error": "<type>: <message>", "traceback_tail": [...]}
 under its key and the next one runs; a section whose prerequisite failed records why it was skipped
-(as do the sections left once --max-seconds, default 480, is spent). A step that fails inside the engine (which
+(as do the sections left once --max-seconds, default 480, is spent, and, on CUDA, those after an
+error that left the device unusable: the error's record then says so in cuda_usable_after). A step that fails inside the engine (which
 recovers by failing that step's requests) is raised as the section's error. After each section a
 line `partial: {...}` holds everything so far, flushed, so a run cut short still leaves its numbers;
 the last line is one JSON object with every section (or, when onecall itself fails to import, one
@@ -685,8 +686,20 @@ def run_section(section: Section, b: Bench) -> dict[str, Any]:
             b.clean_up()
         except Exception as cleanup:
             record["clean_up_error"] = f"{type(cleanup).__name__}: {cleanup}"
+        if b.device.type == "cuda":  # a device-side fault (an illegal address) poisons the context
+            record["cuda_usable_after"] = cuda_usable(b.device)
     record["seconds"] = time.perf_counter() - t0
     return record
+
+
+def cuda_usable(device: torch.device) -> bool | str:
+    """True when a small kernel still runs on the device, else the error it raises."""
+    try:
+        torch.ones(8, device=device).add_(1).sum().item()
+        torch.cuda.synchronize(device)
+        return True
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"[:500]
 
 
 def selected(names: list[str] | None) -> list[Section]:
@@ -710,8 +723,14 @@ def run_all(b: Bench, sections: list[Section], max_seconds: float | None) -> dic
     for section in sections:
         spent = time.perf_counter() - t0
         failed = [n for n in section.needs if "error" in result.get(n, {}) or "skipped" in result.get(n, {})]
+        ran = [s.name for s in sections if s.name in result]
+        lost = [n for n in ran if result[n].get("cuda_usable_after", True) is not True]
         if max_seconds is not None and spent > max_seconds:
             record: dict[str, Any] = {"skipped": f"--max-seconds {max_seconds:g} spent ({spent:.0f} s)"}
+        elif lost:
+            record = {
+                "skipped": f"the CUDA context failed after {lost[0]}'s error (see its cuda_usable_after)"
+            }
         elif failed:
             record = {"skipped": f"needs {', '.join(failed)}, which did not run: {result[failed[0]]}"[:1000]}
         else:

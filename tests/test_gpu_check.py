@@ -168,3 +168,22 @@ def test_unknown_sections_are_refused() -> None:
     with pytest.raises(SystemExit) as e:
         _gpu_check().main(["--device", "cpu", "--sections", "tiny_qwen3,nope"])
     assert e.value.code == 2
+
+
+def test_after_an_error_that_loses_the_cuda_context_the_rest_is_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA a section's error is followed by a probe (a small kernel); when that fails (a device
+    fault poisons the context), every later section is skipped, saying why, instead of each failing."""
+    gpu_check = _gpu_check()
+    Section = gpu_check.Section
+
+    def fault(b: object) -> dict[str, Any]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_check, "cuda_usable", lambda device: "AcceleratorError: illegal memory access")
+    bench = gpu_check.Bench(torch.device("cuda"), 1, 128, 0)  # never touched: the first section raises
+    result = gpu_check.run_all(bench, [Section("fault", fault), Section("next", fault)], max_seconds=None)
+    assert result["fault"]["cuda_usable_after"] == "AcceleratorError: illegal memory access"
+    assert result["next"]["skipped"].startswith("the CUDA context failed after fault's error")
+    assert result["errors"] == ["fault"] and result["skipped"] == ["next"]
