@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 
-TRACEBACK_LINES = 8  # of the innermost exception's traceback, kept in a section's error record
+TRACEBACK_LINES = 10  # of the innermost exception's traceback, kept in a section's error record
 
 
 def error_record(e: BaseException) -> dict[str, Any]:
@@ -82,6 +82,7 @@ def error_record(e: BaseException) -> dict[str, Any]:
     while root.__cause__ is not None:
         root = root.__cause__
     lines = "".join(traceback.format_exception(type(root), root, root.__traceback__)).splitlines()
+    lines = [line for line in lines if line.strip(" ^~")]  # not the column markers under a call
     return {"error": f"{type(e).__name__}: {e}"[:4000], "traceback_tail": lines[-TRACEBACK_LINES:]}
 
 
