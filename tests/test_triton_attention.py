@@ -106,30 +106,35 @@ def test_qwen3_8b_head_shape_and_a_cache_of_another_dtype(
 # Compiled for an H100/H200 (sm_90) in a subprocess without the interpreter (it cannot compile while
 # TRITON_INTERPRET=1 is set): Triton's own compiler and ptxas run here, no GPU needed. What the
 # interpreter cannot see: the kernel as the GPU compiles it (static branches, dtypes tl.dot takes,
-# shared memory). The 8B model's bfloat16 layouts (both BLOCK_M), a float16 cache under bfloat16
-# queries, Phi-3's padded head, Gemma 2's soft-capped 256-wide head, the tiny float32 model's.
+# shared memory), at the tile sizes the wrapper picks. The 8B model's bfloat16 layouts (both
+# BLOCK_M), a float16 cache under bfloat16 queries, Phi-3's padded head, Gemma 2's soft-capped
+# 256-wide head, the tiny float32 model's; and a float32 head of 128 within an sm_86's 99 KB.
 _COMPILE_ATTENTION = r"""
 import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 if "nvidia" not in triton.backends.backends:
     sys.exit(77)
-from onecall.model.triton_attention import _paged_attention_kernel as kernel
+from onecall.model.triton_attention import _paged_attention_kernel as kernel, tile_sizes
 ints = "stride_q_tok stride_q_head stride_k_slot stride_k_head stride_o_tok stride_o_head max_blocks window"
 consts = "HAS_SOFTCAP GROUP HEAD_DIM BLOCK_D BLOCK_SIZE BLOCK_M BLOCK_N PRECISION"
-for q, kv, head_dim, block_d, block_m, block_n, softcap in [
-    ("bf16", "bf16", 128, 128, 16, 64, False), ("bf16", "bf16", 128, 128, 64, 64, False),
-    ("bf16", "fp16", 128, 128, 16, 64, False), ("bf16", "bf16", 96, 128, 64, 64, False),
-    ("bf16", "bf16", 256, 256, 64, 32, True), ("fp32", "fp32", 32, 32, 16, 64, False),
+size = {"bf16": 2, "fp16": 2, "fp32": 4}
+# (q dtype, cache dtype, head_dim, max_query_len, soft-cap, compute capability, its shared memory per block)
+for q, kv, head_dim, max_query_len, softcap, cc, limit in [
+    ("bf16", "bf16", 128, 1, False, 90, 232448), ("bf16", "bf16", 128, 1024, False, 90, 232448),
+    ("bf16", "fp16", 128, 1, False, 90, 232448), ("bf16", "bf16", 96, 64, False, 90, 232448),
+    ("bf16", "bf16", 256, 64, True, 90, 232448), ("fp32", "fp32", 32, 1, False, 90, 232448),
+    ("fp32", "fp32", 128, 64, False, 86, 101376),  # a float32 model on a 99 KB GPU
 ]:
+    block_d, block_m, block_n = tile_sizes(head_dim, size[q], max_query_len)  # what the wrapper launches
     sig = {"q_ptr": "*" + q, "k_ptr": "*" + kv, "v_ptr": "*" + kv, "o_ptr": "*" + q, "block_tables_ptr": "*i32",
            "seq_lens_ptr": "*i32", "query_starts_ptr": "*i32", "scale": "fp32", "softcap": "fp32"}
     sig |= {name: "i32" for name in ints.split()} | {name: "constexpr" for name in consts.split()}
     sig = {name: sig[name] for name in kernel.arg_names}
     const = {"HAS_SOFTCAP": softcap, "GROUP": 4, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_SIZE": 16,
              "BLOCK_M": block_m, "BLOCK_N": block_n, "PRECISION": "ieee" if q == "fp32" else "tf32"}
-    compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32))
-    assert compiled.metadata.shared <= 232448, (q, head_dim, block_m, compiled.metadata.shared)  # sm_90's most
+    compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", cc, 32))
+    assert compiled.metadata.shared <= limit, (q, head_dim, block_m, block_n, cc, compiled.metadata.shared)
 """
 
 

@@ -125,6 +125,17 @@ def _paged_attention_kernel(
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
+def tile_sizes(head_dim: int, element_size: int, max_query_len: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_M, BLOCK_N): the head padded to a power of two (tl.dot needs 16 at least; Phi-3's
+    96 -> 128); 16 query rows for decode rows and short chunks, else 64; 64 keys a tile while a key row
+    is at most 256 bytes, else 32 (float32 at head_dim 128: 74 KB of shared memory, not 115 KB, which
+    a 99 KB GPU such as sm_86/89 refuses; bfloat16 at 128 keeps 64)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = 16 if max_query_len <= 16 else 64
+    block_n = 64 if block_d * element_size <= 256 else 32
+    return block_d, block_m, block_n
+
+
 def triton_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -141,9 +152,7 @@ def triton_paged_attention(
     num_kv_heads = k_cache.shape[1]
     assert k_cache.stride(2) == 1 and q.stride(2) == 1
     out = torch.empty_like(q)
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 at least; Phi-3's 96 -> 128
-    block_m = 16 if meta.max_query_len <= 16 else 64
-    block_n = 64 if block_d <= 128 else 32
+    block_d, block_m, block_n = tile_sizes(head_dim, q.element_size(), meta.max_query_len)
     grid = (len(meta.seqs), num_heads, triton.cdiv(meta.max_query_len, block_m))
     kernel: Any = _paged_attention_kernel
     kernel[grid](
