@@ -284,3 +284,22 @@ def test_the_bandwidth_figure_counts_the_experts_a_step_reaches() -> None:
     # layer 0: its 2 reachable experts' groups (its float32 weights are gone from dense());
     # layer 2: still 2/6 of its float32 experts
     assert weight_bytes_read(ours, 1) == dense() + 2 * one_expert - float_experts[1] * 4 // 6
+
+
+def test_a_moe_model_gets_no_static_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MoE layer reads its expert counts on the host (.tolist()), which no CUDA graph can capture: the
+    engine keeps such a model on eager steps even where it would set static ones up (the Triton backend,
+    as on CUDA), instead of failing a capture per layout."""
+    from onecall.engine import engine as engine_module
+    from tests.helpers.tiny_engine import tiny_engine, tiny_model
+
+    monkeypatch.setattr(engine_module, "default_backend", lambda device, kernels: "triton")
+    config_cls, model_cls, extra = WHOLE["qwen3_moe"]
+    _, moe = hf_and_ours(
+        config_cls(**{**_TINY, "vocab_size": tiny_model().config.vocab_size}, **extra),
+        model_cls,
+        weight_scale=0.15,
+    )
+    assert moe.config.moe is not None
+    assert tiny_engine(model=moe, cuda_graphs=True).runner.decode_graphs is None
+    assert tiny_engine(arch="qwen3", cuda_graphs=True).runner.decode_graphs is not None  # a dense one does

@@ -81,7 +81,10 @@ class Engine:
         self._last_fault: EngineStepError | None = None  # set by a recovered step, cleared by a good one
         self.dead_reason: str | None = None  # set once the engine refuses to go on (see the docstring)
         backend = default_backend(self.device, self.config.kernels)
-        if self.config.cuda_graphs and backend == "triton" and p.tp_group is None:  # fast kernels, CUDA
+        # static steps: fast kernels on CUDA, one process, and a model whose forward has no host syncs (a
+        # MoE layer reads its expert counts on the host, .tolist(), which no CUDA graph can capture)
+        static = self.config.cuda_graphs and backend == "triton" and p.tp_group is None
+        if static and p.model_config.moe is None:
             self.enable_static_decode(capture=self.device.type == "cuda", backend=backend)
         else:
             self._build_runner(backend, p.num_blocks)

@@ -214,6 +214,7 @@ def kv_blocks_in_budget(
     if config.kv_cache_gib is not None:
         budget = int(config.kv_cache_gib * 2**30)
     elif device.type == "cuda":
+        torch.cuda.empty_cache()  # what the allocator holds cached but unused would count as taken
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * DEFAULT_GPU_KV_CACHE_FRACTION)
     else:
