@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from onecall.model.attention_metadata import AttentionMetadata, SeqSpan, padded_block_tables
+from onecall.model.attention_metadata import AttentionMetadata, SeqSpan, padded_block_list
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 
@@ -145,6 +145,13 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
         self.query_starts = torch.arange(seqs + 1, dtype=torch.int32, device=device)
         self.logit_rows = torch.zeros(self.max_bucket + 1, dtype=torch.int64, device=device)
+        # a step's values travel in one transfer: written into a host buffer (pinned on CUDA, so the
+        # copy is a real asynchronous DMA), copied to one device buffer, then split on the device. The
+        # host buffer is rewritten only by the next step's _fill, which runs after this step's tokens
+        # reached the host (the sampler's sync), so the copy it fed has long completed.
+        staged = 3 * tokens + seqs * width + seqs + (seqs + 1) + self.max_bucket + 1
+        self._host = torch.empty(staged, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._staged = torch.empty(staged, dtype=torch.int64, device=device)
         self._graphs: dict[Layout, _Graph] = {}
         self._pool: Any = None  # the CUDA graphs' shared memory pool (a handle from the first graph)
 
@@ -195,20 +202,18 @@ class DecodeGraphs:
         num_decode = len(step.seq_lens) - (1 if layout.chunk else 0)  # the real one-token sequences
         chunk_len = len(step.input_ids) - num_decode  # 0 for pure decode
         pad = layout.chunk - chunk_len  # the chunk's padding rows
-        ids = torch.zeros(num_tokens, dtype=torch.int64)
-        pos = torch.zeros(num_tokens, dtype=torch.int64)
-        slots = torch.full((num_tokens,), first, dtype=torch.int64)
-        real = torch.tensor([*range(num_decode), *range(layout.decode, layout.decode + chunk_len)])
-        ids[real] = torch.tensor(step.input_ids)
-        pos[real] = torch.tensor(step.positions)
-        slots[real] = torch.tensor(_slots(step.block_tables, step.seq_lens, step.query_lens, block_size))
-        pos[num_tokens - pad :] = torch.arange(pad)
-        slots[num_tokens - pad :] = first + torch.arange(pad) % block_size
+        row_pad = layout.decode - num_decode  # decode padding: id 0 at position 0 in the scratch block
+        real_slots = _slots(step.block_tables, step.seq_lens, step.query_lens, block_size)
+        ids = [*step.input_ids[:num_decode], *[0] * row_pad, *step.input_ids[num_decode:], *[0] * pad]
+        pos = [*step.positions[:num_decode], *[0] * row_pad, *step.positions[num_decode:], *range(pad)]
+        slots = [
+            *real_slots[:num_decode], *[first] * row_pad, *real_slots[num_decode:],
+            *(first + p % block_size for p in range(pad)),
+        ]  # fmt: skip
         # 2. sequences: one-token ones (padding: one position in the scratch block), then the chunk's
         # and its padding sequence's (the scratch block repeated); blocks past a length are never read
-        num_pad = layout.decode - num_decode
-        tables = [*step.block_tables[:num_decode], *[[self.scratch_block]] * num_pad]
-        lens = [*step.seq_lens[:num_decode], *[1] * num_pad]
+        tables = [*step.block_tables[:num_decode], *[[self.scratch_block]] * row_pad]
+        lens = [*step.seq_lens[:num_decode], *[1] * row_pad]
         starts = list(range(layout.decode + 1))
         logit_rows: list[int] = []
         if layout.chunk:
@@ -218,15 +223,23 @@ class DecodeGraphs:
             chunk_last = layout.decode + chunk_len - 1
             logit_rows = [*range(num_decode), chunk_last, *range(num_decode, layout.decode)]
         width, num_seqs = self.max_blocks_per_seq, layout.num_seqs
-        padded = padded_block_tables(tables, lens, block_size, width=width, pad=self.scratch_block)
-        self.input_ids[:num_tokens].copy_(ids, non_blocking=True)
-        self.positions[:num_tokens].copy_(pos, non_blocking=True)
-        self.slot_mapping[:num_tokens].copy_(slots, non_blocking=True)
-        self.block_tables[:num_seqs].copy_(padded, non_blocking=True)
-        self.seq_lens[:num_seqs].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.query_starts[: num_seqs + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
+        padded, _ = padded_block_list(tables, lens, block_size, width=width, pad=self.scratch_block)
+        # 3. one host buffer, one transfer, then each static buffer takes its part on the device
+        parts = (ids, pos, slots, padded, lens, starts, logit_rows)
+        flat = [v for part in parts for v in part]
+        host = self._host[: len(flat)]
+        host.copy_(torch.tensor(flat, dtype=torch.int64))
+        staged = self._staged[: len(flat)]
+        staged.copy_(host, non_blocking=True)
+        views = staged.split([len(part) for part in parts])
+        self.input_ids[:num_tokens].copy_(views[0])
+        self.positions[:num_tokens].copy_(views[1])
+        self.slot_mapping[:num_tokens].copy_(views[2])
+        self.block_tables[:num_seqs].copy_(views[3].view(num_seqs, width))  # int64 -> int32 on the device
+        self.seq_lens[:num_seqs].copy_(views[4])
+        self.query_starts[: num_seqs + 1].copy_(views[5])
         if logit_rows:
-            self.logit_rows[: len(logit_rows)].copy_(torch.tensor(logit_rows), non_blocking=True)
+            self.logit_rows[: len(logit_rows)].copy_(views[6])
 
     def _meta(self, layout: Layout) -> AttentionMetadata:
         """Metadata over the static buffers. Its SeqSpans carry only the layout's row ranges (and

@@ -185,13 +185,25 @@ def padded_block_tables(
 ) -> torch.Tensor:
     """(num_seqs, width) int32 on CPU: row i holds the blocks covering seq_lens[i] positions of
     table i, then `pad`. `width` defaults to the widest row; what the kernels read as block tables."""
+    flat, width = padded_block_list(block_tables, seq_lens, block_size, width, pad)
+    return torch.tensor(flat, dtype=torch.int32).view(len(seq_lens), width)
+
+
+def padded_block_list(
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    block_size: int,
+    width: int | None = None,
+    pad: int = 0,
+) -> tuple[list[int], int]:
+    """padded_block_tables' rows as one flat list (one tensor, not one per row), and the width."""
     needed = [-(-s // block_size) for s in seq_lens]
     width = width or max(needed, default=0)
-    flat: list[int] = []  # the rows, padded, in one list: one tensor, not one per row
+    flat: list[int] = []
     for table, n in zip(block_tables, needed, strict=True):
         flat += table[:n]
         flat += [pad] * (width - n)
-    return torch.tensor(flat, dtype=torch.int32).view(len(needed), width)
+    return flat, width
 
 
 def _decode_rows(
