@@ -18,6 +18,7 @@ from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.fast_embedding import StoredEmbedding
+from onecall.model.fast_linear import compact_scales
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.quants import StoredGroups, dequantize, int4_groups, int8_groups
 from onecall.model.weights import load_weights
@@ -59,8 +60,10 @@ def test_4bit_rows_are_the_dequantized_table_bit_for_bit(qtype: T) -> None:
     groups = int4_groups(raw, qtype, (rows, cols))
     assert groups is not None and groups.group_size == 32
     table = dequantize(raw, qtype, (rows, cols), torch.float32)
-    embed = StoredEmbedding(native.pack_int4_rows(groups.q, groups.scale, groups.offset))
-    assert torch.equal(embed(torch.arange(rows)), table)
+    # the scales as the logits head packs them (float16 where that is exact), then float32
+    for scale, offset in (compact_scales(groups.scale, groups.offset), (groups.scale, groups.offset)):
+        embed = StoredEmbedding(native.pack_q4(groups.q, scale, offset))
+        assert torch.equal(embed(torch.arange(rows)), table)
     ids = torch.tensor([[36, 0], [5, 5]])
     assert torch.equal(embed(ids), table[ids])
     with pytest.raises(IndexError, match=f"{rows} rows"):
@@ -76,15 +79,14 @@ def _load(path: Path, fast: bool) -> DecoderLM:
     return model.eval()
 
 
-@pytest.mark.parametrize(
-    ("qtype", "tied"), [(T.Q8_0, True), (T.Q8_0, False), (T.Q4_0, False)], ids=["Q8_0-tied", "Q8_0-untied", "Q4_0-untied"]
-)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
 def test_a_gguf_keeps_its_embedding_as_stored(
     qtype: T, tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Q8_0 tied: the lookup reads the logits head's own bytes. Q8_0 untied: a packed copy of the
-    embedding's groups, the head keeps the output matrix's (and that float32 matrix is never made
-    either). Q4_0 untied: 4-bit rows. No float32 table is ever allocated, the rows are the float32
+    """Tied: the lookup reads the logits head's own bytes (q8b for int8 groups, q4 for 4-bit ones).
+    Untied: a packed copy of the embedding's groups; the head keeps the output matrix's (and that
+    float32 matrix is never made either). No float32 table is ever allocated, the rows are the float32
     model's, and the native decode step gives the per-op path's bits."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=tied)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=qtype)
@@ -92,15 +94,14 @@ def test_a_gguf_keeps_its_embedding_as_stored(
     bare = DecoderLM(ModelConfig.from_hf_config(load_hf_config_dict(resolve_model(path))), pack_on_load=True)
     assert bare.model.embed_tokens.weight.is_meta  # built without the table: the loader decides
     with monkeypatch.context() as m:
-        if qtype == T.Q8_0:  # (a 4-bit untied head is filled in float32: its logits need the matrix)
-            m.setattr(weights, "materialize_weight", _never)
+        m.setattr(weights, "materialize_weight", _never)
         fast = _load(path, fast=True)
     embed, head = fast.model.embed_tokens, fast.fast_lm_head
     assert isinstance(embed, StoredEmbedding) and head is not None
-    assert isinstance(embed.table, native.Q8Blocked if qtype == T.Q8_0 else native.Int4Rows)
-    if qtype == T.Q8_0:
-        assert head.q8 is not None and (embed.table is head.q8) == tied and head.from_stored
-    if qtype == T.Q8_0 and not tied:  # the untied head's int8 groups are the head: no float32 matrix
+    assert isinstance(embed.table, native.Q8Blocked if qtype == T.Q8_0 else native.Q4Packed)
+    assert head.from_stored and (embed.table is (head.q8 or head.q4)) == tied
+    assert head.kernel == ("native q8" if qtype == T.Q8_0 else "native q4")
+    if not tied:  # the untied head's groups are the head: no float32 matrix either
         assert fast.lm_head is not None and fast.lm_head.weight.is_meta
     assert "model.embed_tokens.weight" not in dict(fast.named_parameters())
     ids = torch.arange(config["vocab_size"])
@@ -108,7 +109,7 @@ def test_a_gguf_keeps_its_embedding_as_stored(
     assert isinstance(ref_embed, torch.nn.Embedding)
     assert torch.equal(embed(ids), ref_embed(ids))
     if tied:
-        with pytest.raises(RuntimeError, match="int8 groups"):
+        with pytest.raises(RuntimeError, match="checkpoint's groups"):
             fast.output_weight()
     # the native decode step gathers from the same table in C
     step = fast.native_step
@@ -131,9 +132,9 @@ def _never(model: DecoderLM, module: torch.nn.Module) -> None:
 
 
 def test_an_embedding_in_other_types_stays_float32(tmp_path: Path) -> None:
-    """A 4-bit embedding (Q4_0) has no int8 groups: the loader fills the float32 table, as before."""
+    """A Q5_0 embedding has no groups the native kernels take: the loader fills the float32 table."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=True)
-    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q4_0)
+    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q5_0)
     fast, ref = _load(path, fast=True), _load(path, fast=False)
     embed, ref_embed = fast.model.embed_tokens, ref.model.embed_tokens
     assert isinstance(embed, torch.nn.Embedding) and isinstance(ref_embed, torch.nn.Embedding)

@@ -219,10 +219,10 @@ class DecoderLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head.weight
         embed = self.model.embed_tokens
-        if isinstance(embed, StoredEmbedding):  # installed only beside the native int8 logits head
+        if isinstance(embed, StoredEmbedding):  # installed only beside a native logits head on its groups
             raise RuntimeError(
-                "the tied embedding is kept as the checkpoint's int8 groups (model/fast_embedding.py): "
-                "there is no float32 matrix; the logits run on the native int8 head"
+                "the tied embedding is kept as the checkpoint's groups (model/fast_embedding.py): there is "
+                "no float32 matrix; the logits run on the native head over the same groups"
             )
         return embed.weight
 

@@ -1,23 +1,23 @@
 """StoredEmbedding: a token embedding kept as the checkpoint stored it, int8 groups (GGUF Q8_0, Q6_K) or
 4-bit groups of 32 (Q4_0, Q4_1, Q4_K), its rows dequantized on lookup by the native kernels
-(csrc/embedding.c) instead of held as a float32 table.
+(csrc/embedding.c) instead of held as a float32 table, in the layout the logits kernels read.
 
 A float32 copy of the embedding is the largest single tensor of many models: 113 MB of the embedded
 SmolLM2-135M's ~750 MB resident, 2.5 GB for a 151,936 x 4,096 vocabulary. When the embedding is tied
-(the logits projection is the same matrix) and int8, the lookup reads the logits kernel's own q8b bytes,
-so the table costs nothing beyond what the logits already hold; an untied one is packed once (int8: the
-q8b layout, a quarter of float32's bytes; 4-bit: row by row, two columns a byte, under a fifth). A
-looked-up row is the float32 value the GGUF dequantization gives, to the bit (float(q) * scale, or
-float(q) * scale + offset): tests/test_fast_embedding.py checks it against the dequantized table.
+(the logits projection is the same matrix) the lookup reads the logits head's own bytes (FastLMHead:
+the q8b layout for int8 groups, the q4 layout for 4-bit ones), so the table costs nothing beyond what
+the logits already hold; an untied one is packed once in the same layouts (int8: a quarter of float32's
+bytes; 4-bit: under a fifth). A looked-up row is the float32 value the GGUF dequantization gives, to the
+bit (float(q) * scale, or float(q) * scale + offset): tests/test_fast_embedding.py checks it against
+the dequantized table.
 
 packing.install puts one in place of the model's nn.Embedding on CPU with the native kernels when the
-checkpoint stored the embedding in such groups (one process, not tensor parallel; a tied 4-bit
-embedding stays float32, since its logits head needs the float32 matrix: packing.stays_stored);
-otherwise the float32 nn.Embedding stays. A model packed on load never allocates the float32 table in
+checkpoint stored the embedding in such groups (one process, not tensor parallel:
+packing.stays_stored); otherwise the float32 nn.Embedding stays. A model packed on load never allocates the float32 table in
 that case (weights.load_weights leaves it on meta and fills it only where it cannot stay stored), so the
 table costs neither steady-state nor peak memory. The module has no `weight`: code that needs the
-float32 matrix (a logits projection without the native head) never meets one, since it is installed
-only beside a native int8 logits head or for an untied embedding (DecoderLM.output_weight says so if
+float32 matrix (a logits projection without the native head) never meets one, since a tied one is
+installed only beside a native logits head on the same groups (DecoderLM.output_weight says so if
 asked).
 """
 
@@ -31,12 +31,13 @@ from onecall.model import native
 
 class StoredEmbedding(nn.Module):
     """Token ids -> float32 rows of a table kept as stored: int8 groups in the q8b layout
-    (native.Q8Blocked) or 4-bit rows (native.Int4Rows)."""
+    (native.Q8Blocked) or 4-bit groups in the q4 layout (native.Q4Packed)."""
 
-    def __init__(self, table: native.Q8Blocked | native.Int4Rows) -> None:
+    def __init__(self, table: native.Q8Blocked | native.Q4Packed) -> None:
         super().__init__()
         lib = native.load()
         assert lib is not None, "StoredEmbedding needs the native kernels"
+        assert not (isinstance(table, native.Q4Packed) and table.act8), "rows are read from the q4 layout"
         self._lib = lib
         self.table = table
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
@@ -46,7 +47,7 @@ class StoredEmbedding(nn.Module):
         return self.table.qs.device
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.table, native.Int4Rows):
+        if isinstance(self.table, native.Q4Packed):
             return native.q4_rows(self._lib, self.table, input_ids)
         return native.q8_blocked_rows(self._lib, self.table, input_ids)
 

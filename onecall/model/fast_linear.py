@@ -190,7 +190,7 @@ class FastLinear(nn.Module):
                     (
                         start,
                         end,
-                        native.pack_q4(g.q, *_compact_scales(g.scale.float(), g.offset.float()), self.act8),
+                        native.pack_q4(g.q, *compact_scales(g.scale.float(), g.offset.float()), self.act8),
                     )
                 )
             else:
@@ -204,7 +204,7 @@ class FastLinear(nn.Module):
         lib = _native()
         if g.group_size == 32 and self.in_features % 32 == 0 and lib is not None:
             self.group_size = 32
-            self.q4 = native.pack_q4(g.q, *_compact_scales(g.scale.float(), g.offset.float()), self.act8)
+            self.q4 = native.pack_q4(g.q, *compact_scales(g.scale.float(), g.offset.float()), self.act8)
             self._lib = lib
         elif int4_shape_ok(self.out_features, self.in_features, g.group_size):
             self.group_size = g.group_size
@@ -321,7 +321,7 @@ def _merge_runs(parts: list[tuple[int, int, StoredGroups]]) -> list[tuple[int, i
     return merged
 
 
-def _compact_scales(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_scales(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and offsets as float16 when that is exact (Q4_0/Q4_1 store them in float16), else
     float32 (Q4_K's are products of two stored numbers)."""
     half_scale, half_offset = scale.half(), offset.half()
@@ -335,44 +335,54 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class FastLMHead(nn.Module):
-    """The logits projection: the native int8 kernel when the (possibly tied) output weight was stored
-    in int8 groups (`int8`: the file's own Q8_0 or Q6_K groups; without them, a Q8_0 weight is found
-    by re-quantizing the weight), else a oneDNN-prepacked float32 copy. The int8 kernel (csrc's q8b)
-    rounds activations to int16 steps per group of 32 as the 4-bit kernel does and keeps a block's
-    8 rows of a column pair side by side: at 16 rows it ran 1.3x the float32-activation q8 kernel."""
+    """The logits projection on the checkpoint's own groups where it stored the (possibly tied) output
+    weight so: the native int8 kernel for int8 groups (`stored`: the file's own Q8_0 or Q6_K groups;
+    without them, a Q8_0 weight is found by re-quantizing the weight), the native 4-bit kernel for 4-bit
+    groups of 32 (Q4_0/Q4_1/Q4_K: a quarter of int8's bytes, 1/7 of float32's), else a oneDNN-prepacked
+    float32 copy. Both native kernels round activations to int16 steps per group of 32, as the
+    projections' 4-bit kernel does (its tolerance: tests/test_native_kernels.py)."""
 
-    def __init__(self, weight: torch.Tensor, int8: Int8Groups | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, stored: StoredGroups | None = None) -> None:
         super().__init__()
         w = weight.detach().float().contiguous()
         self.num_weights = w.numel()
         self.q8: native.Q8Blocked | None = None
+        self.q4: native.Q4Packed | None = None
         self.packed: torch.Tensor | None = None
-        self.from_stored = False  # q8 holds the checkpoint's own groups (bit-exact), not a re-quantization
-        usable = int8 is not None and tuple(int8.q.shape) == tuple(w.shape) and w.shape[1] % 32 == 0
-        if int8 is not None and usable and int8.group_size in (16, 32) and _native() is not None:
-            self.q8 = native.pack_q8_blocked(int8.q, int8.scale, int8.group_size)
+        self.from_stored = False  # q8 / q4 hold the checkpoint's own groups (bit-exact), no re-quantization
+        usable = stored is not None and tuple(stored.q.shape) == tuple(w.shape) and w.shape[1] % 32 == 0
+        if isinstance(stored, Int8Groups) and usable and stored.group_size in (16, 32) and _native() is not None:
+            self.q8 = native.pack_q8_blocked(stored.q, stored.scale, stored.group_size)
+            self.from_stored = True
+        elif isinstance(stored, Int4Groups) and usable and stored.group_size == 32 and _native() is not None:
+            self.q4 = native.pack_q4(stored.q, *compact_scales(stored.scale.float(), stored.offset.float()))
             self.from_stored = True
         elif w.shape[1] % 32 == 0 and _native() is not None:
             q, scale = native.quantize_q8_groups(w)
             err = (q.view(w.shape[0], -1, 32).float() * scale.unsqueeze(-1)).view_as(w).sub_(w).abs_().max()
             if float(err) <= _Q8_EXACT_RTOL * float(w.abs().max()):
                 self.q8 = native.pack_q8_blocked(q, scale)
-        if self.q8 is None:
+        if self.q8 is None and self.q4 is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _ONEDNN_PACK_ROWS)
 
     @property
     def kernel(self) -> str:
-        return "native q8" if self.q8 is not None else "onednn float32"
+        return "native q8" if self.q8 is not None else "native q4" if self.q4 is not None else "onednn float32"
 
     def weight_bytes_read(self) -> int:
         if self.q8 is not None:
             return self.q8.nbytes
+        if self.q4 is not None:
+            return self.q4.nbytes
         return self.num_weights * 4
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.float().contiguous()
+        lib = _native()
         if self.q8 is not None:
-            lib = _native()
             assert lib is not None
             return native.q8_blocked_gemm(lib, x, self.q8, None, torch.get_num_threads())
+        if self.q4 is not None:
+            assert lib is not None
+            return native.q4_gemm(lib, x, self.q4, None, torch.get_num_threads())
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")

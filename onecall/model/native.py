@@ -133,40 +133,15 @@ def pack_q8_blocked(q: torch.Tensor, scale: torch.Tensor, group_size: int = 32) 
     return Q8Blocked(qs, _blocked(scale, n16, gs), n, k, group_size)
 
 
-@dataclass(frozen=True)
-class Int4Rows:
-    """A 4-bit table (N, K) row by row (an embedding is only gathered from, never multiplied): qs (N, K / 2)
-    uint8, byte i of a row holding column 2i (low nibble) and 2i + 1 (high); scale, offset (N, K / 32)
-    float32. w = q * scale + offset per group of 32."""
-
-    qs: torch.Tensor
-    scale: torch.Tensor
-    offset: torch.Tensor
-    out_features: int
-    in_features: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.qs.numel() + (self.scale.numel() + self.offset.numel()) * 4
-
-
-def pack_int4_rows(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Int4Rows:
-    """(N, K) values 0..15 with (N, K / 32) float32 scales and offsets -> Int4Rows."""
-    n, k = q.shape
-    assert k % 32 == 0 and tuple(scale.shape) == tuple(offset.shape) == (n, k // 32)
-    pairs = q.to(torch.uint8).view(n, k // 2, 2)
-    qs = torch.empty(n, k // 2, dtype=torch.uint8)
-    torch.add(pairs[:, :, 0], pairs[:, :, 1], alpha=16, out=qs)
-    return Int4Rows(qs, scale.float().contiguous(), offset.float().contiguous(), n, k)
-
-
-def q4_rows(lib: ctypes.CDLL, w: Int4Rows, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` (any shape) of an Int4Rows table, dequantized: (*ids.shape, K) float32."""
+def q4_rows(lib: ctypes.CDLL, w: Q4Packed, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape, int64) of the (N, K) table packed by pack_q4 (not act8), dequantized:
+    (*ids.shape, K) float32, each value float(q) * scale + offset (an embedding lookup on 4-bit groups)."""
+    assert not w.act8, "rows are read from the q4 layout"
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.shape[0], w.in_features, dtype=torch.float32)
     rc = lib.onecall_q4_rows(
         w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.out_features, w.in_features,
-        flat.data_ptr(), flat.shape[0], out.data_ptr(),
+        int(w.scale.dtype == torch.float16), flat.data_ptr(), flat.shape[0], out.data_ptr(),
     )  # fmt: skip
     if rc == -3:
         raise IndexError(f"a token id outside the embedding's {w.out_features} rows")

@@ -159,7 +159,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_silu_mul.restype = None
     lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_float, p, p, p, p, p, c_int]
     lib.onecall_rope_store.restype = None
-    # layers, num_layers, ids, embed (float32 or NULL), embed_qs, embed_scale, embed_offset, embed_group, vocab, M, hidden, H, KVH, D, I, eps, attn_scale, positions,
+    # layers, num_layers, ids, embed (float32 or NULL), embed_qs, embed_scale, embed_offset, embed_group_or_f16,
+    # vocab, M, hidden, H, KVH, D, I, eps, attn_scale, positions,
     # cos_table, sin_table, max_positions, slot_mapping, k_cache, v_cache, layer_stride, kv_f16,
     # block_tables, max_blocks, seq_lens, block_size, final_norm, out, num_threads (model/native_step.py)
     step_args: list[Any] = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, i64, p, p, p, i64, c_int]
@@ -168,6 +169,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     # qs, scale, N, K, group_size, ids, M, out
     lib.onecall_q8b_rows.argtypes = [p, p, i64, i64, i64, p, i64, p]
     lib.onecall_q8b_rows.restype = c_int
-    # qs, scale, offset, N, K, ids, M, out
-    lib.onecall_q4_rows.argtypes = [p, p, p, i64, i64, p, i64, p]
+    # qs, scale, offset, N, K, f16, ids, M, out
+    lib.onecall_q4_rows.argtypes = [p, p, p, i64, i64, c_int, p, i64, p]
     lib.onecall_q4_rows.restype = c_int

@@ -183,8 +183,9 @@ class NativeDecodeStep:
         rc = self._lib.onecall_decode_layers(
             self._layers, len(self._layers), input_ids.data_ptr(), None if f32 is None else f32.data_ptr(),
             None if g is None else g.qs.data_ptr(), None if g is None else g.scale.data_ptr(),
-            g.offset.data_ptr() if isinstance(g, native.Int4Rows) else None,
-            g.group_size if isinstance(g, native.Q8Blocked) else 0, self._vocab, m, self._hidden, self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate,
+            g.offset.data_ptr() if isinstance(g, native.Q4Packed) else None,
+            int(g.scale.dtype == torch.float16) if isinstance(g, native.Q4Packed) else g.group_size if g else 0,
+            self._vocab, m, self._hidden, self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate,
             self._final_norm.eps, self._scale, positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
             cos_table.shape[0], meta.slot_mapping.data_ptr(), k.data_ptr(), v.data_ptr(),
             k[0].numel(), int(k.dtype == torch.float16), d.block_tables.data_ptr(), d.block_tables.shape[1],

@@ -21,7 +21,13 @@ from torch import nn
 from onecall.model import native
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weight
 from onecall.model.fast_embedding import StoredEmbedding
-from onecall.model.fast_linear import FastLinear, FastLMHead, fast_kernels_supported, runs_stored_only
+from onecall.model.fast_linear import (
+    FastLinear,
+    FastLMHead,
+    compact_scales,
+    fast_kernels_supported,
+    runs_stored_only,
+)
 from onecall.model.layers import MLP, Attention, RMSNorm
 from onecall.model.moe import SparseMoE
 from onecall.model.native_step import NativeDecodeStep
@@ -114,11 +120,9 @@ class StreamingPacker:
 
     def finish(self, output_weight: torch.Tensor, output_name: str) -> tuple[FastLMHead, list[FastLinear]]:
         """Wait for every packing, swap each FastLinear in, and pack the logits projection (from the
-        checkpoint's own int8 groups when `output_name` was stored as such)."""
+        checkpoint's own int8 or 4-bit groups when `output_name` was stored as such)."""
         try:
-            stored = self._stored.get(output_name)
-            int8 = stored if isinstance(stored, Int8Groups) else None
-            head = self._pool.submit(FastLMHead, output_weight, int8)
+            head = self._pool.submit(FastLMHead, output_weight, self._stored.get(output_name))
             modules = [job.result() for _, job in self._jobs]
             for (slot, _), module in zip(self._jobs, modules, strict=True):
                 setattr(slot.owner, slot.attr, module)
@@ -192,16 +196,13 @@ EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 def stays_stored(model: DecoderLM, name: str, groups: StoredGroups | None) -> bool:
     """Whether the embedding table or an untied lm_head (`name`), stored as `groups`, stays those groups
     once the fast kernels are in, so its float32 matrix is never needed (one process, on CPU, with the
-    native kernels):
-    - the embedding: int8 groups of 16 or 32 (a StoredEmbedding in the q8b layout; tied, the logits
-      head, FastLMHead, takes the same groups under the same conditions), or, untied, 4-bit groups of
-      32 (a StoredEmbedding of 4-bit rows; a tied 4-bit one stays float32 for its logits head);
-    - an untied lm_head: int8 groups of 16 or 32, which become its FastLMHead."""
+    native kernels): int8 groups of 16 or 32 or 4-bit groups of 32, which the logits head (FastLMHead)
+    takes as they are, and a StoredEmbedding reads (a tied embedding: in the head's own bytes)."""
     assert name in (EMBEDDING, LM_HEAD)
     if isinstance(groups, Int8Groups):
         kept = groups.group_size in (16, 32)
     elif isinstance(groups, Int4Groups):
-        kept = name == EMBEDDING and model.lm_head is not None and groups.group_size == 32
+        kept = groups.group_size == 32
     else:
         return False
     embed = model.model.embed_tokens
@@ -220,12 +221,13 @@ def _stored_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> S
     groups = stored.get(EMBEDDING)
     if not stays_stored(model, EMBEDDING, groups):
         return None
-    if isinstance(groups, Int4Groups):
-        return StoredEmbedding(native.pack_int4_rows(groups.q, groups.scale, groups.offset))
-    assert isinstance(groups, Int8Groups)
     if model.lm_head is None:  # tied: look rows up in the logits head's own bytes
         head = model.fast_lm_head
-        return StoredEmbedding(head.q8) if head is not None and head.q8 is not None and head.from_stored else None
+        table = None if head is None or not head.from_stored else head.q8 or head.q4
+        return None if table is None else StoredEmbedding(table)
+    if isinstance(groups, Int4Groups):
+        return StoredEmbedding(native.pack_q4(groups.q, *compact_scales(groups.scale.float(), groups.offset.float())))
+    assert isinstance(groups, Int8Groups)
     return StoredEmbedding(native.pack_q8_blocked(groups.q, groups.scale, groups.group_size))
 
 

@@ -131,9 +131,10 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  * RoPE + K/V store; a = attention(q); h += a W_o and x = norm(h); r = silu(x W_gate) * (x W_up) W_down. After
  * the last layer, out = norm(h += r). The step starts from the token ids and positions: h (the residual
  * stream, a scratch buffer here) is gathered from the embedding table (float32 rows; with embed NULL, the
- * checkpoint's groups, embedding.c: 4-bit rows when embed_offset is given, else an int8 table in the q8b
- * layout with groups of embed_group), each row's cos/sin from the RoPE tables, as DecoderLM.forward's
- * lookups do (the same values).
+ * checkpoint's groups, embedding.c: 4-bit groups in the q4 layout when embed_offset is given, their
+ * scales IEEE half when embed_group_or_f16 is 1, else int8 groups in the q8b layout with groups of
+ * embed_group_or_f16), each row's cos/sin from the RoPE tables, as DecoderLM.forward's lookups do
+ * (the same values).
  */
 typedef struct {         /* one projection: 4-bit (q8_group == 0) or int8 groups */
     const uint8_t *qs;   /* q4: the q4 (or q4a8) layout; int8: the q8b layout */
@@ -163,8 +164,8 @@ static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int 
 }
 
 int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, const int64_t *ids, const float *embed,
-                          const void *embed_qs, const float *embed_scale, const float *embed_offset,
-                          int64_t embed_group, int64_t vocab, int64_t M, int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t I,
+                          const void *embed_qs, const void *embed_scale, const void *embed_offset,
+                          int64_t embed_group_or_f16, int64_t vocab, int64_t M, int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t I,
                           float eps, float attn_scale, const int64_t *positions, const float *cos_table,
                           const float *sin_table, int64_t max_positions, const int64_t *slot_mapping, void *k_cache,
                           void *v_cache, int64_t layer_stride, int kv_f16, const int32_t *block_tables,
@@ -184,9 +185,9 @@ int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, const i
     float *r = malloc(sizeof(float) * (size_t)(M * hidden));
     int rc = (h && cos && sin && x && qkv && attn && o && gu && act && r) ? 0 : -1;
     if (rc == 0 && !embed && embed_offset)
-        rc = onecall_q4_rows(embed_qs, embed_scale, embed_offset, vocab, hidden, ids, M, h);
+        rc = onecall_q4_rows(embed_qs, embed_scale, embed_offset, vocab, hidden, (int)embed_group_or_f16, ids, M, h);
     else if (rc == 0 && !embed)
-        rc = onecall_q8b_rows(embed_qs, embed_scale, vocab, hidden, embed_group, ids, M, h);
+        rc = onecall_q8b_rows(embed_qs, embed_scale, vocab, hidden, embed_group_or_f16, ids, M, h);
     for (int64_t m = 0; rc == 0 && m < M; m++) {
         if (embed) memcpy(h + m * hidden, embed + ids[m] * hidden, sizeof(float) * (size_t)hidden);
         memcpy(cos + m * half, cos_table + positions[m] * half, sizeof(float) * (size_t)half);

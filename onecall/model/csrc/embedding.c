@@ -3,12 +3,14 @@
  *
  *   onecall_q8b_rows  int8 groups (Q8_0, Q6_K) in the q8b layout (gemm.c): the same bytes the logits
  *                     kernel reads when the embedding is tied
- *   onecall_q4_rows   4-bit groups of 32 (Q4_0, Q4_1, Q4_K) row by row (an untied embedding)
+ *   onecall_q4_rows   4-bit groups of 32 (Q4_0, Q4_1, Q4_K) in the q4 layout (gemm.c): the logits
+ *                     head's own bytes when tied, a packed copy when untied
  *
  * q8b: element (n, col) of the (N, K) table lives at qs[n / 16][col / 32][(n % 16) / 8][(col % 32) / 2][n % 8]
  * [col % 2] and its scale at scale[n / 16][col / group_size][(n % 16) / 8][n % 8]; the value is
  * float(q) * scale, the float32 product the GGUF dequantization computes (exact: an int8 times a
  * half-precision scale, or Q6_K's half x int8 sub-scale, fits float32's 24 bits). */
+#include <immintrin.h>
 #include <stdint.h>
 
 #include "kernels.h"
@@ -32,25 +34,37 @@ int onecall_q8b_rows(const int8_t *qs, const float *scale, int64_t N, int64_t K,
     return 0;
 }
 
-/* 4-bit rows: byte i of row n of qs (N, K / 2) holds column 2i in its low nibble and 2i + 1 in its high
- * one; scale, offset (N, K / 32) float32. The value is float(q) * scale + offset, a product then a sum
- * (two float32 roundings, no FMA: the library is built with -ffp-contract=off), as Int4Groups.dequantize
- * computes it. 0 on success, -2 a K it does not take, -3 an id outside 0..N-1 (nothing written). */
-int onecall_q4_rows(const uint8_t *qs, const float *scale, const float *offset, int64_t N, int64_t K,
+/* 4-bit groups of 32 in the q4 layout (gemm.c): element (n, col) of group g = col / 32 is nibble
+ * col % 32 / 16 (low, high) of byte qs[n / 16][g][(n % 16) / 8][(col % 16) / 2][n % 8][col % 2], with
+ * scale and offset at [n / 16][g][(n % 16) / 8][n % 8] (float32, or IEEE half when f16). The value is
+ * float(q) * scale + offset, a product then a sum (two float32 roundings, no FMA: the library is built
+ * with -ffp-contract=off), as Int4Groups.dequantize computes it. 0 on success, -2 a K it does not take,
+ * -3 an id outside 0..N-1 (nothing written). */
+static inline float scalar(const void *p, int64_t i, int f16) {
+    if (f16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+int onecall_q4_rows(const uint8_t *qs, const void *scale, const void *offset, int64_t N, int64_t K, int f16,
                     const int64_t *ids, int64_t M, float *out) {
     if (K % 32) return -2;
     for (int64_t m = 0; m < M; m++)
         if (ids[m] < 0 || ids[m] >= N) return -3;
     const int64_t G = K / 32;
     for (int64_t m = 0; m < M; m++) {
-        const uint8_t *q = qs + ids[m] * (K / 2);
-        const float *sc = scale + ids[m] * G, *of = offset + ids[m] * G;
+        const int64_t n = ids[m], u = n / 16, blk = (n % 16) / 8, b = n % 8;
         float *row = out + m * K;
-        for (int64_t i = 0; i < K / 2; i++) {
-            const float s = sc[(2 * i) / 32], o = of[(2 * i) / 32];
-            const float lo = (float)(q[i] & 0x0F) * s, hi = (float)(q[i] >> 4) * s;
-            row[2 * i] = lo + o;
-            row[2 * i + 1] = hi + o;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t block = (u * G + g) * 2 + blk; /* this row's block of the group */
+            const uint8_t *q = qs + block * 128 + b * 2;  /* + c * 16 + j */
+            const float s = scalar(scale, block * 8 + b, f16), o = scalar(offset, block * 8 + b, f16);
+            for (int64_t c = 0; c < 8; c++)
+                for (int64_t j = 0; j < 2; j++) {
+                    const uint8_t byte = q[c * 16 + j];
+                    const float lo = (float)(byte & 0x0F) * s, hi = (float)(byte >> 4) * s;
+                    row[g * 32 + 2 * c + j] = lo + o;
+                    row[g * 32 + 16 + 2 * c + j] = hi + o;
+                }
         }
     }
     return 0;

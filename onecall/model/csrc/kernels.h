@@ -38,8 +38,9 @@ int onecall_paged_decode_attention(const float *q, int64_t q_stride, const void 
  * success, -2 a group size or K it does not take, -3 an id outside 0..N-1 (nothing written). */
 int onecall_q8b_rows(const int8_t *qs, const float *scale, int64_t N, int64_t K, int64_t group_size,
                      const int64_t *ids, int64_t M, float *out);
-/* embedding.c: the same over 4-bit rows (two columns a byte) with float32 scale and offset per group of 32. */
-int onecall_q4_rows(const uint8_t *qs, const float *scale, const float *offset, int64_t N, int64_t K,
+/* embedding.c: the same over 4-bit groups of 32 in the q4 layout (scale and offset float32, or IEEE half
+ * when f16). */
+int onecall_q4_rows(const uint8_t *qs, const void *scale, const void *offset, int64_t N, int64_t K, int f16,
                     const int64_t *ids, int64_t M, float *out);
 
 #endif /* ONECALL_KERNELS_H */
