@@ -27,7 +27,7 @@ Which rows are "decode" is the step's, not the call's: the engine runs each forw
 request's tokens go through the same kernels whatever else shares its batch (batch invariance;
 tests/test_batch_invariance.py). Outside such a scope (tests, the attention probe) a call of at
 most INT4_MAX_ROWS rows counts as decode. The logits (FastLMHead) of a weight stored as Q8_0 or Q6_K
-run the same native int8 kernel.
+run the same native int8 kernel, of one stored as Q4_0/Q4_1/Q4_K the 4-bit one.
 
 The reference path (`kernels="reference"`) is the oracle the tests compare against.
 """
