@@ -144,7 +144,7 @@ def measure(w: Workload, load: Callable[[Workload], System]) -> dict[str, Any]:
     }
     result["memory"] = {
         "loaded_rss_mb": loaded_rss_mb,  # resident right after the cold-start turn
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,  # Linux: KiB
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,  # Linux: KiB
     }
     result.update(system.extras(result))
     return result

@@ -147,10 +147,11 @@ class DecodeGraphs:
         self.logit_rows = torch.zeros(self.max_bucket + 1, dtype=torch.int64, device=device)
         # a step's values travel in one transfer: written into a host buffer (pinned on CUDA, so the
         # copy is a real asynchronous DMA), copied to one device buffer, then split on the device. The
-        # host buffer is rewritten only by the next step's _fill, which runs after this step's tokens
-        # reached the host (the sampler's sync), so the copy it fed has long completed.
+        # next _fill waits for the previous transfer (an event) before rewriting the host buffer: a
+        # step where nothing samples (a non-final prompt chunk alone) never syncs the host otherwise.
         staged = 3 * tokens + seqs * width + seqs + (seqs + 1) + self.max_bucket + 1
         self._host = torch.empty(staged, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._copied: torch.cuda.Event | None = None  # recorded after each transfer (CUDA only)
         self._staged = torch.empty(staged, dtype=torch.int64, device=device)
         self._graphs: dict[Layout, _Graph] = {}
         self._pool: Any = None  # the CUDA graphs' shared memory pool (a handle from the first graph)
@@ -227,10 +228,15 @@ class DecodeGraphs:
         # 3. one host buffer, one transfer, then each static buffer takes its part on the device
         parts = (ids, pos, slots, padded, lens, starts, logit_rows)
         flat = [v for part in parts for v in part]
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's transfer has read the host buffer
         host = self._host[: len(flat)]
         host.copy_(torch.tensor(flat, dtype=torch.int64))
         staged = self._staged[: len(flat)]
         staged.copy_(host, non_blocking=True)
+        if staged.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         views = staged.split([len(part) for part in parts])
         self.input_ids[:num_tokens].copy_(views[0])
         self.positions[:num_tokens].copy_(views[1])
