@@ -250,13 +250,13 @@ def print_report(results: dict[str, dict[str, Any]], w: Workload, quick: bool) -
     variant that ran)."""
     n_conc, n_tok, plen = len(w.concurrent_prompts), w.concurrent_tokens, len(w.prefill_prompts[0])
     rows = [
-        ("cold_start", "cold start to first token (s)"),
+        ("cold_start", "cold start to first token (s; lower is better)"),
         ("prefill", f"prefill tok/s, {plen}-token prompt (best of {len(w.prefill_prompts)})"),
         ("decode", f"decode tok/s, batch 1, {w.decode_tokens} tokens (best of {w.decode_repeats})"),
         ("long_decode", f"decode tok/s at a {len(w.long_prompt)}-token context, {w.long_tokens} tokens"),
         ("aggregate", f"aggregate tok/s, {n_conc} requests x {n_tok} tokens (best of {w.aggregate_repeats})"),
-        ("loaded_rss", "resident memory after the first token (MB)"),
-        ("peak_rss", "peak resident memory of the whole run (MB)"),
+        ("loaded_rss", "resident after the first token (MB; lower is better)"),
+        ("peak_rss", "peak resident, whole run (MB; lower is better)"),
     ]
     names = list(results)
     peers = [p for p in ("llamacpp", "transformers") if p in names]

@@ -20,7 +20,7 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.fast_embedding import StoredEmbedding
 from onecall.model.fast_linear import compact_scales
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.quants import StoredGroups, dequantize, int4_groups, int8_groups
+from onecall.model.quants import Int8Groups, StoredGroups, dequantize, int4_groups, int8_groups
 from onecall.model.weights import load_weights
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
 from tests.test_fast_linear import _q6_k_blocks, _random_blocks
@@ -64,10 +64,10 @@ def test_4bit_rows_are_the_dequantized_table_bit_for_bit(qtype: T) -> None:
     for scale, offset in (compact_scales(groups.scale, groups.offset), (groups.scale, groups.offset)):
         embed = StoredEmbedding(native.pack_q4(groups.q, scale, offset))
         assert torch.equal(embed(torch.arange(rows)), table)
-    ids = torch.tensor([[36, 0], [5, 5]])
-    assert torch.equal(embed(ids), table[ids])
-    with pytest.raises(IndexError, match=f"{rows} rows"):
-        embed(torch.tensor([rows]))
+        ids = torch.tensor([[36, 0], [5, 5]])
+        assert torch.equal(embed(ids), table[ids])
+        with pytest.raises(IndexError, match=f"{rows} rows"):
+            embed(torch.tensor([rows]))
 
 
 def _load(path: Path, fast: bool) -> DecoderLM:
@@ -141,13 +141,31 @@ def test_an_embedding_in_other_types_stays_float32(tmp_path: Path) -> None:
     assert torch.equal(embed.weight, ref_embed.weight)
 
 
-def test_groups_no_stored_embedding_takes_fill_the_float32_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loader left the table on meta for groups that then found no StoredEmbedding: install fills
-    the float32 table from them, rather than leaving a model without an embedding."""
+def test_groups_no_stored_embedding_takes_are_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader leaves the table on meta only for groups a StoredEmbedding takes (one rule:
+    packing.stays_stored over fast_linear.runs_stored_only). Should that ever break, install raises
+    rather than leaving a model without an embedding."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=True)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q8_0)
     monkeypatch.setattr(packing, "_stored_embedding", lambda model, stored: None)
-    fast, ref = _load(path, fast=True), _load(path, fast=False)
-    embed, ref_embed = fast.model.embed_tokens, ref.model.embed_tokens
-    assert isinstance(embed, torch.nn.Embedding) and isinstance(ref_embed, torch.nn.Embedding)
-    assert torch.equal(embed.weight, ref_embed.weight)
+    with pytest.raises(RuntimeError, match="embed_tokens"):
+        _load(path, fast=True)
+
+
+def test_a_meta_output_weight_needs_groups_the_kernels_run() -> None:
+    """FastLMHead over a weight the loader never made (meta) must take the stored groups as they are;
+    groups it cannot run are a clear error, not a failure deep inside a meta tensor."""
+    from onecall.model.fast_linear import FastLMHead
+
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    head = FastLMHead(torch.empty(64, 64, device="meta"), _int8(w, 32))
+    assert head.from_stored and head.q8 is not None
+    with pytest.raises(ValueError, match="stored groups"):  # groups of 64: no native kernel runs them
+        FastLMHead(torch.empty(64, 64, device="meta"), _int8(w, 64))
+
+
+def _int8(w: torch.Tensor, group: int) -> Int8Groups:
+    groups = w.view(w.shape[0], -1, group)
+    scale = groups.abs().amax(-1) / 127
+    q = torch.round(groups / scale.unsqueeze(-1)).to(torch.int8).view_as(w)
+    return Int8Groups(q, scale, group_size=group)

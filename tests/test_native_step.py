@@ -131,12 +131,13 @@ def test_a_token_id_or_position_outside_the_tables_is_refused_before_anything_is
     meta = build_attention_metadata(tables[:2], [6, 3], [1, 1], BLOCK, "cpu")
     cos, sin = model.rotary.cos, model.rotary.sin  # type: ignore[union-attr]
     ok_ids, ok_pos = torch.tensor([5, 7]), torch.tensor([5, 2])
-    for ids, pos in (
-        (torch.tensor([5, c.vocab_size]), ok_pos),
-        (torch.tensor([-1, 7]), ok_pos),
-        (ok_ids, torch.tensor([5, cos.shape[0]])),
+    for ids, pos, what in (
+        (torch.tensor([5, c.vocab_size]), ok_pos, "vocabulary"),
+        (torch.tensor([-1, 7]), ok_pos, "vocabulary"),
+        (ok_ids, torch.tensor([5, cos.shape[0]]), "RoPE tables"),
+        (ok_ids, torch.tensor([-1, 2]), "RoPE tables"),
     ):
-        with torch.inference_mode(), decode_rows(2), pytest.raises(IndexError, match="vocabulary"):
+        with torch.inference_mode(), decode_rows(2), pytest.raises(IndexError, match=what):
             step(ids, pos, cos, sin, cache, meta)
         assert not cache.k.any() and not cache.v.any()
     with torch.inference_mode(), decode_rows(2):

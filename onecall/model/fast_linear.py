@@ -350,13 +350,15 @@ class FastLMHead(nn.Module):
         self.q4: native.Q4Packed | None = None
         self.packed: torch.Tensor | None = None
         self.from_stored = False  # q8 / q4 hold the checkpoint's own groups (bit-exact), no re-quantization
-        usable = stored is not None and tuple(stored.q.shape) == tuple(w.shape) and w.shape[1] % 32 == 0
-        if isinstance(stored, Int8Groups) and usable and stored.group_size in (16, 32) and _native() is not None:
+        usable = stored is not None and tuple(stored.q.shape) == tuple(w.shape) and runs_stored_only(stored)
+        if usable and isinstance(stored, Int8Groups):
             self.q8 = native.pack_q8_blocked(stored.q, stored.scale, stored.group_size)
             self.from_stored = True
-        elif isinstance(stored, Int4Groups) and usable and stored.group_size == 32 and _native() is not None:
+        elif usable and isinstance(stored, Int4Groups):
             self.q4 = native.pack_q4(stored.q, *compact_scales(stored.scale.float(), stored.offset.float()))
             self.from_stored = True
+        elif w.is_meta:  # the loader skipped the float32 matrix only for groups the rule above takes
+            raise ValueError("the output weight was left to its stored groups, but they are not ones the native kernels run")
         elif w.shape[1] % 32 == 0 and _native() is not None:
             q, scale = native.quantize_q8_groups(w)
             err = (q.view(w.shape[0], -1, 32).float() * scale.unsqueeze(-1)).view_as(w).sub_(w).abs_().max()

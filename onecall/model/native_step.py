@@ -98,7 +98,7 @@ class NativeDecodeStep:
         self._lib = lib
         self._layers = layers  # the tensors these structs point at are the model's own
         self._final_norm = model.norm
-        embed = model.embed_tokens  # build() checked it: float32 rows, or int8 groups (fast_embedding.py)
+        embed = model.embed_tokens  # build() checked it: float32 rows, or int8 / 4-bit groups (fast_embedding.py)
         self._embed_f32 = embed.weight if isinstance(embed, nn.Embedding) else None
         self._embed_groups = embed.table if isinstance(embed, StoredEmbedding) else None
         self._vocab = embed.num_embeddings
@@ -126,7 +126,7 @@ class NativeDecodeStep:
             or not embed.weight.is_contiguous()
             or embed.weight.device.type != "cpu"
         ):
-            return None  # the step gathers its rows in C: from a float32 table or int8 groups
+            return None  # the step gathers its rows in C: from a float32 table or int8 / 4-bit groups
         structs = []
         for layer in layers:
             attn, mlp = layer.self_attn, cast(MLP, layer.mlp)  # checked above: every MLP is dense
@@ -175,7 +175,9 @@ class NativeDecodeStep:
         d = meta.decode
         assert d is not None and input_ids.dtype == positions.dtype == torch.int64
         assert input_ids.is_contiguous() and positions.is_contiguous()
-        assert cos_table.is_contiguous() and sin_table.is_contiguous() and cos_table.dtype == torch.float32
+        assert cos_table.is_contiguous() and sin_table.is_contiguous()
+        assert cos_table.dtype == sin_table.dtype == torch.float32 and cos_table.shape == sin_table.shape
+        assert cos_table.shape[1] == self._head_dim // 2, "RoPE tables hold head_dim / 2 columns"
         m = input_ids.shape[0]
         out = torch.empty(m, self._hidden)
         k, v = kv_cache.k, kv_cache.v
@@ -195,9 +197,8 @@ class NativeDecodeStep:
         if rc == -1:
             raise MemoryError("onecall_decode_layers: out of memory for its activation buffers")
         if rc == -3:
-            raise IndexError(
-                f"onecall_decode_layers: a token id outside the vocabulary ({self._vocab}) or a "
-                f"position outside the RoPE tables ({cos_table.shape[0]})"
-            )
+            raise IndexError(f"onecall_decode_layers: a token id outside the vocabulary ({self._vocab})")
+        if rc == -4:
+            raise IndexError(f"onecall_decode_layers: a position outside the RoPE tables ({cos_table.shape[0]})")
         assert rc == 0, f"onecall_decode_layers refused the shapes (rc {rc})"
         return out

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from onecall.model import native
-from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weight
+from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.fast_embedding import StoredEmbedding
 from onecall.model.fast_linear import (
     FastLinear,
@@ -169,11 +169,11 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
         embedding = _stored_embedding(model, packer.stored)
         if embedding is not None:  # the float32 table goes, or was never made (fast_embedding.py)
             model.model.embed_tokens = embedding
-        elif isinstance(embed := model.model.embed_tokens, nn.Embedding) and embed.weight.is_meta:
-            # the loader kept the groups but no StoredEmbedding took them (were stays_stored's conditions
-            # and FastLMHead's ever to differ): the float32 table after all, not a model without one
-            materialize_weight(model, embed).copy_(packer.stored[EMBEDDING].dequantize())
         model.native_step = NativeDecodeStep.build(model.model)
+    # the loader left the table on meta only where stays_stored said a StoredEmbedding takes its groups
+    embed = model.model.embed_tokens
+    if isinstance(embed, nn.Embedding) and embed.weight.is_meta:
+        raise RuntimeError(f"{EMBEDDING} was left to its stored groups, but no stored embedding took them")
     pieces = []
     every_row = [m for m in modules if m.every_row]  # every row on the stored groups' native kernels
     if every_row:
@@ -195,24 +195,18 @@ EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 def stays_stored(model: DecoderLM, name: str, groups: StoredGroups | None) -> bool:
     """Whether the embedding table or an untied lm_head (`name`), stored as `groups`, stays those groups
-    once the fast kernels are in, so its float32 matrix is never needed (one process, on CPU, with the
-    native kernels): int8 groups of 16 or 32 or 4-bit groups of 32, which the logits head (FastLMHead)
-    takes as they are, and a StoredEmbedding reads (a tied embedding: in the head's own bytes)."""
+    once the fast kernels are in, so its float32 matrix is never needed (one process, on CPU): exactly
+    the groups the native kernels run as they are (fast_linear.runs_stored_only, the rule FastLMHead
+    also follows), of the table's shape. A StoredEmbedding then reads them (tied: the head's own bytes)."""
     assert name in (EMBEDDING, LM_HEAD)
-    if isinstance(groups, Int8Groups):
-        kept = groups.group_size in (16, 32)
-    elif isinstance(groups, Int4Groups):
-        kept = groups.group_size == 32
-    else:
+    if groups is None:
         return False
     embed = model.model.embed_tokens
     return (
-        kept
-        and model.tp is None
-        and tuple(groups.q.shape) == (embed.num_embeddings, embed.embedding_dim)
-        and embed.embedding_dim % 32 == 0
+        model.tp is None
         and model.model.norm.weight.device.type == "cpu"
-        and native.load() is not None
+        and tuple(groups.q.shape) == (embed.num_embeddings, embed.embedding_dim)
+        and runs_stored_only(groups)
     )
 
 

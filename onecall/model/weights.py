@@ -144,7 +144,7 @@ def load_weights(
             if owner is not None and owner.weight.is_meta:  # left on meta by pack_on_load
                 groups = stored_weights.get(name) if tensor.is_meta and stored_weights is not None else None
                 if packer is not None and stays_stored(model, name, groups):
-                    loaded.add(name)  # stays the stored int8 groups: install() takes them from there
+                    loaded.add(name)  # stays the stored groups: install() takes them from there
                     continue
                 table[name] = (materialize_weight(model, owner), 0, tensor.shape[0])
             if name not in table:

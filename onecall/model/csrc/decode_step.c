@@ -163,6 +163,8 @@ static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int 
     return onecall_q4_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
 }
 
+/* Returns 0 on success, -1 out of memory for the activation buffers, -3 a token id outside 0..vocab-1,
+ * -4 a position outside the RoPE tables (for -3 and -4 nothing was written). */
 int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, const int64_t *ids, const float *embed,
                           const void *embed_qs, const void *embed_scale, const void *embed_offset,
                           int64_t embed_group_or_f16, int64_t vocab, int64_t M, int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t I,
@@ -172,8 +174,10 @@ int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, const i
                           int64_t max_blocks, const int32_t *seq_lens, int64_t block_size,
                           const float *final_norm, float *out, int num_threads) {
     const int64_t width = (H + 2 * KVH) * D, elem = kv_f16 ? 2 : 4, half = D / 2;
-    for (int64_t m = 0; m < M; m++) /* checked before anything is written: a bad row costs nothing */
-        if (ids[m] < 0 || ids[m] >= vocab || positions[m] < 0 || positions[m] >= max_positions) return -3;
+    for (int64_t m = 0; m < M; m++) { /* checked before anything is written: a bad row costs nothing */
+        if (ids[m] < 0 || ids[m] >= vocab) return -3;
+        if (positions[m] < 0 || positions[m] >= max_positions) return -4;
+    }
     float *h = malloc(sizeof(float) * (size_t)(M * hidden));
     float *cos = malloc(sizeof(float) * (size_t)(M * half)), *sin = malloc(sizeof(float) * (size_t)(M * half));
     float *x = malloc(sizeof(float) * (size_t)(M * hidden));
