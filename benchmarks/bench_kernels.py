@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py              # every kernel, batch 1 and 16, contexts 400 and 4,000
     python benchmarks/bench_kernels.py --rows 1,4   # other batch sizes
+    python benchmarks/bench_kernels.py --against HEAD~1   # A/B the GEMMs against another revision's
 
 What it times (the best of --repeats calls after a warm-up: on a shared machine the minimum is the
 figure that repeats; each kernel called the way the engine calls it), and the bytes each call must read, so each line is also an achieved bandwidth:
@@ -21,6 +22,11 @@ figure that repeats; each kernel called the way the engine calls it), and the by
 
 The weights of the four projection shapes are read from L3/DRAM in a loop over 30 layers' worth of
 copies, so the figure is not a cache-resident one. The last line is one JSON object.
+
+--against REV builds REV's onecall/model/csrc (git archive, same compiler and flags) beside this
+tree's kernels and times the q4 and q8 GEMMs of both in turn (a, b, a, b, ...), so both see the same
+moments of the machine: on a shared machine whose speed drifts by 25% between runs, two separate
+runs cannot show a 10% change, an interleaved A/B can. It also says whether the two gave the same bits.
 """
 
 from __future__ import annotations
@@ -28,15 +34,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from onecall import LLM
-from onecall.model import native
+from onecall.model import native, native_build
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.fast_linear import FastLinear, decode_rows
 from onecall.model.kv_cache import PagedKVCache
@@ -98,6 +107,46 @@ def bench_q4(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[s
             s = timed(functools.partial(_q4_layers, lib, mods, x), repeats) / len(mods)
             out.append({"kernel": f"q4 {name} {mods[0].out_features}x{mods[0].in_features}", "rows": m,
                         "us": s * 1e6, "gb_per_s": nbytes / s / 1e9})  # fmt: skip
+    return out
+
+
+def other_revision(rev: str, tmp: Path) -> Any:
+    """REV's kernel sources, built and loaded (native_build.load_from)."""
+    repo = Path(__file__).resolve().parent.parent
+    tar = subprocess.run(["git", "-C", str(repo), "archive", rev, "onecall/model/csrc"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=tar.stdout, check=True)
+    return native_build.load_from(tmp / "onecall" / "model" / "csrc", tmp)
+
+
+def ab_gemms(model: Any, rows: list[int], repeats: int, lib: Any, other: Any, rev: str) -> list[dict[str, Any]]:
+    """This tree's q4 and q8 GEMMs against REV's, interleaved, on the same weights and inputs."""
+    out = []
+    layers = list(model.model.layers)
+    cases: list[tuple[str, Callable[[Any, torch.Tensor], Any], int]] = []
+    for owner, name in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj")):
+        mods: list[FastLinear] = [getattr(getattr(layer, owner), name) for layer in layers]
+        q4s = [m.q4 for m in mods]
+        assert all(q is not None for q in q4s), "the embedded model's projections are 4-bit"
+
+        def q4(lib: Any, x: torch.Tensor, q4s: list[Any] = q4s, mods: list[FastLinear] = mods) -> Any:
+            return [native.q4_gemm(lib, x, q, m.bias, torch.get_num_threads()) for q, m in zip(q4s, mods)]
+
+        cases.append((f"q4 {name} {mods[0].out_features}x{mods[0].in_features} (x{len(mods)})", q4, mods[0].in_features))
+    head = model.fast_lm_head
+    if head is not None and head.q8 is not None:
+        w = head.q8
+
+        def q8(lib: Any, x: torch.Tensor) -> Any:
+            return [native.q8_blocked_gemm(lib, x, w, None, torch.get_num_threads())]
+
+        cases.append((f"q8 logits {w.out_features}x{w.in_features}", q8, w.in_features))
+    for label, fn, k in cases:
+        for m in rows:
+            x = torch.randn(m, k)
+            same = all(torch.equal(a, b) for a, b in zip(fn(lib, x), fn(other, x)))
+            ours, theirs = timed_pair([functools.partial(fn, lib, x), functools.partial(fn, other, x)], repeats)
+            out.append({"kernel": label, "rows": m, "us": ours * 1e6, f"us_{rev}": theirs * 1e6,
+                        "speedup": theirs / ours, "same_bits": same})  # fmt: skip
     return out
 
 
@@ -225,6 +274,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16", help="batch sizes (rows per call)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", metavar="REV", help="A/B the GEMMs against this git revision's kernels")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -234,6 +284,17 @@ def main() -> None:
     llm = LLM(kv_cache_gib=0.1)
     model = llm.engine.parts.model
     results: dict[str, Any] = {"kernels": llm.engine.parts.kernels, "threads": args.threads}
+    if args.against:
+        with tempfile.TemporaryDirectory() as tmp:
+            other = other_revision(args.against, Path(tmp))
+            ab = ab_gemms(model, rows, args.repeats, lib, other, args.against)
+        print(f"{'kernel':44} {'rows':>5} {'this tree us':>13} {args.against + ' us':>14} {'speedup':>8}  bits")
+        for r in ab:
+            same = "same" if r["same_bits"] else "DIFFER"
+            print(f"{r['kernel']:44} {r['rows']:>5} {r['us']:>13.1f} {r[f'us_{args.against}']:>14.1f} "
+                  f"{r['speedup']:>7.2f}x  {same}")  # fmt: skip
+        print(json.dumps({**results, "against": args.against, "ab": ab}))
+        return
     results["copy_gb_per_s"] = copy_bandwidth() / 1e9
     print(f"copy bandwidth (read + write): {results['copy_gb_per_s']:.1f} GB/s; {results['kernels']}")
     rows_out = bench_q4(model, rows, args.repeats, lib) + bench_q8(model, rows, args.repeats, lib)

@@ -19,6 +19,8 @@ Tolerances, written down:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,6 +176,24 @@ def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ONECALL_NATIVE_KERNELS", "0")
     with pytest.raises(native_build._Unavailable, match="ONECALL_NATIVE_KERNELS=0"):
         native_build._build_and_load()
+
+
+def test_a_second_copy_of_the_sources_loads_beside_the_first(tmp_path: Path) -> None:
+    """load_from (bench_kernels.py --against): the same sources built apart give the same bits, and a
+    source that does not compile is a RuntimeError saying so."""
+    assert LIB is not None
+    csrc = Path(native_build.__file__).parent / "csrc"
+    other = native_build.load_from(csrc, tmp_path)
+    q = torch.randint(0, 16, (48, 64), dtype=torch.uint8)
+    scale = torch.rand(48, 2) * 0.01
+    w = native.pack_q4(q, scale, -8 * scale)
+    x = torch.randn(5, 64)
+    assert torch.equal(native.q4_gemm(other, x, w, None, 2), native.q4_gemm(LIB, x, w, None, 2))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "k.c").write_text("int f( {")
+    with pytest.raises(RuntimeError, match="building the kernels failed"):
+        native_build.load_from(broken, broken)
 
 
 def test_silu_mul_matches_torch() -> None:

@@ -75,6 +75,23 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
+def load_from(csrc: Path, out_dir: Path) -> ctypes.CDLL:
+    """Another copy of the kernel sources (every .c file in `csrc`, e.g. an older revision's) built
+    with the same compiler and flags into `out_dir` and loaded beside this one, for an A/B in one
+    process (benchmarks/bench_kernels.py --against). Not cached; raises RuntimeError if it cannot be
+    built. Its functions are declared with this version's argument lists."""
+    compiler = _compiler()
+    out = out_dir / "onecall-kernels-other.so"
+    try:
+        _compile(compiler, sorted(csrc.glob("*.c")), out)
+    except _Unavailable as e:
+        raise RuntimeError(str(e)) from e
+    torch.ones(1).add_(1)  # torch's libgomp first, as load() does
+    lib = ctypes.CDLL(str(out))
+    _declare(lib)
+    return lib
+
+
 def unavailable_reason() -> str | None:
     """Why load() returned None (after it was called), else None."""
     return _reason
@@ -90,9 +107,7 @@ def _build_and_load() -> ctypes.CDLL:
     missing = [f for f in _REQUIRED_CPU_FLAGS if f not in cpu_flags()]
     if missing:
         raise _Unavailable(f"this CPU lacks {', '.join(missing)}")
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise _Unavailable("no C compiler (cc or gcc) on PATH")
+    compiler = _compiler()
     path = _cached_library(compiler)
     torch.ones(1).add_(1)  # torch's libgomp is loaded (it is, once torch is imported); reuse it
     try:
@@ -101,6 +116,24 @@ def _build_and_load() -> ctypes.CDLL:
         raise _Unavailable(f"could not load {path}: {e}") from e
     _declare(lib)
     return lib
+
+
+def _compiler() -> str:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise _Unavailable("no C compiler (cc or gcc) on PATH")
+    return compiler
+
+
+def _compile(compiler: str, sources: list[Path], out: Path) -> None:
+    try:
+        result = subprocess.run(
+            [compiler, *_FLAGS, "-o", str(out), *map(str, sources), "-lm"], capture_output=True, text=True, timeout=300
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise _Unavailable(f"building the kernels failed: {e}") from e
+    if result.returncode != 0:
+        raise _Unavailable(f"building the kernels failed: {result.stderr.strip()[-500:]}")
 
 
 def _cached_library(compiler: str) -> Path:
@@ -120,14 +153,7 @@ def _cached_library(compiler: str) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             out = Path(tmp) / path.name
-            result = subprocess.run(
-                [compiler, *_FLAGS, "-o", str(out), *map(str, _SOURCES), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if result.returncode != 0:
-                raise _Unavailable(f"building the kernels failed: {result.stderr.strip()[-500:]}")
+            _compile(compiler, list(_SOURCES), out)
             os.replace(out, path)  # atomic: a concurrent start sees no half-written library
     except (OSError, subprocess.SubprocessError) as e:
         raise _Unavailable(f"building the kernels failed: {e}") from e

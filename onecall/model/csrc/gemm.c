@@ -146,6 +146,7 @@ static inline __attribute__((always_inline)) void q4_unit_tile(const int MT, con
             for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg0 + Q4_PREFETCH * 256 + 64 * l), _MM_HINT_T0);
         __m256i a0[Q4_PAIR_TILE], a1[Q4_PAIR_TILE];
         for (int i = 0; i < MT; i++) a0[i] = a1[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
             const __m256i wb0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg0 + c * 16)));
             const __m256i wb1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg1 + c * 16)));
@@ -164,6 +165,10 @@ static inline __attribute__((always_inline)) void q4_unit_tile(const int MT, con
                 const __m256i b = _mm256_set1_epi32(xh);
                 a0[i] = _mm256_add_epi32(a0[i], _mm256_madd_epi16(hi0, b));
                 a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(hi1, b));
+                /* keep each running sum in its register as written: left alone, GCC reassociates the
+                 * unrolled int32 adds into trees and spills the madd results to the stack (measured:
+                 * 15-20% slower at one row, ~10% at 16) */
+                __asm__("" : "+x"(a0[i]), "+x"(a1[i]));
             }
         }
         const __m256 sc0 = load8(su + g * 16 * es, f16), of0 = load8(ou + g * 16 * es, f16);
@@ -450,20 +455,23 @@ static inline __attribute__((always_inline)) void q8b_tile(const int MT, const i
             for (int l = 0; l < 8; l++) _mm_prefetch((const char *)wg + Q8B_PREFETCH * 512 + 64 * l, _MM_HINT_T0);
         for (int k = 0; k < 2; k++)
             for (int i = 0; i < MT; i++) a[k][i] = _mm256_setzero_si256();
-        for (int c = 0; c < 16; c++) {
-            if (G16 && c == 8) { /* the first 16 columns end a scale group */
+        for (int half = 0; half < 2; half++) { /* columns 0-15, then 16-31 */
+            if (G16 && half == 1) { /* the first 16 columns end a scale group */
                 q8b_scale(MT, acc, a, r, m0, G, su + 2 * g * 16, g);
                 for (int k = 0; k < 2; k++)
                     for (int i = 0; i < MT; i++) a[k][i] = _mm256_setzero_si256();
             }
-            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + c * 16)));
-            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + 256 + c * 16)));
-            for (int i = 0; i < MT; i++) {
-                int32_t xp; /* the column pair's two int16 activations, broadcast to every 32-bit lane */
-                memcpy(&xp, r->q + (m0 + i) * K + g * 32 + 2 * c, 4);
-                const __m256i b = _mm256_set1_epi32(xp);
-                a[0][i] = _mm256_add_epi32(a[0][i], _mm256_madd_epi16(w0, b));
-                a[1][i] = _mm256_add_epi32(a[1][i], _mm256_madd_epi16(w1, b));
+#pragma GCC unroll 8 /* unrolled, with no scale-group test inside: 15% faster at 16 rows (measured) */
+            for (int c = 8 * half; c < 8 * half + 8; c++) {
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + c * 16)));
+                const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + 256 + c * 16)));
+                for (int i = 0; i < MT; i++) {
+                    int32_t xp; /* the column pair's two int16 activations, broadcast to every 32-bit lane */
+                    memcpy(&xp, r->q + (m0 + i) * K + g * 32 + 2 * c, 4);
+                    const __m256i b = _mm256_set1_epi32(xp);
+                    a[0][i] = _mm256_add_epi32(a[0][i], _mm256_madd_epi16(w0, b));
+                    a[1][i] = _mm256_add_epi32(a[1][i], _mm256_madd_epi16(w1, b));
+                }
             }
         }
         q8b_scale(MT, acc, a, r, m0, G, su + (G16 ? 2 * g + 1 : g) * 16, g);
