@@ -1,18 +1,24 @@
 """The systems bench_engine.py compares (onecall, onecall-int8: the same with --int8-activations,
 transformers, llama.cpp), each measured inside its own fresh child process.
 
-A child runs one system on one shared Workload (the same token ids for everyone) and reports on
-stdout with tagged lines the parent reads:
+A child runs one system on one shared Workload (the same token ids for everyone). It reports on
+stdout with tagged lines the parent reads, and takes one command a line on stdin ({"phase": ...,
+"repeat": i}, then {"phase": "finish"}):
 
     @@bench first_token {"marks": {...}, ...}   as soon as the cold-start chat turn has its token
-    @@bench result {...}                        all metrics, once, at the end
+    @@bench run {"tokens_per_s": ...}           each timed run the parent asked for, when done
+    @@bench result {...}                        all metrics, once, after "finish"
 
-Each system is a small adapter (load, first_token, prefill, decode, serve) and one function,
-`measure`, times all of them the same way, so the numbers mean the same thing in each column:
+The parent (bench_engine.py) interleaves the systems: every system is started first (one at a time,
+for its cold start), then each timed run (`schedule`) goes to every system in turn while the others
+wait idle, so a phase's runs of all systems share the same minutes of a machine whose speed drifts.
+
+Each system is a small adapter (load, first_token, prefill, decode, serve) and one class,
+`Measurement`, times all of them the same way, so the numbers mean the same thing in each column:
   1. cold start: imports + model load + a short chat turn generating 1 token (the process is new)
   2. prefill: the forward of each long prompt producing 1 token, wall time, best of the repeats
   3. decode at batch 1: greedy, EOS ignored; tokens/s over the gaps between generated tokens, so the
-     prefill (the first token) is excluded
+     prefill (the first token) is excluded; the same at a long context, best of its repeats
   4. aggregate: all concurrent prompts, greedy, EOS ignored; total generated tokens / wall time,
      best of the repeats (as prefill and decode are: every system gets its best of the same
      number of runs, so a noisy moment on a shared machine does not decide a ratio)
@@ -50,6 +56,7 @@ class Workload:
     decode_repeats: int
     long_prompt: list[int]  # decode at a long context: this prompt, then long_tokens greedy tokens
     long_tokens: int
+    long_repeats: int
     concurrent_prompts: list[list[int]]
     concurrent_tokens: int
     aggregate_repeats: int  # runs of the concurrent batch; the best one is reported
@@ -98,56 +105,76 @@ class System(Protocol):
     def extras(self, result: dict[str, Any]) -> dict[str, Any]: ...  # system-specific figures
 
 
-def measure(w: Workload, load: Callable[[Workload], System]) -> dict[str, Any]:
-    """The four phases, timed identically for every system; returns the result dict."""
-    # 1. cold start (the parent times spawn -> this line)
-    system = load(w)
-    w.mark("loaded")
-    token_ids = system.first_token()
-    w.mark("first_token")
-    loaded_rss_mb = resident_mb()
-    emit("first_token", {"marks": dict(w.marks), "token_ids": token_ids})
+PHASES = ("prefill", "decode", "long_decode", "aggregate")
 
-    # 2. prefill, a different prompt per repeat
-    prefill_rates = []
-    for ids in w.prefill_prompts:
-        t0 = time.perf_counter()
-        system.prefill(ids)
-        prefill_rates.append(len(ids) / (time.perf_counter() - t0))
 
-    # 3. decode at batch 1
-    decode_rates = [
-        decode_rate(system.decode(w.decode_prompt, w.decode_tokens)) for _ in range(w.decode_repeats)
-    ]
+def schedule(w: Workload) -> list[tuple[str, int]]:
+    """Every timed run as (phase, repeat), in the order the parent asks for them; the parent hands
+    each one to every system in turn before the next, so all systems' runs of a phase are spread over
+    the same minutes of the machine."""
+    counts = {"prefill": len(w.prefill_prompts), "decode": w.decode_repeats, "long_decode": w.long_repeats,
+              "aggregate": w.aggregate_repeats}  # fmt: skip
+    return [(phase, i) for phase in PHASES for i in range(counts[phase])]
 
-    # 3b. decode at a long context (prefill excluded: the rate is over the gaps between tokens)
-    long_rate = decode_rate(system.decode(w.long_prompt, w.long_tokens))
 
-    # 4. aggregate over the concurrent prompts, best of the repeats
-    runs: list[dict[str, Any]] = []
-    for _ in range(w.aggregate_repeats):
-        t0 = time.perf_counter()
-        num_generated = system.serve(w.concurrent_prompts, w.concurrent_tokens)
-        wall = time.perf_counter() - t0
-        num_requests, partial = divmod(num_generated, w.concurrent_tokens)
-        assert num_requests and not partial, f"{num_generated} tokens is not a whole number of requests"
-        runs.append({"tokens_per_s": num_generated / wall, "num_generated": num_generated, "wall_s": wall,
-                     "num_requests": num_requests})  # fmt: skip
-    rates = [r["tokens_per_s"] for r in runs]
-    aggregate = max(runs, key=lambda r: r["tokens_per_s"])
-    aggregate.update(median=statistics.median(rates), runs=rates, mode=system.aggregate_mode)
-    result = {
-        "prefill_tokens_per_s": summarize(prefill_rates),
-        "decode_tokens_per_s": summarize(decode_rates),
-        "long_decode": {"tokens_per_s": long_rate, "context": len(w.long_prompt), "tokens": w.long_tokens},
-        "aggregate": aggregate,
-    }
-    result["memory"] = {
-        "loaded_rss_mb": loaded_rss_mb,  # resident right after the cold-start turn
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,  # Linux: KiB
-    }
-    result.update(system.extras(result))
-    return result
+class Measurement:
+    """One system inside its child process: the cold start when made, then one timed run per call of
+    `run` (timed identically for every system), then `result()` with every figure."""
+
+    def __init__(self, w: Workload, load: Callable[[Workload], System]) -> None:
+        # 1. cold start (the parent times spawn -> the first_token line)
+        self.w = w
+        self.system = load(w)
+        w.mark("loaded")
+        token_ids = self.system.first_token()
+        w.mark("first_token")
+        self.loaded_rss_mb = resident_mb()
+        self.runs: dict[str, list[dict[str, Any]]] = {phase: [] for phase in PHASES}
+        emit("first_token", {"marks": dict(w.marks), "token_ids": token_ids})
+
+    def run(self, phase: str, i: int) -> dict[str, Any]:
+        w, system = self.w, self.system
+        if phase == "prefill":  # 2. a different prompt per repeat
+            ids = w.prefill_prompts[i]
+            t0 = time.perf_counter()
+            system.prefill(ids)
+            run: dict[str, Any] = {"tokens_per_s": len(ids) / (time.perf_counter() - t0)}
+        elif phase == "decode":  # 3. batch 1
+            run = {"tokens_per_s": decode_rate(system.decode(w.decode_prompt, w.decode_tokens))}
+        elif phase == "long_decode":  # 3b. at a long context (prefill excluded: the gaps between tokens)
+            run = {"tokens_per_s": decode_rate(system.decode(w.long_prompt, w.long_tokens))}
+        elif phase == "aggregate":  # 4. every concurrent prompt
+            t0 = time.perf_counter()
+            num_generated = system.serve(w.concurrent_prompts, w.concurrent_tokens)
+            wall = time.perf_counter() - t0
+            num_requests, partial = divmod(num_generated, w.concurrent_tokens)
+            assert num_requests and not partial, f"{num_generated} tokens is not a whole number of requests"
+            run = {"tokens_per_s": num_generated / wall, "num_generated": num_generated, "wall_s": wall,
+                   "num_requests": num_requests}  # fmt: skip
+        else:
+            raise ValueError(f"unknown phase {phase!r}")
+        self.runs[phase].append(run)
+        return run
+
+    def result(self) -> dict[str, Any]:
+        """Each phase's best run (and median, and all runs), memory, and the system's extras."""
+        rates = {phase: [r["tokens_per_s"] for r in runs] for phase, runs in self.runs.items()}
+        aggregate = dict(max(self.runs["aggregate"], key=lambda r: r["tokens_per_s"]))
+        aggregate.update(median=statistics.median(rates["aggregate"]), runs=rates["aggregate"],
+                         mode=self.system.aggregate_mode)  # fmt: skip
+        result: dict[str, Any] = {
+            "prefill_tokens_per_s": summarize(rates["prefill"]),
+            "decode_tokens_per_s": summarize(rates["decode"]),
+            "long_decode": {"tokens_per_s": max(rates["long_decode"]), "runs": rates["long_decode"],
+                            "context": len(self.w.long_prompt), "tokens": self.w.long_tokens},  # fmt: skip
+            "aggregate": aggregate,
+            "memory": {
+                "loaded_rss_mb": self.loaded_rss_mb,  # resident right after the cold-start turn
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,  # Linux: KiB
+            },
+        }
+        result.update(self.system.extras(result))
+        return result
 
 
 def resident_mb() -> float:

@@ -4,8 +4,12 @@
     python benchmarks/bench_engine.py --quick              # small sizes, a smoke run
     python benchmarks/bench_engine.py --only onecall,llamacpp --dtype bfloat16
 
-Each system runs in its own fresh Python process (see _peers.py), one after another, on the same
-token ids (built here by tokenizing a seeded deterministic text). Metrics, per system:
+Each system runs in its own fresh Python process (see _peers.py) on the same token ids (built here by
+tokenizing a seeded deterministic text). The processes are started one at a time (each cold start
+has the machine to itself), then the timed runs are interleaved: each run goes to every system in
+turn (the others wait idle), so the systems' runs of a metric share the same minutes of a machine
+whose speed drifts by tens of percent from one minute to the next, and a ratio compares like with
+like. Metrics, per system:
 
   cold start     wall seconds, measured here, from spawning the process to reading its line
                  announcing the first generated token of a short chat turn (imports, model load,
@@ -13,6 +17,7 @@ token ids (built here by tokenizing a seeded deterministic text). Metrics, per s
   prefill        tokens/s of the forward of a 1,024-token prompt producing 1 token (best of 3,
                  each repeat a different prompt so no prefix cache can serve it)
   decode         tokens/s at batch 1 over 128 greedy tokens, EOS ignored, prefill excluded (best of 2)
+  long decode    the same over 64 tokens after a 4,000-token prompt (best of 2)
   aggregate      16 different short prompts x 128 tokens: generated tokens / wall seconds
                  (transformers: one left-padded batched generate; llama.cpp: one after another, as
                  its high-level API serves a single sequence, stopping after a 60 s budget: requests
@@ -40,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _peers import LOADERS, SYSTEMS, TAG, Workload, measure
+from _peers import LOADERS, SYSTEMS, TAG, Measurement, Workload, emit, schedule
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 TOPICS = (
@@ -80,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for every system")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--model", default=None, help="GGUF file (default: onecall's embedded SmolLM2)")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per system")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per cold start and per timed run")
     ap.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--workload", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -150,6 +155,7 @@ def build_workload(args: argparse.Namespace, path: Path) -> tuple[Workload, str]
         decode_repeats=decode_repeats,
         long_prompt=long_ids,
         long_tokens=long_tokens,
+        long_repeats=1 if args.quick else 2,
         concurrent_prompts=prompts,
         concurrent_tokens=num_tokens,
         aggregate_repeats=aggregate_repeats,
@@ -163,54 +169,104 @@ def build_workload(args: argparse.Namespace, path: Path) -> tuple[Workload, str]
     return workload, tokenizer_name
 
 
-# ---- parent: one child process per system -------------------------------------------------------
-def run_system(system: str, workload: Workload, timeout: float) -> dict[str, Any]:
-    """Spawn a fresh process for `system`; cold start = spawn -> its first-token line arrives."""
-    with tempfile.TemporaryDirectory() as tmp:
+# ---- parent: one child process per system, driven in turn ------------------------------------------
+class Child:
+    """One system's own process: spawned (its cold start timed here: spawn -> its first-token line),
+    then driven one timed run at a time (`run`), then asked for its result (`finish`). A child that
+    fails or overruns `timeout` (per cold start, per run) is killed and reported with its stderr;
+    the other systems go on."""
+
+    def __init__(self, system: str, workload: Workload, timeout: float, tmp: Path) -> None:
+        self.system, self.timeout, self.error = system, timeout, None
+        self.log = tmp / f"{system}.stderr"
         # 1. the workload goes to the child as a file, stamped with the spawn time
-        spec, log = Path(tmp) / "workload.json", Path(tmp) / "stderr.log"
+        spec = tmp / f"{system}.workload.json"
         workload.t_spawn = time.time()
         workload.save(spec)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "OMP_NUM_THREADS": str(workload.threads), "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
         cmd = [sys.executable, __file__, "--child", system, "--workload", str(spec)]
         # 2. spawn; a thread stamps each stdout line as it arrives, so reading never blocks the clock
-        with log.open("w") as err:
+        with self.log.open("w") as err:
             t_spawn = time.perf_counter()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-            lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
-            threading.Thread(target=_pump, args=(proc, lines), daemon=True).start()
-            tagged = _read_tagged(lines, t_spawn, t_spawn + timeout)
-            if tagged is None:
-                proc.kill()
-            proc.wait()
-        # 3. the result, or why there is none
-        if tagged is None or "result" not in tagged:
-            why = f"timed out after {timeout:.0f} s" if tagged is None else f"exit code {proc.returncode}"
-            return {"error": why, "stderr_tail": log.read_text().strip().splitlines()[-15:]}
-    result = tagged["result"]
-    result["cold_start"] = {"wall_s": tagged["cold_start_s"], "child_marks_s": tagged["first_token"]["marks"]}
-    return result
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env
+            )
+        self.lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
+        threading.Thread(target=_pump, args=(self.proc, self.lines), daemon=True).start()
+        got = self._next("first_token")
+        self.cold_start = None if got is None else {"wall_s": got[0] - t_spawn, "child_marks_s": got[1]["marks"]}
 
+    def run(self, phase: str, repeat: int) -> None:
+        """One timed run in the child; returns when it is done (the child keeps the figure)."""
+        if self.error is None and self._send({"phase": phase, "repeat": repeat}):
+            self._next("run")
 
-def _read_tagged(
-    lines: queue.Queue[tuple[float, str | None]], t_spawn: float, deadline: float
-) -> dict | None:
-    """The child's tagged payloads by tag (plus cold_start_s) until its result or its exit; None on timeout."""
-    tagged: dict[str, Any] = {}
-    while "result" not in tagged:
+    def finish(self) -> dict[str, Any]:
+        got = self._next("result") if self.error is None and self._send({"phase": "finish"}) else None
+        if got is None:
+            return {"error": self.error, "stderr_tail": self.log.read_text().strip().splitlines()[-15:]}
+        self.proc.wait(timeout=self.timeout)
+        return {**got[1], "cold_start": self.cold_start}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _send(self, command: dict[str, Any]) -> bool:
+        assert self.proc.stdin is not None
         try:
-            t, line = lines.get(timeout=max(0.0, deadline - time.perf_counter()))
-        except queue.Empty:
-            return None
-        if line is None:
-            break
-        if line.startswith(TAG + " "):
-            _, tag, payload = line.split(" ", 2)
-            tagged[tag] = json.loads(payload)
-            if tag == "first_token":
-                tagged["cold_start_s"] = t - t_spawn
-    return tagged
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        except OSError as e:  # the child is gone
+            self._fail(f"could not send {command}: {e}")
+            return False
+        return True
+
+    def _next(self, tag: str) -> tuple[float, dict[str, Any]] | None:
+        """(arrival time, payload) of the child's next line tagged `tag`, or None: it exited or overran
+        its timeout (self.error says which)."""
+        deadline = time.perf_counter() + self.timeout
+        while True:
+            try:
+                t, line = self.lines.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                self._fail(f"timed out after {self.timeout:.0f} s waiting for its {tag}")
+                return None
+            if line is None:
+                self._fail(f"exit code {self.proc.wait()} before its {tag}")
+                return None
+            if line.startswith(TAG + " "):
+                _, got, payload = line.split(" ", 2)
+                if got == tag:
+                    return t, json.loads(payload)
+
+    def _fail(self, why: str) -> None:
+        self.error = why
+        self.kill()
+
+
+def run_systems(systems: list[str], workload: Workload, timeout: float) -> dict[str, dict[str, Any]]:
+    """Start every system (one at a time: each cold start has the machine to itself), then hand each
+    timed run of `schedule` to every system in turn, rotating who goes first; the idle children
+    wait on their stdin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        children: dict[str, Child] = {}
+        try:
+            for system in systems:
+                print(f"starting {system} ...", file=sys.stderr, flush=True)
+                children[system] = Child(system, workload, timeout, Path(tmp))
+            for k, (phase, repeat) in enumerate(schedule(workload)):
+                order = systems[k % len(systems) :] + systems[: k % len(systems)]
+                t0 = time.perf_counter()
+                for system in order:
+                    children[system].run(phase, repeat)
+                print(f"  {phase} run {repeat + 1}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            return {system: child.finish() for system, child in children.items()}
+        finally:
+            for child in children.values():
+                child.kill()
 
 
 def _pump(proc: subprocess.Popen[str], lines: queue.Queue[tuple[float, str | None]]) -> None:
@@ -223,8 +279,13 @@ def _pump(proc: subprocess.Popen[str], lines: queue.Queue[tuple[float, str | Non
 def child_main(system: str, spec: Path) -> None:
     workload = Workload.load(spec)
     workload.mark("interpreter_ready")
-    result = measure(workload, LOADERS[system])
-    print(f"{TAG} result {json.dumps(result)}", flush=True)
+    measurement = Measurement(workload, LOADERS[system])
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["phase"] == "finish":
+            break
+        emit("run", measurement.run(command["phase"], command["repeat"]))
+    emit("result", measurement.result())
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -253,7 +314,7 @@ def print_report(results: dict[str, dict[str, Any]], w: Workload, quick: bool) -
         ("cold_start", "cold start to first token (s; lower is better)"),
         ("prefill", f"prefill tok/s, {plen}-token prompt (best of {len(w.prefill_prompts)})"),
         ("decode", f"decode tok/s, batch 1, {w.decode_tokens} tokens (best of {w.decode_repeats})"),
-        ("long_decode", f"decode tok/s at a {len(w.long_prompt)}-token context, {w.long_tokens} tokens"),
+        ("long_decode", f"decode tok/s, {len(w.long_prompt)}-token context (best of {w.long_repeats})"),
         ("aggregate", f"aggregate tok/s, {n_conc} requests x {n_tok} tokens (best of {w.aggregate_repeats})"),
         ("loaded_rss", "resident after the first token (MB; lower is better)"),
         ("peak_rss", "peak resident, whole run (MB; lower is better)"),
@@ -339,12 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     path = Path(args.model) if args.model else embedded_model_path()
     path.read_bytes()  # every system then starts with the file in the page cache
     workload, tokenizer_name = build_workload(args, path)
-    results: dict[str, dict[str, Any]] = {}
-    for system in args.systems:
-        print(f"running {system} ...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        results[system] = run_system(system, workload, args.timeout)
-        print(f"  {system} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    results = run_systems(args.systems, workload, args.timeout)
     goals = print_report(results, workload, args.quick)
     config = {k: v for k, v in vars(args).items() if k not in ("child", "workload")}
     config.update(model=str(path), tokenizer=tokenizer_name, prefill_len=len(workload.prefill_prompts[0]))
