@@ -596,3 +596,20 @@ def test_an_evicted_salt_leaves_no_root_behind() -> None:
     assert mgr.begin(3, [9]) is not None and mgr.ensure_capacity(3, 12)
     assert len(mgr.tree.roots()) == 1 and mgr.peek([5, 6, 7, 8, 1], "x").num_cached_tokens == 0
     mgr.check_invariants()
+
+
+def test_a_freed_sequences_blocks_are_the_next_ones_handed_out_in_order() -> None:
+    """A finished sequence's blocks go back so that the next sequence reuses them from the first,
+    consecutively: the cache's touched (resident, maybe cached) pages are reused before fresh ones."""
+    bs = 4
+    mgr = BlockManager(64, bs, enable_prefix_caching=False)
+    first = list(range(1000, 1000 + 10 * bs))
+    mgr.begin(1, first)
+    assert mgr.ensure_capacity(1, len(first))
+    used = mgr.block_table(1)
+    mgr.free(1)
+    second = list(range(2000, 2000 + 10 * bs))
+    mgr.begin(2, second)
+    assert mgr.ensure_capacity(2, len(second))
+    assert mgr.block_table(2) == used
+    mgr.check_invariants()

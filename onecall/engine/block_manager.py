@@ -313,7 +313,10 @@ class BlockManager:
         """Drop the sequence's references (finish, abort, preemption). Unknown ids: no-op."""
         self._runs.pop(seq_id, None)
         self._salts.pop(seq_id, None)
-        for block in self._tables.pop(seq_id, ()):
+        # last block first: the free stack's top is then the table's first block, so the next sequence
+        # (allocate's `prefer` walks consecutive blocks) reuses these blocks in order, pages already
+        # touched and maybe still cached, rather than walking on into never-touched ones
+        for block in reversed(self._tables.pop(seq_id, ())):
             self.pool.decref(block)
 
     def reset_prefix_cache(self) -> None:
