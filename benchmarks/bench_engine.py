@@ -194,7 +194,11 @@ class Child:
             )
         self.lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
         threading.Thread(target=_pump, args=(self.proc, self.lines), daemon=True).start()
-        got = self._next("first_token")
+        try:
+            got = self._next("first_token")
+        except BaseException:  # a malformed line, Ctrl-C: the caller never holds this child to kill it
+            self.kill()
+            raise
         self.cold_start = None if got is None else {"wall_s": got[0] - t_spawn, "child_marks_s": got[1]["marks"]}
 
     def run(self, phase: str, repeat: int) -> None:
@@ -206,8 +210,13 @@ class Child:
         got = self._next("result") if self.error is None and self._send({"phase": "finish"}) else None
         if got is None:
             return {"error": self.error, "stderr_tail": self.log.read_text().strip().splitlines()[-15:]}
-        self.proc.wait(timeout=self.timeout)
-        return {**got[1], "cold_start": self.cold_start}
+        result = {**got[1], "cold_start": self.cold_start}
+        try:
+            self.proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:  # its figures are in; a hung exit costs nobody else theirs
+            self.kill()
+            result["note"] = f"did not exit within {self.timeout:.0f} s of its result; killed"
+        return result
 
     def kill(self) -> None:
         if self.proc.poll() is None:

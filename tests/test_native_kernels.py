@@ -179,8 +179,8 @@ def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_second_copy_of_the_sources_loads_beside_the_first(tmp_path: Path) -> None:
-    """load_from (bench_kernels.py --against): the same sources built apart give the same bits, and a
-    source that does not compile is a RuntimeError saying so."""
+    """load_from (bench_kernels.py --against): the same sources built apart give the same bits; a
+    source that does not compile, or one without the GEMMs, is a RuntimeError saying so."""
     assert LIB is not None
     csrc = Path(native_build.__file__).parent / "csrc"
     other = native_build.load_from(csrc, tmp_path)
@@ -193,6 +193,9 @@ def test_a_second_copy_of_the_sources_loads_beside_the_first(tmp_path: Path) -> 
     broken.mkdir()
     (broken / "k.c").write_text("int f( {")
     with pytest.raises(RuntimeError, match="building the kernels failed"):
+        native_build.load_from(broken, broken)
+    (broken / "k.c").write_text("int f(void) { return 1; }")
+    with pytest.raises(RuntimeError, match="lacks a GEMM"):
         native_build.load_from(broken, broken)
 
 

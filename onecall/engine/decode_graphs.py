@@ -234,9 +234,9 @@ class DecodeGraphs:
         host.copy_(torch.tensor(flat, dtype=torch.int64))
         staged = self._staged[: len(flat)]
         staged.copy_(host, non_blocking=True)
-        if staged.is_cuda:
+        if staged.is_cuda:  # on the stream that queued the copy (that of staged's device)
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(staged.device))
         views = staged.split([len(part) for part in parts])
         self.input_ids[:num_tokens].copy_(views[0])
         self.positions[:num_tokens].copy_(views[1])

@@ -77,18 +77,25 @@ def load() -> ctypes.CDLL | None:
 
 def load_from(csrc: Path, out_dir: Path) -> ctypes.CDLL:
     """Another copy of the kernel sources (every .c file in `csrc`, e.g. an older revision's) built
-    with the same compiler and flags into `out_dir` and loaded beside this one, for an A/B in one
-    process (benchmarks/bench_kernels.py --against). Not cached; raises RuntimeError if it cannot be
-    built. Its functions are declared with this version's argument lists."""
+    with the same compiler and flags into `out_dir` and loaded beside this one, for an A/B of the
+    GEMMs in one process (benchmarks/bench_kernels.py --against). Only the three GEMMs are declared,
+    with this version's argument lists: a revision whose GEMMs take other arguments is not comparable.
+    Not cached; raises RuntimeError if it cannot be built or lacks a GEMM."""
     compiler = _compiler()
-    out = out_dir / "onecall-kernels-other.so"
+    sources = sorted(csrc.glob("*.c"))
+    # a name of its own per build: dlopen hands back an already-loaded path's old handle
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in sorted(csrc.iterdir()) if s.is_file())).hexdigest()[:16]
+    out = out_dir / f"onecall-kernels-other-{key}.so"
     try:
-        _compile(compiler, sorted(csrc.glob("*.c")), out)
+        _compile(compiler, sources, out)
     except _Unavailable as e:
         raise RuntimeError(str(e)) from e
     torch.ones(1).add_(1)  # torch's libgomp first, as load() does
     lib = ctypes.CDLL(str(out))
-    _declare(lib)
+    try:
+        _declare_gemms(lib)
+    except AttributeError as e:
+        raise RuntimeError(f"{csrc} lacks a GEMM this version calls: {e}") from e
     return lib
 
 
@@ -160,7 +167,7 @@ def _cached_library(compiler: str) -> Path:
     return path
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def _declare_gemms(lib: ctypes.CDLL) -> None:
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.onecall_q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int, c_int]
     lib.onecall_q4_gemm.restype = c_int
@@ -168,6 +175,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_q4a8_gemm.restype = c_int
     lib.onecall_q8b_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int, c_int]
     lib.onecall_q8b_gemm.restype = c_int
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    _declare_gemms(lib)
     # q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D, block_size,
     # scale, window, softcap, out, num_threads, kv_f16
     f32 = ctypes.c_float
