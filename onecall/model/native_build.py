@@ -1,8 +1,9 @@
 """Building and loading the native CPU kernels (csrc/*.c): one shared library, built with the
 system C compiler at first use, cached on disk; model/native.py calls them on tensors.
 
-- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared -ffp-contract=off` on the sources into one library
-  (about a second), into a cache folder keyed by a hash of the sources, the headers, the flags and
+- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -ffp-contract=off -c` on every source at once (a compiler
+  process each, so the cores share the build: ~1.9 s here, ~3.2 s one after another), then one
+  `-shared` link into one library, into a cache folder keyed by a hash of the sources, the headers, the flags and
   the compiler's version: the next start loads the cached library. The folder is
   $ONECALL_CACHE_DIR/kernels, else $XDG_CACHE_HOME/onecall/kernels, else ~/.cache/onecall/kernels
   (read in onecall/envs.py).
@@ -41,7 +42,8 @@ _SOURCES = (  # one library, one cache key
 _HEADERS = (_CSRC / "kernels.h", _CSRC / "simd.h")
 # -ffp-contract=off: float arithmetic runs as written (FMAs only where the code asks for one), so two
 # paths that should give the same bits (float16 vs float32 scales, a row alone vs in a batch) do.
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c11", "-ffp-contract=off")
+_LINK_FLAGS = ("-shared", "-fopenmp")
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -133,14 +135,36 @@ def _compiler() -> str:
 
 
 def _compile(compiler: str, sources: list[Path], out: Path) -> None:
+    """Each source to an object file, all at once (one compiler process each: the build is the part
+    of a first start that the cores can share), then one link into `out`."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objects = [Path(tmp) / f"{i}-{s.stem}.o" for i, s in enumerate(sources)]
+        try:
+            jobs = [
+                subprocess.Popen([compiler, *_FLAGS, "-c", "-o", str(o), str(s)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
+                for s, o in zip(sources, objects, strict=True)
+            ]
+            errors = [err for job in jobs if (err := _finish(job))]
+            if not errors:
+                link = subprocess.run([compiler, *_LINK_FLAGS, "-o", str(out), *map(str, objects), "-lm"],
+                                      capture_output=True, text=True, timeout=300)  # fmt: skip
+                errors = [link.stderr.strip()] if link.returncode != 0 else []
+        except (OSError, subprocess.SubprocessError) as e:
+            raise _Unavailable(f"building the kernels failed: {e}") from e
+    if errors:
+        raise _Unavailable(f"building the kernels failed: {' '.join(errors)[-500:]}")
+
+
+def _finish(job: subprocess.Popen[str]) -> str:
+    """Wait for one compiler process: '' if it succeeded, else its error output."""
     try:
-        result = subprocess.run(
-            [compiler, *_FLAGS, "-o", str(out), *map(str, sources), "-lm"], capture_output=True, text=True, timeout=300
-        )
-    except (OSError, subprocess.SubprocessError) as e:
-        raise _Unavailable(f"building the kernels failed: {e}") from e
-    if result.returncode != 0:
-        raise _Unavailable(f"building the kernels failed: {result.stderr.strip()[-500:]}")
+        _, err = job.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.communicate()
+        return "the compiler ran for over 300 s"
+    return err.strip() if job.returncode != 0 else ""
 
 
 def _cached_library(compiler: str) -> Path:
@@ -151,7 +175,7 @@ def _cached_library(compiler: str) -> Path:
     except (OSError, subprocess.SubprocessError, IndexError) as e:
         raise _Unavailable(f"{compiler} --version failed: {e}") from e
     sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(sources + " ".join(_FLAGS + _LINK_FLAGS).encode() + version.encode()).hexdigest()[:16]
     folder = envs.cache_dir() / "kernels"
     path = folder / f"onecall-kernels-{key}.so"
     if path.exists():
