@@ -199,6 +199,36 @@ def test_a_second_copy_of_the_sources_loads_beside_the_first(tmp_path: Path) -> 
         native_build.load_from(broken, broken)
 
 
+@pytest.mark.parametrize(("rows", "cols"), [(16, 49152), (3, 13), (1, 7), (2, 1), (5, 64)])
+def test_argmax_is_torchs_index_for_index(rows: int, cols: int) -> None:
+    """native.argmax (the sampler's greedy pick) against torch.argmax: the first maximum on ties, the
+    first NaN where a row holds one (torch ranks NaN above every number), infinities, all-equal rows,
+    lengths not a multiple of the 8-wide vectors."""
+    assert LIB is not None
+    g = torch.Generator().manual_seed(rows * 1000 + cols)
+    x = torch.randn(rows, cols, generator=g)
+    cases = [x, x.round()]  # rounding makes ties
+    tie = x.clone()
+    tie[:, -1] = tie.max(dim=-1).values  # the same maximum at the end as well
+    cases.append(tie)
+    nan = x.clone()
+    nan[0, cols // 2] = float("nan")
+    nan[0, cols - 1] = float("nan")
+    cases.append(nan)
+    cases.append(torch.full((rows, cols), float("-inf")))
+    cases.append(torch.full((rows, cols), 2.5))
+    inf = x.clone()
+    inf[-1, cols // 3] = float("inf")
+    cases.append(inf)
+    zeros = torch.zeros(rows, cols)
+    zeros[:, cols // 2] = -0.0  # -0.0 == +0.0: the first zero wins
+    cases.append(zeros)
+    for case in cases:
+        assert torch.equal(native.argmax(case), case.argmax(dim=-1)), case
+    assert torch.equal(native.argmax(x.t().contiguous().t()), x.argmax(dim=-1))  # a strided view
+    assert torch.equal(native.argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))  # torch's own path
+
+
 def test_silu_mul_matches_torch() -> None:
     assert LIB is not None
     y = torch.randn(3, 2 * 200) * 4

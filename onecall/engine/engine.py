@@ -48,6 +48,7 @@ from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from onecall.engine.sequence import FinishReason, Sequence
 from onecall.engine.trace import StepRecord
 from onecall.errors import EngineDeadError, EngineStepError, InvalidParameterError
+from onecall.model import native
 from onecall.model.attention_metadata import default_backend
 from onecall.sampling.mask_prefetch import MaskPrefetcher
 from onecall.sampling.sampler import sample
@@ -229,7 +230,7 @@ class Engine:
             self._stage = "sampler"
             requests = [self._sampling_request(s.seq, prefetched.get(s.seq.seq_id)) for s in sampling]
             with torch.inference_mode():
-                result = sample(logits, requests, inplace=True)
+                result = sample(logits, requests, inplace=True, argmax=native.argmax)
         duration = time.perf_counter() - t0
         self._stage = "postprocess"  # postprocess_token names the grammar or the detokenizer itself
         return self._postprocess(sched, sampling, result, ran.prompt_logprobs, duration)

@@ -298,6 +298,20 @@ def add_rms_norm(
     return y
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a (M, N) tensor, bit for bit (the first maximum; a row's first NaN if it
+    holds one): in C (csrc/argmax.c) for float32 rows on the CPU when the kernels are built, else
+    torch's own. The sampler's greedy pick (engine.py passes it in)."""
+    lib = load()
+    if lib is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] < 1:
+        return x.argmax(dim=-1)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    rc = lib.onecall_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    assert rc == 0, f"onecall_argmax_rows refused a ({x.shape[0]}, {x.shape[1]}) tensor (rc {rc})"
+    return out
+
+
 def silu_mul(lib: ctypes.CDLL, y: torch.Tensor) -> torch.Tensor:
     """y (M, 2I) float32 contiguous -> silu(y[:, :I]) * y[:, I:], (M, I)."""
     m, two_i = y.shape

@@ -37,6 +37,7 @@ _SOURCES = (  # one library, one cache key
     _CSRC / "decode_step.c",  # the small fused ops and the whole decode step (onecall_decode_layers)
     _CSRC / "prefill_attention.c",  # causal prefill attention
     _CSRC / "embedding.c",  # rows of a quantized table (a token embedding kept as stored)
+    _CSRC / "argmax.c",  # the greedy pick over a step's logits
 )
 # included by the sources: part of the cache key, not compiled alone
 _HEADERS = (_CSRC / "kernels.h", _CSRC / "simd.h")
@@ -219,6 +220,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.onecall_add_rms_norm.restype = None
     lib.onecall_silu_mul.argtypes = [p, i64, i64, p]
     lib.onecall_silu_mul.restype = None
+    lib.onecall_argmax_rows.argtypes = [p, i64, i64, p, c_int]
+    lib.onecall_argmax_rows.restype = c_int
     lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_float, p, p, p, p, p, c_int]
     lib.onecall_rope_store.restype = None
     # layers, num_layers, ids, embed (float32 or NULL), embed_qs, embed_scale, embed_offset, embed_group_or_f16,

@@ -7,7 +7,8 @@ use it and skipped when none does (a batch of plain greedy rows costs one argmax
   2. logit_bias                                     (penalties.py)
   3. constraint bitmasks and banned_token_ids -> -inf (penalties.py, bitmask.py)
   4. logprobs = log_softmax of these *processed* logits
-  5. greedy rows (temperature 0) take the argmax
+  5. greedy rows (temperature 0) take the argmax (torch's, or the caller's `argmax`: the engine
+     passes model/native.py's, the same indices from a vectorized C pass)
   6. sampled rows: temperature -> top_k -> top_p -> min_p -> draw
 
 Logprobs (stage 4) see penalties, bias and masks but not temperature, top-k,
@@ -35,7 +36,7 @@ builds no recorder and runs exactly the plain path.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -55,13 +56,18 @@ _CANDIDATE_GROWTH = 16
 
 
 def sample(
-    logits: torch.Tensor, requests: Sequence[SamplingRequest], *, inplace: bool = False
+    logits: torch.Tensor,
+    requests: Sequence[SamplingRequest],
+    *,
+    inplace: bool = False,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> SampleResult:
     """Pick one token per row of `logits` (batch, vocab).
 
     The caller's tensor is never modified unless `inplace` (the engine owns its
     step's float32 logits and passes True: stages 1-3 then edit only the rows
-    that ask for them, with no (batch, vocab) copy).
+    that ask for them, with no (batch, vocab) copy). `argmax` replaces
+    `x.argmax(dim=-1)` for the greedy rows and must return the same indices.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(requests), "logits must be (len(requests), vocab)"
     batch = logits.shape[0]
@@ -97,7 +103,7 @@ def sample(
     if len(sampled) == batch:
         token_ids = _sample_rows(logits, requests, recorder, sampled)
     else:
-        token_ids = logits.argmax(dim=-1)  # (batch,)
+        token_ids = logits.argmax(dim=-1) if argmax is None else argmax(logits)  # (batch,)
         if sampled:
             rows = [requests[i] for i in sampled]
             token_ids[torch.tensor(sampled, device=device)] = _sample_rows(
