@@ -151,8 +151,10 @@ class DecodeGraphs:
         # step where nothing samples (a non-final prompt chunk alone) never syncs the host otherwise.
         staged = 3 * tokens + seqs * width + seqs + (seqs + 1) + self.max_bucket + 1
         self._host = torch.empty(staged, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._copied: torch.cuda.Event | None = None  # recorded after each transfer (CUDA only)
         self._staged = torch.empty(staged, dtype=torch.int64, device=device)
+        # recorded after each transfer, on the stream of the staged buffer's device (CUDA only)
+        self._copied = torch.cuda.Event() if self._staged.is_cuda else None
+        self._copy_pending = False
         self._graphs: dict[Layout, _Graph] = {}
         self._pool: Any = None  # the CUDA graphs' shared memory pool (a handle from the first graph)
 
@@ -228,15 +230,15 @@ class DecodeGraphs:
         # 3. one host buffer, one transfer, then each static buffer takes its part on the device
         parts = (ids, pos, slots, padded, lens, starts, logit_rows)
         flat = [v for part in parts for v in part]
-        if self._copied is not None:
+        if self._copied is not None and self._copy_pending:
             self._copied.synchronize()  # the previous step's transfer has read the host buffer
         host = self._host[: len(flat)]
         host.copy_(torch.tensor(flat, dtype=torch.int64))
         staged = self._staged[: len(flat)]
         staged.copy_(host, non_blocking=True)
-        if staged.is_cuda:  # on the stream that queued the copy (that of staged's device)
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:  # on the stream that queued the copy (that of staged's device)
             self._copied.record(torch.cuda.current_stream(staged.device))
+            self._copy_pending = True
         views = staged.split([len(part) for part in parts])
         self.input_ids[:num_tokens].copy_(views[0])
         self.positions[:num_tokens].copy_(views[1])

@@ -186,13 +186,7 @@ class FastLinear(nn.Module):
             if isinstance(g, Int8Groups) and g.group_size in (16, 32):
                 packed.append((start, end, native.pack_q8_blocked(g.q, g.scale, g.group_size)))
             elif isinstance(g, Int4Groups) and g.group_size == 32:
-                packed.append(
-                    (
-                        start,
-                        end,
-                        native.pack_q4(g.q, *compact_scales(g.scale.float(), g.offset.float()), self.act8),
-                    )
-                )
+                packed.append((start, end, pack_q4_groups(g, self.act8)))
             else:
                 return
         self.parts, self._lib = packed, lib
@@ -204,7 +198,7 @@ class FastLinear(nn.Module):
         lib = _native()
         if g.group_size == 32 and self.in_features % 32 == 0 and lib is not None:
             self.group_size = 32
-            self.q4 = native.pack_q4(g.q, *compact_scales(g.scale.float(), g.offset.float()), self.act8)
+            self.q4 = pack_q4_groups(g, self.act8)
             self._lib = lib
         elif int4_shape_ok(self.out_features, self.in_features, g.group_size):
             self.group_size = g.group_size
@@ -330,6 +324,12 @@ def compact_scales(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Ten
     return scale.contiguous(), offset.contiguous()
 
 
+def pack_q4_groups(g: Int4Groups, act8: bool = False) -> native.Q4Packed:
+    """A checkpoint's 4-bit groups of 32 in the native q4 layout (act8: q4a8), with their scales and
+    offsets as compact as exact (compact_scales): projections, the logits head, a stored embedding."""
+    return native.pack_q4(g.q, *compact_scales(g.scale.float(), g.offset.float()), act8)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -355,7 +355,7 @@ class FastLMHead(nn.Module):
             self.q8 = native.pack_q8_blocked(stored.q, stored.scale, stored.group_size)
             self.from_stored = True
         elif usable and isinstance(stored, Int4Groups):
-            self.q4 = native.pack_q4(stored.q, *compact_scales(stored.scale.float(), stored.offset.float()))
+            self.q4 = pack_q4_groups(stored)
             self.from_stored = True
         elif w.is_meta:  # the loader skipped the float32 matrix only for groups the rule above takes
             raise ValueError("the output weight was left to its stored groups, but they are not ones the native kernels run")

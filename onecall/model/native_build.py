@@ -87,8 +87,7 @@ def load_from(csrc: Path, out_dir: Path) -> ctypes.CDLL:
     compiler = _compiler()
     sources = sorted(csrc.glob("*.c"))
     # a name of its own per build: dlopen hands back an already-loaded path's old handle
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in sorted(csrc.iterdir()) if s.is_file())).hexdigest()[:16]
-    out = out_dir / f"onecall-kernels-other-{key}.so"
+    out = out_dir / f"onecall-kernels-other-{_key(sorted(f for f in csrc.iterdir() if f.is_file()))}.so"
     try:
         _compile(compiler, sources, out)
     except _Unavailable as e:
@@ -168,6 +167,16 @@ def _finish(job: subprocess.Popen[str]) -> str:
     return err.strip() if job.returncode != 0 else ""
 
 
+def _key(files: list[Path], *extra: str) -> str:
+    """A build's name: a hash of its files (names and bytes), the flags and `extra` (the compiler's
+    version)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(" ".join([*_FLAGS, *_LINK_FLAGS, *extra]).encode())
+    return h.hexdigest()[:16]
+
+
 def _cached_library(compiler: str) -> Path:
     try:
         version = subprocess.run(
@@ -175,10 +184,8 @@ def _cached_library(compiler: str) -> Path:
         ).stdout.splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError) as e:
         raise _Unavailable(f"{compiler} --version failed: {e}") from e
-    sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(sources + " ".join(_FLAGS + _LINK_FLAGS).encode() + version.encode()).hexdigest()[:16]
     folder = envs.cache_dir() / "kernels"
-    path = folder / f"onecall-kernels-{key}.so"
+    path = folder / f"onecall-kernels-{_key([*_SOURCES, *_HEADERS], version)}.so"
     if path.exists():
         return path
     try:

@@ -24,8 +24,8 @@ from onecall.model.fast_embedding import StoredEmbedding
 from onecall.model.fast_linear import (
     FastLinear,
     FastLMHead,
-    compact_scales,
     fast_kernels_supported,
+    pack_q4_groups,
     runs_stored_only,
 )
 from onecall.model.layers import MLP, Attention, RMSNorm
@@ -220,7 +220,7 @@ def _stored_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> S
         table = None if head is None or not head.from_stored else head.q8 or head.q4
         return None if table is None else StoredEmbedding(table)
     if isinstance(groups, Int4Groups):
-        return StoredEmbedding(native.pack_q4(groups.q, *compact_scales(groups.scale.float(), groups.offset.float())))
+        return StoredEmbedding(pack_q4_groups(groups))
     assert isinstance(groups, Int8Groups)
     return StoredEmbedding(native.pack_q8_blocked(groups.q, groups.scale, groups.group_size))
 
