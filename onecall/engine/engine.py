@@ -124,6 +124,34 @@ class Engine:
             capture=capture,
         )
 
+    def restart(self) -> list[RequestOutput]:
+        """Start over on the same loaded weights: every request still known is ended (finish_reason
+        "error", `error` an EngineStepError of stage "engine restart" whose cause is an EngineDeadError
+        saying so), then a fresh block manager,
+        scheduler and model runner (an empty prefix cache; the KV pool's bytes are reused, nothing in
+        them is trusted) replace the old ones and `dead_reason` is cleared. Returns the ended
+        requests' outputs. Refused (EngineDeadError) under tensor parallel: the other ranks hold their
+        own state, which one rank cannot rebuild."""
+        if self.parts.tp_group is not None:
+            raise EngineDeadError(f"a tensor-parallel engine cannot restart in place: {self.dead_reason}")
+        cause = EngineDeadError(f"the engine restarted after a fault ({self.dead_reason or 'on request'}); retry")
+        now = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        for seq in self._seqs.values():
+            seq.trace.record_finish(FinishReason.ERROR.value, now)
+            seq.finish_reason = FinishReason.ERROR
+            outputs.append(make_output(seq, "", [], EngineStepError("engine restart", cause)))
+        self._seqs.clear()
+        self._masks.wait()
+        backend = self.runner.attention_backend
+        if getattr(self.runner, "decode_graphs", None) is not None:
+            self.enable_static_decode(capture=self.device.type == "cuda", backend=backend)
+        else:
+            self._build_runner(backend, self.parts.num_blocks)
+        self._last_fault = None
+        self.dead_reason = None
+        return outputs
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (also done at exit); a no-op otherwise."""
         if self.parts.tp_group is not None:
