@@ -95,7 +95,24 @@ class EngineStepError(OnecallError):
         self.__cause__ = cause
 
 
+class RequestFaultError(EngineStepError):
+    """A step ended this one request, and only it, for a cause that is the request's own: its
+    parameters leave no token allowed (`param` names them), its grammar failed, or its text could not
+    be decoded. The rest of the batch goes on and the fault never counts toward the engine's death.
+    A server answers it as the caller's error (400, `param`) when it comes before any token."""
+
+    def __init__(self, stage: str, cause: BaseException, param: str | None = None) -> None:
+        super().__init__(stage, cause)
+        self.args = (f"the request was ended in the {stage}: {cause}",)
+        self.param = param
+
+
 class EngineDeadError(OnecallError):
     """The engine stopped (a fault repeated right after a recovery, its bookkeeping was found
     inconsistent, or its thread died); no request can be served until a restart. The message
     says why."""
+
+
+class ModelFileError(UnsupportedModelError):
+    """A model file is malformed: truncated, corrupt, or built to break the reader. The message names
+    the file, what is wrong and where (which key, which tensor, which byte offset)."""

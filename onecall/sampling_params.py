@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json as _json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -23,6 +23,12 @@ from onecall.errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT = 1024  # characters
+# Per-request bounds on what every step of the batch pays for: stop strings are matched against each
+# token's text on the engine thread, stop ids and logit_bias are walked per token.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
 TRACE_LEVELS = ("basic", "full")
 _SO = "structured_outputs"
 _SO_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -43,6 +49,11 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
     if value < lo or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise InvalidParameterError(name, f"must be {rng}, got {value}")
+
+
+def _check_count(name: str, count: int, limit: int, what: str) -> None:
+    if count > limit:
+        raise InvalidParameterError(name, f"at most {limit} {what} are allowed, got {count}")
 
 
 @dataclass(frozen=True)
@@ -217,6 +228,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidParameterError("logit_bias", "must be a mapping of token id to bias")
+            _check_count("logit_bias", len(self.logit_bias), MAX_LOGIT_BIAS, "entries")
             for tok, bias in self.logit_bias.items():
                 _check_int("logit_bias", tok, 0)
                 _check_range("logit_bias", bias, -100.0, 100.0)
@@ -224,9 +236,15 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        _check_count("stop", len(self.stop), MAX_STOP_STRINGS, "stop strings")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidParameterError("stop", f"each stop string must be a non-empty string, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidParameterError(
+                    "stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
+                )
+        _check_count("stop_token_ids", len(self.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0)
         _check_int("min_tokens", self.min_tokens, 0)
@@ -254,8 +272,10 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate_vocab(self, vocab_size: int) -> None:
-        """Check token ids against the model's vocabulary (known only once a model is loaded)."""
+    def validate_vocab(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
+        """Check token ids against the model's vocabulary (known only once a model is loaded), and that
+        min_tokens leaves something to sample: while it holds back EOS and the stop_token_ids, some
+        other token must exist."""
         for tok in self.logit_bias or {}:
             if tok >= vocab_size:
                 raise InvalidParameterError(
@@ -266,6 +286,12 @@ class SamplingParams:
                 raise InvalidParameterError(
                     "stop_token_ids", f"token id {tok} is outside the vocabulary [0, {vocab_size})"
                 )
+        if self.min_tokens > 0 and len({*self.stop_token_ids, *eos_token_ids}) >= vocab_size:
+            raise InvalidParameterError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) holds back EOS and every stop_token_ids id, which together "
+                f"are the whole vocabulary of {vocab_size} tokens: nothing could be generated",
+            )
 
     def trace_dict(self) -> dict[str, object]:
         """The resolved settings, as the trace records them (no schema text: only its kind)."""

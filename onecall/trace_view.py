@@ -138,6 +138,8 @@ def _cache_line(trace: RequestTrace, tok) -> str:  # type: ignore[no-untyped-def
         line += f"; match broke at token {d['index']}: prompt {tok(d['prompt_token'])} vs cached {tok(d['cached_token'])}"
     elif trace.cache_match_capped:
         line += " (whole prompt cached; last token recomputed for its logits)"
+    if trace.num_dropped_cache_tokens:
+        line += f"; {trace.num_dropped_cache_tokens} more matched tokens recomputed (no room to copy their blocks)"
     return line
 
 

@@ -279,15 +279,46 @@ def test_constraint_mask_restricts_samples() -> None:
     assert c.advanced == []  # the engine advances constraints, not the sampler
 
 
-def test_grammar_wins_over_bans_and_empty_rows_assert() -> None:
+def test_grammar_wins_over_bans_and_empty_rows_fail_alone() -> None:
     # a constraint that allows only a banned id (a grammar that may only end, under min_tokens): it wins
     c = AllowSet([2], mask_len=8)
     out = sample(torch.zeros(1, 8), [req(constraint=c, banned=[2])])
-    assert out.token_ids == [2] and out.num_masked == [7] and out.num_allowed == [1]
-    with pytest.raises(AssertionError, match="no allowed token"):
-        sample(torch.zeros(1, 8), [req(constraint=AllowSet([], mask_len=8))])  # a constraint bug
-    with pytest.raises(AssertionError, match="no allowed token"):
-        sample(torch.zeros(1, 4), [req(banned=[0, 1, 2, 3])])  # bans alone: an engine bug
+    assert out.token_ids == [2] and out.num_masked == [7] and out.num_allowed == [1] and out.failed == {}
+    # rows left with nothing (a grammar allowing nothing; bans covering the row) and a grammar that
+    # raises are reported in `failed`, each naming its cause; the other rows sample as if alone
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 8, generator=g)
+    rows = [
+        req(constraint=AllowSet([], mask_len=8)),
+        req(temperature=0.0, logprobs=2),
+        req(banned=range(8), min_tokens=3, max_tokens=5, logprobs=1),
+        req(constraint=Raises()),
+        req(temperature=0.7, seed=11),
+    ]
+    out = sample(logits.clone(), rows)
+    assert sorted(out.failed) == [0, 2, 3]
+    assert (out.failed[0].stage, out.failed[0].param) == ("sampler", "structured_outputs")
+    assert (out.failed[2].stage, out.failed[2].param) == ("sampler", "min_tokens")
+    assert "min_tokens (3)" in str(out.failed[2])
+    assert (out.failed[3].stage, out.failed[3].param) == ("grammar", "structured_outputs")
+    assert isinstance(out.failed[3].cause, RuntimeError)
+    fresh = {1: req(temperature=0.0, logprobs=2), 4: req(temperature=0.7, seed=11)}  # generators not yet drawn from
+    alone = [sample(logits[i : i + 1].clone(), [fresh[i]]) for i in (1, 4)]
+    assert [out.token_ids[1], out.token_ids[4]] == [a.token_ids[0] for a in alone]
+    assert out.top_logprobs[1] == alone[0].top_logprobs[0]
+    assert out.logprobs[2] is not None and math.isfinite(out.logprobs[2])  # a failed row stays finite
+
+
+class Raises:
+    """A TokenConstraint whose fill raises (a grammar failing mid-request)."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        raise RuntimeError("matcher broke")
+
+    def advance(self, token_id: int) -> None: ...
+
+    def is_finished(self) -> bool:
+        return False
 
 
 def test_logprobs_of_processed_logits() -> None:

@@ -29,6 +29,14 @@ Logical block i of the match is then either
     | partly matched (the last one), or "mixed" (its      | allocate a fresh block and copy |
     | positions sit in different physical blocks)         | the matched slots into it        |
 
+A copy needs a fresh block while its sources stay pinned (their tree nodes may not be evicted before
+the copy runs), so an L-block match can need about 3L blocks (mixed blocks: a target and two pinned
+sources each) although the prompt alone needs L. When the free blocks plus what eviction can free
+beside the pinned nodes cannot hold the copies, begin() falls back to the longest block-aligned
+prefix of the match that they can (down to no match: it copies nothing), and the dropped positions
+are recomputed (PrefixMatch.num_dropped_tokens). So begin() never refuses, and a prompt that fits
+the pool alone is admitted once the running sequences have left it room.
+
 A sequence never writes into a shared block: shared blocks are full and lie entirely below
 num_cached_tokens, and every block it writes to is one it allocated itself. Running
 sequences hold their blocks directly, so evicting tree entries never frees memory in use.
@@ -59,6 +67,20 @@ class PrefixMatch:
     num_cached_tokens: int  # tokens whose KV is reused (shared blocks + copied slots)
     divergence: Divergence | None  # None when the cached path simply ended (or no cache)
     is_capped: bool = False  # the whole prompt was cached; reuse stopped at len(prompt) - 1
+    # matched but recomputed: the pool could not hold their copies (begin's fallback). The prompt ran
+    # num_cached_tokens + num_dropped_tokens + is_capped tokens along the cached path.
+    num_dropped_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How begin() sets a match up (peek() reports its `match`)."""
+
+    match: PrefixMatch
+    slots: list[int]  # (match.num_cached_tokens,) the cached slot of each reused position
+    blocks: list[int | None]  # per logical block of the reused positions: the block to share, or None (copy)
+    pinned: list[TreeNode]  # the path's nodes those positions lie in: not evicted to make room for copies
+    path: list[TreeNode]  # every node the match went through (all are touched: the prompt used them)
 
 
 class BlockPool:
@@ -212,63 +234,89 @@ class BlockManager:
     # ---- prefix matching ----------------------------------------------------------------------
     def peek(self, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch:
         """What begin() would reuse right now (read-only)."""
-        return self._prefix_match(list(token_ids), salt)[0]
+        return self._plan(list(token_ids), salt).match
 
-    def _prefix_match(
-        self, tokens: list[int], salt: str | None
-    ) -> tuple[PrefixMatch, list[int], list[TreeNode]]:
-        """The match, the slots of its num_cached_tokens positions, and the nodes it used."""
+    def _plan(self, tokens: list[int], salt: str | None) -> _Plan:
+        """The longest cached path (at most len(tokens) - 1 of it), cut back to what the pool can copy."""
         if not self.enable_prefix_caching or not tokens:
-            return PrefixMatch(0, None), [], []
+            return _Plan(PrefixMatch(0, None), [], [], [], [])
         path = self.tree.match(tokens, salt)
-        num_cached = min(path.num_matched, len(tokens) - 1)
+        n = min(path.num_matched, len(tokens) - 1)
         divergence = None
         if path.next_cached_token is not None:
             i = path.num_matched
             divergence = Divergence(i, tokens[i], path.next_cached_token)
-        match = PrefixMatch(num_cached, divergence, is_capped=path.num_matched == len(tokens))
-        return match, path.slots[:num_cached], path.nodes
+        blocks = self._share_or_copy(path.slots[:n])
+        num_blocks, num_nodes = self._affordable(blocks, path.nodes, n)
+        kept = min(num_blocks * self.block_size, n)
+        match = PrefixMatch(kept, divergence, path.num_matched == len(tokens), n - kept)
+        return _Plan(match, path.slots[:kept], blocks[:num_blocks], path.nodes[:num_nodes], path.nodes)
 
-    def begin(self, seq_id: int, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch | None:
-        """Start a sequence on its cached prefix (under its cache_salt: paths cached with another salt,
-        or none, never match). None (and no change at all) if the blocks to copy into cannot be
-        allocated even after evicting every other cached path."""
-        assert seq_id not in self._tables, f"sequence {seq_id} already started"
-        match, cached_slots, nodes = self._prefix_match(list(token_ids), salt)
-        bs, n = self.block_size, match.num_cached_tokens
-
-        # 1. plan: for each logical block of the match, the block to share or None (= copy)
-        plan: list[int | None] = list(cached_slots) if bs == 1 else []  # bs 1: every block is whole
-        for start in range(0, n if bs > 1 else 0, bs):
-            seg = cached_slots[start : start + bs]
+    def _share_or_copy(self, slots: list[int]) -> list[int | None]:
+        """For each logical block of these positions' slots: the block to share, if they fill it whole
+        and in order, else None (copy them into a fresh block). See the module docstring."""
+        bs = self.block_size
+        if bs == 1:  # every block is whole
+            return list(slots)
+        plan: list[int | None] = []
+        for start in range(0, len(slots), bs):
+            seg = slots[start : start + bs]
             full_and_whole = len(seg) == bs and seg == list(range(seg[0], seg[0] + bs))
             plan.append(seg[0] // bs if full_and_whole else None)
-        num_copies = plan.count(None)
+        return plan
 
-        # 2. make room without evicting the matched path (its slots are the copy sources)
+    def _affordable(self, blocks: list[int | None], nodes: list[TreeNode], n: int) -> tuple[int, int]:
+        """How many leading logical blocks of the plan begin() can set up now, and how many leading path
+        nodes their positions lie in. All of them when their copies fit in the free blocks plus what
+        eviction frees beside those nodes (which stay: they hold the sources, and a shared block leaves
+        the evictable ones); else the longest prefix that fits (no block at all always does)."""
+        pool, bs = self.pool, self.block_size
+        if blocks.count(None) <= pool.num_free:  # no eviction needed
+            return len(blocks), _num_nodes_before(nodes, n)
+        room = pool.num_free + pool.num_evictable
+        pinned: set[int] = set()  # evictable blocks of the nodes [0, i), which cover positions [0, end)
+        copies = i = end = 0
+        for k, shared in enumerate(blocks):
+            while end < min((k + 1) * bs, n):
+                pinned.update(b for b in {s // bs for s in nodes[i].slots} if pool.is_evictable(b))
+                end += len(nodes[i].key)
+                i += 1
+            copies += shared is None
+            if copies > room - len(pinned):
+                return k, _num_nodes_before(nodes, k * bs)
+        return len(blocks), i
+
+    def begin(self, seq_id: int, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch:
+        """Start a sequence on its cached prefix (under its cache_salt: paths cached with another salt,
+        or none, never match): shared blocks and queued copies, so its table covers the reused
+        positions. The match is cut back when the pool cannot hold its copies (module docstring), so
+        this never fails; the sequence's own blocks come from ensure_capacity."""
+        assert seq_id not in self._tables, f"sequence {seq_id} already started"
+        plan = self._plan(list(token_ids), salt)
+        bs, n, num_copies = self.block_size, plan.match.num_cached_tokens, plan.blocks.count(None)
+
+        # 1. make room without evicting the nodes the match reads (their slots are the copy sources)
         if num_copies > self.pool.num_free:
-            if self.pool.num_free + self.tree.num_evictable_blocks(nodes) < num_copies:
-                return None
-            self.tree.evict(num_copies, protected=nodes)
+            self.tree.evict(num_copies, protected=plan.pinned)
             assert self.pool.num_free >= num_copies
 
-        # 3. build the block table: share whole blocks, copy the rest slot by slot
-        table = [b for b in plan if b is not None]
+        # 2. build the block table: share whole blocks, copy the rest slot by slot
+        table = [b for b in plan.blocks if b is not None]
         self.pool.share(table)
         if num_copies:
             table = []
-            for i, shared in enumerate(plan):
+            for i, shared in enumerate(plan.blocks):
                 block = self._allocate(after=table[-1] if table else None) if shared is None else shared
                 table.append(block)
                 if shared is None:
                     for p in range(i * bs, min((i + 1) * bs, n)):
-                        self._copy_ops.append((cached_slots[p], block * bs + p % bs))
+                        self._copy_ops.append((plan.slots[p], block * bs + p % bs))
         self._tables[seq_id] = table
         self._runs[seq_id] = 0
         if salt is not None:
             self._salts[seq_id] = salt  # what commit() inserts under
-        self.tree.touch(nodes)
-        return match
+        self.tree.touch(plan.path)  # (a dropped node that step 1 evicted is gone: touching it is moot)
+        return plan.match
 
     # ---- growth, commit, release --------------------------------------------------------------
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> bool:
@@ -342,3 +390,12 @@ class BlockManager:
         assert len(free) == pool.num_free, "free count drifted from the free stack"
         assert set(free) == {b for b, r in enumerate(holders) if r == 0}, "free list != unheld blocks"
         assert pool.num_evictable == sum(pool.is_evictable(b) for b in range(self.num_blocks))
+
+
+def _num_nodes_before(nodes: list[TreeNode], n: int) -> int:
+    """How many leading nodes of a root path start before position n (the ones positions [0, n) use)."""
+    count = start = 0
+    while count < len(nodes) and start < n:
+        start += len(nodes[count].key)
+        count += 1
+    return count

@@ -10,8 +10,11 @@ lives in engine/engine_parts.py, validating a request and building its Sequence 
 engine/intake.py, the RequestOutput a step hands out in engine/outputs.py; this module
 is the loop.
 
-Faults. A step that raises after scheduling (in the grammar, the model forward, the
-sampler or the detokenizer) fails only the requests of its batch:
+Faults. A fault that is one request's own (its parameters leave no token allowed, its
+grammar or its detokenizer raises: a RequestFaultError) ends that request alone, with
+finish_reason "error" and nothing of it committed; the rest of the batch goes on, and
+such a fault never counts toward the engine's death. A step that raises otherwise
+(in the model forward or the sampler) fails only the requests of its batch:
 
     each request of the batch   finished output, finish_reason "error", `error` an
                                 EngineStepError naming the stage and the cause
@@ -47,7 +50,7 @@ from onecall.engine.postprocess import postprocess_token
 from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from onecall.engine.sequence import FinishReason, Sequence
 from onecall.engine.trace import StepRecord
-from onecall.errors import EngineDeadError, EngineStepError, InvalidParameterError
+from onecall.errors import EngineDeadError, EngineStepError, InvalidParameterError, RequestFaultError
 from onecall.model import native
 from onecall.model.attention_metadata import default_backend
 from onecall.sampling.mask_prefetch import MaskPrefetcher
@@ -70,7 +73,6 @@ class Engine:
         self.tokenizer = p.tokenizer
         self.model_config = p.model_config
         self.device = p.device
-        self.max_model_len = p.max_model_len
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._intake = RequestIntake(p, lambda: self.grammar)
@@ -114,6 +116,9 @@ class Engine:
         backend = backend or self.runner.attention_backend  # the constructor passes its own
         assert backend == "triton", "static decode steps need the Triton backend (metadata as tensors only)"
         self._build_runner(backend, p.num_blocks - 1)
+        # one sequence must still fit the smaller pool, or it would wait at the head of the queue forever
+        room = (p.num_blocks - 1) * self.config.block_size
+        self._intake.max_model_len = min(self._intake.max_model_len, room)
         self.runner.decode_graphs = DecodeGraphs(
             model=p.model,
             kv_cache=p.kv_cache,
@@ -156,6 +161,11 @@ class Engine:
         """Stop the other tensor-parallel ranks, if any (also done at exit); a no-op otherwise."""
         if self.parts.tp_group is not None:
             self.parts.tp_group.close()
+
+    @property
+    def max_model_len(self) -> int:
+        """The context window: the model's, capped by what the KV pool can hold for one sequence."""
+        return self._intake.max_model_len
 
     @property
     def grammar(self) -> GrammarBackend:
@@ -266,10 +276,7 @@ class Engine:
     def _step_error(self, e: Exception) -> EngineStepError:
         if isinstance(e, EngineStepError):  # postprocess named the stage
             return e
-        stage = self._stage
-        if stage == "sampler" and self._masks.raised(e):
-            stage = "grammar"  # a mask fill raised on the prefetch worker; the sampler re-raised it
-        return EngineStepError(stage, e)
+        return EngineStepError(self._stage, e)
 
     def _recover(self, sched: SchedulerOutput, error: EngineStepError) -> list[RequestOutput]:
         """Fail every request of the step that raised and free its KV (nothing committed); raise
@@ -346,10 +353,21 @@ class Engine:
         prompt_logprobs: dict[int, PromptLogprobs],
         duration: float,
     ) -> list[RequestOutput]:
+        """Two phases, so that a step that raises leaves nothing behind:
+        1. advance every scheduled sequence: counts, trace, prompt logprobs, the sampled token and
+           its text (postprocess_token). A row that failed for its own request's reasons (the
+           sampler's `failed`, or a RequestFaultError from its grammar or detokenizer) is noted
+           to end alone; anything else that raises fails the whole batch (step() -> _recover).
+        2. nothing can raise any more: commit finished prompts to the prefix cache, retire the
+           requests that finished or failed, and build the outputs."""
         now = time.perf_counter()
         batch_size, num_batched = len(sched.scheduled), sched.num_batched_tokens
         row = {id(s.seq): i for i, s in enumerate(sampling)}
-        outputs: list[RequestOutput] = []
+        failed = result.failed if result is not None else {}
+        prompts_done: list[Sequence] = []
+        ended: list[tuple[Sequence, FinishReason]] = []
+        emitted: list[tuple[Sequence, str, list[int], EngineStepError | None]] = []
+        # 1. advance
         for index, item in enumerate(sched.scheduled):
             seq = item.seq
             kind = "prefill" if seq.is_prefilling else "decode"
@@ -364,30 +382,41 @@ class Engine:
                 seq.prompt_logprobs += chunk.logprobs
                 seq.prompt_top_logprobs += chunk.top_logprobs
             if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_prompt_tokens:
-                outputs.append(self._score_only_done(seq, now))
+                seq.trace.record_prefill_done(now)  # a score-only request: it ends with its prompt
+                prompts_done.append(seq)
+                ended.append((seq, FinishReason.LENGTH))
+                emitted.append((seq, "", [], None))
                 continue
             if id(seq) not in row:
                 continue
-            if seq.num_output_tokens == 0 and seq.trace.prefill_done_time is None:
+            first_token = seq.num_output_tokens == 0 and seq.trace.prefill_done_time is None
+            if first_token:
                 seq.trace.record_prefill_done(now)
-                self.scheduler.commit_prompt(seq)
             assert result is not None, "a sampling row always has a sample result"
-            delta_text, finish = postprocess_token(
-                seq, result, row[id(seq)], record, self.tokenizer.eos_token_ids
-            )
+            fault = failed.get(row[id(seq)])
+            try:
+                if fault is not None:
+                    raise fault
+                delta_text, finish = postprocess_token(
+                    seq, result, row[id(seq)], record, self.tokenizer.eos_token_ids
+                )
+            except RequestFaultError as e:  # this request's own: it ends alone, nothing committed
+                ended.append((seq, FinishReason.ERROR))
+                emitted.append((seq, "", [], e))
+                continue
+            if first_token:
+                prompts_done.append(seq)
             self.stats.num_generation_tokens_total += 1
             seq.trace.record_token(now)
             if finish is not None:
-                self._retire(seq, finish, now)
-            outputs.append(make_output(seq, delta_text, [seq.token_ids[-1]]))
-        return outputs
-
-    def _score_only_done(self, seq: Sequence, now: float) -> RequestOutput:
-        """A max_tokens 0 request whose prompt is computed: it ends here, with no token sampled."""
-        seq.trace.record_prefill_done(now)
-        self.scheduler.commit_prompt(seq)
-        self._retire(seq, FinishReason.LENGTH, now)
-        return make_output(seq, "", [])
+                ended.append((seq, finish))
+            emitted.append((seq, delta_text, [seq.token_ids[-1]], None))
+        # 2. commit, retire, answer
+        for seq in prompts_done:
+            self.scheduler.commit_prompt(seq)
+        for seq, reason in ended:
+            self._retire(seq, reason, now)
+        return [make_output(seq, text, ids, error) for seq, text, ids, error in emitted]
 
     def _retire(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         self.scheduler.finish(seq, reason)

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from onecall.config import DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
-from onecall.errors import InvalidParameterError
+from onecall.errors import InvalidParameterError, UnsupportedModelError
 from onecall.model import native
 from onecall.model.checkpoint import (
     ModelFiles,
@@ -64,6 +64,15 @@ class LoadedEngineParts:
     load_seconds: float
     kernels: str = "reference"  # what the projections run on (DecoderLM.kernels)
     tp_group: TensorParallelGroup | None = None  # the other ranks, with tensor_parallel_size > 1
+
+    def __post_init__(self) -> None:
+        # A token id past the embedding's rows would fault a step (on CUDA: a device assert that
+        # poisons the context for every request), so such a pair is refused here, as llama.cpp does.
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise UnsupportedModelError(
+                f"{self.files.name}: the tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
+                f"embedding has {self.model_config.vocab_size} rows; ids past them could not be run"
+            )
 
     @property
     def model_name(self) -> str:
@@ -109,24 +118,24 @@ def load_engine_parts(config: EngineConfig) -> LoadedEngineParts:
             kv_dtype,
             device,
         )
+        return LoadedEngineParts(  # checks the tokenizer against the embedding (__post_init__)
+            files,
+            model_config,
+            model,
+            tokenizer,
+            kv_cache,
+            num_blocks,
+            max_model_len,
+            device,
+            dtype,
+            time.perf_counter() - t0,
+            model.kernels,
+            group,
+        )
     except BaseException:
         if group is not None:
             group.close()  # the workers wait for a first step that will never come
         raise
-    return LoadedEngineParts(
-        files,
-        model_config,
-        model,
-        tokenizer,
-        kv_cache,
-        num_blocks,
-        max_model_len,
-        device,
-        dtype,
-        time.perf_counter() - t0,
-        model.kernels,
-        group,
-    )
 
 
 def _load_tokenizer(files: ModelFiles) -> Tokenizer:

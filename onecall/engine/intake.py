@@ -3,7 +3,8 @@ scheduler can take, or a typed error. Nothing here changes engine state, so a re
 leaves the engine exactly as it was.
 
     check                                         refused with
-    params against the vocabulary                 InvalidParameterError (SamplingParams.validate_vocab)
+    params against the vocabulary (ids in range;  InvalidParameterError (SamplingParams.validate_vocab)
+      min_tokens leaves a token to sample)
     prompt: str, token ids in the vocabulary,     InvalidParameterError("prompt", ...)
       or a RenderedPrompt; not empty
     prompt + max_tokens within max_model_len      ContextLengthExceededError
@@ -48,6 +49,9 @@ class RequestIntake:
         self.tokenizer = parts.tokenizer
         self._grammar = grammar
         self._seq_ids = itertools.count()
+        # the context window: the model's, capped by what the KV pool holds (the engine lowers it
+        # when static decode steps take the pool's last block for padding)
+        self.max_model_len = parts.max_model_len
 
     def new_sequence(
         self,
@@ -60,10 +64,10 @@ class RequestIntake:
         """A validated request as a Sequence with its trace, detokenizer and stop matcher; typed errors
         for anything the caller got wrong. `constraint` (any TokenConstraint) overrides the grammar."""
         parts = self._parts
-        params.validate_vocab(self.tokenizer.vocab_size)
+        params.validate_vocab(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
         trace = RequestTrace(request_id=request_id, arrival_time=arrival_time or time.perf_counter())
         ids = self._prompt_ids(prompt, trace)
-        check_length(len(ids), params.max_tokens, parts.max_model_len)
+        check_length(len(ids), params.max_tokens, self.max_model_len)
         if constraint is None and params.structured_outputs is not None:
             grammar = self._grammar().new_constraint(params.structured_outputs)
             trace.record_grammar(grammar.trace)
@@ -77,7 +81,7 @@ class RequestIntake:
             request_id=request_id,
             prompt_token_ids=ids,
             params=params,
-            max_total_tokens=parts.max_model_len,
+            max_total_tokens=self.max_model_len,
             trace=trace,
             generator=gen,
             constraint=constraint,

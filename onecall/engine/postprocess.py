@@ -9,8 +9,9 @@ Stop checks, in order (the first that fires wins):
     5. max_tokens, or the context window is full      -> "length"
 Text is produced incrementally (never half a UTF-8 character) and passes through
 the stop-string matcher, which holds back anything that may start a stop string.
-A grammar or a detokenizer that raises comes out as an EngineStepError naming it
-("grammar", "detokenizer"): the engine then fails the step's requests, not itself.
+A grammar or a detokenizer that raises comes out as a RequestFaultError naming it
+("grammar", "detokenizer"): it belongs to this request alone, which the engine ends;
+the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Set
 
 from onecall.engine.sequence import FinishReason, Sequence
 from onecall.engine.trace import StepRecord
-from onecall.errors import EngineStepError
+from onecall.errors import RequestFaultError
 from onecall.sampling.types import SampleResult
 
 
@@ -49,7 +50,7 @@ def postprocess_token(
             seq.constraint.advance(token)
             grammar_done = seq.constraint.is_finished()
         except Exception as e:
-            raise EngineStepError("grammar", e) from e
+            raise RequestFaultError("grammar", e, "structured_outputs") from e
 
     # 2. token-level stops
     params = seq.params
@@ -60,7 +61,7 @@ def postprocess_token(
     try:
         return _text_and_limits(seq, token, finish, grammar_done)
     except Exception as e:
-        raise EngineStepError("detokenizer", e) from e
+        raise RequestFaultError("detokenizer", e) from e
 
 
 def _text_and_limits(

@@ -244,15 +244,6 @@ class RadixCache:
                 heapq.heappush(heap, (self._rank(parent), parent.last_access, tie, parent))  # now a leaf
                 tie += 1
 
-    def num_evictable_blocks(self, protected: Collection[TreeNode] = ()) -> int:
-        """Blocks that evicting every unprotected node would free. Unprotected nodes are
-        never ancestors of protected ones (we protect whole root paths), so all of them can go."""
-        pool = self.pool
-        pinned = {s // self.block_size for node in protected for s in node.slots}
-        return pool.num_evictable - sum(
-            1 for b in pinned if pool.refcount[b] == 1 and pool.tree_tokens[b] > 0
-        )
-
     def reset(self) -> None:
         """Drop every node (sequences keep their own references to the blocks)."""
         for node, _ in list(self.iter_nodes()):

@@ -12,6 +12,11 @@ Policy (continuous batching with chunked prefill, like vLLM v1):
      first admission matches the prefix cache; a prompt chunk starts after the hit.
      A request collecting prompt logprobs matches only what it has logprobs for
      (Sequence.prefix_cache_tokens: nothing, when fresh): cached positions have no logits.
+     A match whose copies the pool cannot hold is cut back (BlockManager.begin), so the
+     head of the queue waits only for blocks that running sequences hold: a request that
+     fits the pool alone is admitted once they are done. (One that never fits would hold
+     the queue for good: intake refuses those, max_model_len <= the pool's tokens.)
+     num_cached_tokens (the sequence's and its trace's) is what was really reused.
   3. No admission happens in a step that preempted (the pool is under pressure).
 Abort frees a sequence's blocks at once, whatever its state.
 
@@ -131,8 +136,6 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
         match = self.block_manager.begin(seq.seq_id, seq.prefix_cache_tokens, seq.params.cache_salt)
-        if match is None:
-            return False
         n = min(seq.num_tokens - match.num_cached_tokens, budget)
         if not self.block_manager.ensure_capacity(seq.seq_id, match.num_cached_tokens + n):
             self.block_manager.free(seq.seq_id)
@@ -146,7 +149,9 @@ class Scheduler:
             if d is None
             else {"index": d.index, "prompt_token": d.prompt_token, "cached_token": d.cached_token}
         )
-        if seq.trace.record_admission(match.num_cached_tokens, divergence, match.is_capped):
+        if seq.trace.record_admission(
+            match.num_cached_tokens, divergence, match.is_capped, match.num_dropped_tokens
+        ):
             seq.num_cached_tokens = match.num_cached_tokens  # the first admission's match is the request's
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

@@ -45,6 +45,8 @@ class RequestTrace:
     num_cached_tokens: int = 0
     divergence: dict[str, int] | None = None  # {"index", "prompt_token", "cached_token"} or None
     cache_match_capped: bool = False  # the whole prompt was cached; the last token is recomputed
+    # matched tokens recomputed anyway: the pool had no room to copy their blocks (block_manager.py)
+    num_dropped_cache_tokens: int = 0
     # 3. timestamps (perf_counter seconds)
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
@@ -75,13 +77,16 @@ class RequestTrace:
     def record_prompt(self, ids: list[int], text: str | None, is_control: list[bool]) -> None:
         self.prompt_token_ids, self.prompt_text, self.prompt_is_control = ids, text, is_control
 
-    def record_admission(self, num_cached: int, divergence: dict[str, int] | None, capped: bool) -> bool:
-        """The scheduler admitted the request with this prefix-cache match. Only the first admission
-        is the request's cache figure (a preempted request rejoins later on its own blocks); returns
-        whether this was it."""
+    def record_admission(
+        self, num_cached: int, divergence: dict[str, int] | None, capped: bool, num_dropped: int = 0
+    ) -> bool:
+        """The scheduler admitted the request with this prefix-cache match (`num_dropped` matched
+        tokens recomputed for lack of room). Only the first admission is the request's cache figure
+        (a preempted request rejoins later on its own blocks); returns whether this was it."""
         if self.first_scheduled_time is not None:
             return False
         self.num_cached_tokens, self.divergence, self.cache_match_capped = num_cached, divergence, capped
+        self.num_dropped_cache_tokens = num_dropped
         return True
 
     def record_scheduled(self, now: float) -> bool:

@@ -19,8 +19,19 @@ Compilation is bounded, so no request can stall or crash the process:
      with a 256 MiB stack (virtual: only touched pages cost memory), which held
      chains of 30,000 rules, more than max_grammar_bytes allows;
   4. a compile that outlives compile_timeout_s is refused at once (its thread
-     finishes in the background; a caller is never kept waiting longer).
-Every refusal is an InvalidParameterError naming "structured_outputs.<kind>".
+     finishes in the background; a caller is never kept waiting longer), and
+     the refusal is cached like any compile error, so sending the same grammar
+     again starts no second thread;
+  5. at most max_background_compiles such threads may still run: past that every
+     compile is refused (GrammarBusyError, a 429) until one ends.
+Every refusal but the last is an InvalidParameterError naming "structured_outputs.<kind>".
+
+Compiling never has to happen on the engine thread. The server compiles off it and holds
+the CompiledGrammar it gets until the request is queued; while anyone holds one it stays
+findable by its text (a weak pin), whatever the LRU cache has evicted meanwhile, so the
+engine's add_request finds it and only deep-copies. compile() also takes a grammar already
+compiled for a later variant of the same request (a schema as written, after its closed
+form) without compiling the earlier one again.
 """
 
 from __future__ import annotations
@@ -28,13 +39,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
 
-from onecall.errors import InvalidParameterError
+from onecall.errors import InvalidParameterError, QueueFullError
 from onecall.sampling.grammar_constraint import GrammarConstraint, GrammarTrace
 from onecall.sampling.json_schema import close_objects
 from onecall.sampling_params import StructuredOutputsParams
@@ -56,6 +68,7 @@ class GrammarLimits:
     compile_timeout_s: float = 10.0
     compile_stack_bytes: int = 256 * 1024 * 1024
     cache_size: int = 256
+    max_background_compiles: int = 2  # timed-out compiles still running; past it, compiles wait
     # llguidance.LLParserLimits, at llguidance's defaults
     max_items_in_row: int = 2000
     initial_lexer_fuel: int = 1_000_000
@@ -122,6 +135,9 @@ class GrammarBackend:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()  # guards the lazy tokenizer and the cache
         self._cache: OrderedDict[str, CompiledGrammar | str] = OrderedDict()  # text -> grammar or error
+        # text -> a compiled grammar someone still holds (the server, until the request is queued)
+        self._pinned: weakref.WeakValueDictionary[str, CompiledGrammar] = weakref.WeakValueDictionary()
+        self._background: list[threading.Thread] = []  # timed-out compiles still running
         self.num_compiles = 0  # compiles actually run (cache misses that reached llguidance)
 
     @property
@@ -135,8 +151,13 @@ class GrammarBackend:
         """(compiled grammar, cache hit). Thread-safe; raises InvalidParameterError if it cannot compile
         (with the error of the schema as written, when a closed variant was tried first)."""
         param = f"structured_outputs.{so.kind}"
+        texts = grammar_texts(so)
+        for text in texts:  # a variant compiled already wins over compiling an earlier one
+            found = self._lookup(text)
+            if isinstance(found, CompiledGrammar):
+                return found, True
         error: InvalidParameterError | None = None
-        for text in grammar_texts(so):
+        for text in texts:
             try:
                 return self._compile_text(so.kind, text, param)
             except InvalidParameterError as e:
@@ -151,14 +172,13 @@ class GrammarBackend:
                 f"is too large: {len(text):,} bytes as a grammar (limit {self.limits.max_grammar_bytes:,})",
             )
         tokenizer = self.ll_tokenizer
-        with self._lock:
-            cached = self._cache.get(text)
-            if cached is not None:
-                self._cache.move_to_end(text)
+        cached = self._lookup(text)
         if cached is None:
             cached = self._compile_bounded(kind, text, tokenizer, param)
             with self._lock:
                 self._cache[text] = cached
+                if isinstance(cached, CompiledGrammar):
+                    self._pinned[text] = cached
                 while len(self._cache) > self.limits.cache_size:
                     self._cache.popitem(last=False)
             hit = False
@@ -167,6 +187,15 @@ class GrammarBackend:
         if isinstance(cached, str):
             raise InvalidParameterError(param, cached)
         return cached, hit
+
+    def _lookup(self, text: str) -> CompiledGrammar | str | None:
+        """The cached grammar (or error) for `text`, refreshed in the LRU; else one still pinned."""
+        with self._lock:
+            cached = self._cache.get(text)
+            if cached is not None:
+                self._cache.move_to_end(text)
+                return cached
+            return self._pinned.get(text)
 
     def new_constraint(self, so: StructuredOutputsParams) -> GrammarConstraint:
         """A fresh per-request matcher for `so` (compiled or from the cache), with its GrammarTrace."""
@@ -198,6 +227,7 @@ class GrammarBackend:
     ) -> CompiledGrammar | str:
         """Compile in a big-stack thread under a timeout. Returns the grammar, or llguidance's error text
         (cached like a grammar: the same bad schema is refused again without recompiling)."""
+        self._check_background()
         box: dict[str, Any] = {}
 
         def work() -> None:
@@ -219,18 +249,36 @@ class GrammarBackend:
             finally:
                 threading.stack_size(previous)
         thread.join(self.limits.compile_timeout_s)
-        if thread.is_alive():
-            raise InvalidParameterError(
-                param, f"took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it"
-            )
         with self._lock:
             self.num_compiles += 1
+            if thread.is_alive():
+                self._background.append(thread)
+                return f"{kind} took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it"
         matcher = box.get("matcher")
         if matcher is None:
             return _short(box["error"])
         if matcher.is_error():
             return _short(matcher.get_error())
         return CompiledGrammar(kind, text, matcher, box["seconds"])
+
+
+    def _check_background(self) -> None:
+        """Refuse to start a compile while max_background_compiles timed-out ones still run."""
+        with self._lock:
+            self._background = [t for t in self._background if t.is_alive()]
+            running = len(self._background)
+        if running >= self.limits.max_background_compiles:
+            raise GrammarBusyError(running)
+
+
+class GrammarBusyError(QueueFullError):
+    """Too many timed-out grammar compiles still run in the background: retry later (a 429)."""
+
+    def __init__(self, num_running: int) -> None:
+        super().__init__(num_running, num_running)
+        self.args = (
+            f"the grammar compiler is busy: {num_running} compiles that timed out still run; retry later",
+        )
 
 
 _STACK_SIZE_LOCK = threading.Lock()

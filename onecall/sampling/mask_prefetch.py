@@ -34,7 +34,11 @@ class PrefetchedConstraint:
     """A TokenConstraint whose mask for this step is being filled on the prefetch worker."""
 
     def __init__(
-        self, inner: TokenConstraint, job: Future[list[bool]], bitmask: torch.Tensor, row: int
+        self,
+        inner: TokenConstraint,
+        job: Future[list[bool | Exception]],
+        bitmask: torch.Tensor,
+        row: int,
     ) -> None:
         self.inner = inner
         self._job = job
@@ -43,6 +47,8 @@ class PrefetchedConstraint:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         applies = self._job.result()[self._row]  # waits for the worker if it is not done yet
+        if isinstance(applies, Exception):
+            raise applies  # this row's fill raised: the sampler fails this row alone (masks.py)
         if applies:
             bitmask[row].copy_(self._bitmask[self._row])
         return applies
@@ -60,7 +66,7 @@ class MaskPrefetcher:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._pool: ThreadPoolExecutor | None = None  # started on the first constrained step
-        self._job: Future[list[bool]] | None = None
+        self._job: Future[list[bool | Exception]] | None = None
 
     def start(self, constraints: list[TokenConstraint]) -> list[PrefetchedConstraint]:
         """Begin filling one bitmask row per constraint; returns their stand-ins, in order."""
@@ -73,18 +79,19 @@ class MaskPrefetcher:
         return [PrefetchedConstraint(c, job, bitmask, j) for j, c in enumerate(constraints)]
 
     @staticmethod
-    def _fill(constraints: list[TokenConstraint], bitmask: torch.Tensor) -> list[bool]:
-        return [c.fill_bitmask(bitmask, j) for j, c in enumerate(constraints)]
-
-    def raised(self, exc: BaseException) -> bool:
-        """Did the current fills end in `exc`? (The sampler re-raises a fill's error: the engine
-        asks this to name the grammar, not the sampler, as the stage that failed.)"""
-        job = self._job
-        return job is not None and job.done() and not job.cancelled() and job.exception() is exc
+    def _fill(constraints: list[TokenConstraint], bitmask: torch.Tensor) -> list[bool | Exception]:
+        """Each row's answer, or the exception its fill raised (it belongs to that row alone)."""
+        out: list[bool | Exception] = []
+        for j, c in enumerate(constraints):
+            try:
+                out.append(c.fill_bitmask(bitmask, j))
+            except Exception as e:
+                out.append(e)
+        return out
 
     def wait(self) -> None:
         """Block until the last step's fills are done. A fill's error is not raised here: it
-        reached the sampler (fill_bitmask) already."""
+        reached the sampler (fill_bitmask) already, as its own row's failure."""
         if self._job is not None:
             job, self._job = self._job, None
             futures.wait([job])

@@ -5,7 +5,8 @@ use it and skipped when none does (a batch of plain greedy rows costs one argmax
 
   1. repetition / frequency / presence penalties    (penalties.py)
   2. logit_bias                                     (penalties.py)
-  3. constraint bitmasks and banned_token_ids -> -inf (penalties.py, bitmask.py)
+  3. constraint bitmasks and banned_token_ids -> -inf (masks.py, bitmask.py); a row left with no
+     allowed token, or whose grammar raised, is reported in SampleResult.failed, never sampled
   4. logprobs = log_softmax of these *processed* logits
   5. greedy rows (temperature 0) take the argmax (torch's, or the caller's `argmax`: the engine
      passes model/native.py's, the same indices from a vectorized C pass)
@@ -266,5 +267,11 @@ def _result(
             # masked tokens (-inf) are never offered as alternatives
             top_lp[i] = [(t, v) for t, v in zip(ids[:n], vs[:n], strict=True) if v != -math.inf]
     return SampleResult(
-        token_ids.tolist(), chosen_lp, top_lp, masks.num_masked, masks.num_allowed, masks.mask_time
+        token_ids.tolist(),
+        chosen_lp,
+        top_lp,
+        masks.num_masked,
+        masks.num_allowed,
+        masks.mask_time,
+        failed=masks.failed,
     )

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from onecall.errors import RequestFaultError
 from onecall.sampling.provenance import TokenProvenance
 from onecall.sampling_params import SamplingParams
 
@@ -66,3 +67,6 @@ class SampleResult:
     num_allowed: list[int | None]  # tokens a constraint left allowed; None = no constraint this step
     mask_time: list[float]  # seconds: the row's constraint filling its mask, plus the one shared apply
     provenance: list[TokenProvenance | None] = field(default_factory=list)  # trace_level "full" rows
+    # rows that could not be sampled (their grammar raised, or nothing was left allowed): the token in
+    # their slot means nothing and the engine ends each such request alone with its error
+    failed: dict[int, RequestFaultError] = field(default_factory=dict)

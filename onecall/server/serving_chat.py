@@ -120,6 +120,7 @@ class ChatSetup:
     reasoning: ReasoningFormat | None  # the template thinks in these markers
     starts_in_reasoning: bool  # the prompt opened the reasoning block
     keep_special_text: bool
+    grammar: object = None  # the CompiledGrammar, held until the request is queued (serving_structured)
 
     def new_parser(self) -> ChoiceParser | None:
         """A fresh parser for one choice; None when the text goes out as it is (no reasoning, no tools)."""
@@ -159,9 +160,9 @@ async def prepare_chat(engine: Engine, req: ChatCompletionRequest) -> ChatSetup:
     so, field = asked if asked is not None else (enforced, "tools")
     if so is not None:
         so = with_reasoning(so, reasoning, starts_in_reasoning=opens, tokenizer=tokenizer)
-        await compile_structured_outputs(engine, so, field)
+    grammar = await compile_structured_outputs(engine, so, field) if so is not None else None
     keep_special = markers_are_special(tokenizer, tools, reasoning)
-    return ChatSetup(rendered, so, tools, reasoning, opens, keep_special)
+    return ChatSetup(rendered, so, tools, reasoning, opens, keep_special, grammar)
 
 
 def chat_choice(

@@ -16,19 +16,24 @@ before the request is queued.
     3. compile_structured_outputs: llguidance compiles in a worker thread (thread-safe, bounded in time
        and size), never on the engine thread or the event loop; a schema, regex or grammar that does not
        compile, or is over a limit, is a 400 naming the field, with llguidance's message, before any
-       token. The engine's add_request then takes the compiled grammar from the backend's cache.
+       token. The caller holds the CompiledGrammar until the request is queued, so the engine's
+       add_request finds it (a weak pin) and never compiles on the engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import TYPE_CHECKING
 
 from onecall.engine.engine import Engine
 from onecall.errors import InvalidParameterError
 from onecall.sampling_params import StructuredOutputsParams
 from onecall.text.reasoning import ReasoningFormat
 from onecall.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from onecall.sampling.grammar import CompiledGrammar
 
 
 def with_reasoning(
@@ -52,11 +57,16 @@ def is_one_token(tokenizer: Tokenizer, text: str) -> bool:
     return len(tokenizer.encode(text)) == 1
 
 
-async def compile_structured_outputs(engine: Engine, so: StructuredOutputsParams, field: str) -> None:
+async def compile_structured_outputs(
+    engine: Engine, so: StructuredOutputsParams, field: str
+) -> CompiledGrammar:
     """Compile (or find in the cache) the grammar of `so` off the engine thread; a 400 naming
-    `field` if it cannot be compiled."""
+    `field` if it cannot be compiled. Hold the result until the request is queued: while it is held
+    the engine finds it whatever the cache evicted, so add_request never compiles on the engine
+    thread (sampling/grammar.py)."""
     try:
-        await asyncio.to_thread(engine.grammar.compile, so)
+        compiled, _ = await asyncio.to_thread(engine.grammar.compile, so)
+        return compiled
     except InvalidParameterError as e:
         if e.param.startswith(field):  # structured_outputs.<kind>: already the field's own name
             raise

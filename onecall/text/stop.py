@@ -9,7 +9,8 @@ The matcher keeps a small buffer: after each delta it
      (it could still become one) and emits the rest.
 
 Invariant: the held-back text is always shorter than the longest stop string, so each feed costs
-O((len(delta) + longest stop) * number of stops), however long the generation.
+O((len(delta) + longest stop) * number of stops), however long the generation; SamplingParams bounds
+both (MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS), since every feed runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -48,12 +49,7 @@ class StopStringMatcher:
             return buffer[: best[1]], best[2]
 
         # 2. hold back the longest suffix that could still grow into a stop string
-        num_held = 0
-        for k in range(min(len(buffer), self._max_len - 1), 0, -1):
-            suffix = buffer[-k:]
-            if any(stop.startswith(suffix) for stop in self.stops):
-                num_held = k
-                break
+        num_held = _longest_open_suffix(buffer, self.stops)
         self._held = buffer[len(buffer) - num_held :]
         return buffer[: len(buffer) - num_held], None
 
@@ -61,3 +57,20 @@ class StopStringMatcher:
         """End of generation without a match: release the held-back text."""
         held, self._held = self._held, ""
         return held
+
+
+def _longest_open_suffix(buffer: str, stops: Sequence[str]) -> int:
+    """The length of the longest suffix of `buffer` that is a proper prefix of some stop string.
+    For each stop, only the positions holding its first character are tried (str.find jumps to
+    them), from the one farthest back that could still beat the best so far."""
+    n = len(buffer)
+    best = 0
+    for stop in stops:
+        first = stop[0]
+        i = buffer.find(first, max(n - len(stop) + 1, 0), n - best)  # suffixes longer than `best`
+        while i >= 0:
+            if stop.startswith(buffer[i:]):
+                best = n - i
+                break
+            i = buffer.find(first, i + 1, n - best)
+    return best

@@ -133,7 +133,11 @@ def _turn(
     """One turn's figures, and where (and why) its prompt left the cached path."""
     t, d = on.trace, on.trace.divergence
     # The prompt matched the cache up to the divergence, or (no divergence) as far as the cache went.
-    match_len = d["index"] if d is not None else t.num_cached_tokens + int(t.cache_match_capped)
+    match_len = (
+        d["index"]
+        if d is not None
+        else t.num_cached_tokens + t.num_dropped_cache_tokens + int(t.cache_match_capped)
+    )
     divergence = None
     if d is not None:
         text = [
