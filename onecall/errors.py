@@ -113,6 +113,18 @@ class EngineDeadError(OnecallError):
     says why."""
 
 
+class EngineRestartingError(EngineDeadError):
+    """The engine stopped and is being rebuilt in place on the same weights: this request was not
+    served (or was cut off), and the same request a moment later will be. An EngineDeadError, so a
+    caller that only knows that one still sees the engine stopping; the server answers it with a
+    503 and Retry-After (`retry_after` seconds, a hint), not the 503 of an engine dead for good."""
+
+    def __init__(self, reason: str, retry_after: int = 1) -> None:
+        super().__init__(f"the engine stopped ({reason}) and is restarting; retry in {retry_after} s")
+        self.reason = reason
+        self.retry_after = retry_after
+
+
 class ModelFileError(UnsupportedModelError):
     """A model file is malformed: truncated, corrupt, or built to break the reader. The message names
     the file, what is wrong and where (which key, which tensor, which byte offset)."""

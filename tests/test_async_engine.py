@@ -3,8 +3,10 @@
 What is checked: concurrent streams give the synchronous LLM's greedy tokens; typed errors come
 at add time (and leave nothing queued); the waiting-queue limit; aborts (explicit, `async with`
 plus break, a cancelled consumer) free every KV block; the event loop keeps ticking through a
-slow step; a step that raises kills the engine cleanly (streams and new requests get
-EngineDeadError, the traceback is logged); shutdown ends open streams; the metrics add up.
+slow step; with restarts off, a step that raises kills the engine cleanly (streams and new
+requests get EngineDeadError, the traceback is logged; the restarts themselves are
+tests/test_supervisor.py's); shutdown ends open streams; the metrics add up; an idle engine
+thread sleeps, and so does one whose waiting requests cannot be scheduled.
 Each test runs its own event loop with asyncio.run (no pytest plugin needed).
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 
 from onecall.engine.engine import Engine, RequestOutput
+from onecall.engine.scheduler import SchedulerOutput
 from onecall.errors import ContextLengthExceededError, EngineDeadError, InvalidParameterError, QueueFullError
 from onecall.llm import LLM
 from onecall.sampling_params import SamplingParams
@@ -215,7 +218,9 @@ def test_the_event_loop_keeps_ticking_through_a_slow_step() -> None:
         gc.unfreeze()
 
 
-def test_a_step_that_raises_kills_the_engine_cleanly(caplog: pytest.LogCaptureFixture) -> None:
+def test_with_restarts_off_a_step_that_raises_kills_the_engine_cleanly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     engine = tiny_engine()
     real_step = engine.step
     calls = 0
@@ -238,12 +243,13 @@ def test_a_step_that_raises_kills_the_engine_cleanly(caplog: pytest.LogCaptureFi
             with pytest.raises(EngineDeadError):  # and again on the next read: no silent end
                 await s.__anext__()
             await s.abort()  # a no-op, never an error, on a dead engine
-        assert not ae.is_running
+        assert not ae.is_running and ae.dead_reason is not None
+        assert "not restarted: restarts are turned off" in ae.dead_reason
         with pytest.raises(EngineDeadError):
             await ae.add_request("after", "Hello", GREEDY)
 
     with caplog.at_level(logging.ERROR, logger="onecall.server"):
-        run(body, engine)
+        run(body, engine, max_restarts=0)
     logged = [r for r in caplog.records if r.name == "onecall.server" and r.exc_info]
     assert logged and "boom" in str(logged[0].exc_info[1])  # type: ignore[index]
 
@@ -278,6 +284,7 @@ def test_a_hung_step_is_declared_dead_by_the_watchdog(caplog: pytest.LogCaptureF
         with pytest.raises(EngineDeadError, match="hung"):
             await queued
         assert not ae.is_running and ae.dead_reason is not None and "0.3 s" in ae.dead_reason
+        assert "not restarted" in ae.dead_reason  # the thread that would rebuild it is stuck
         with pytest.raises(EngineDeadError):
             await ae.add_request("after", "Hello", GREEDY)
         release.set()  # the step returns late: nothing more reaches the stream
@@ -398,6 +405,39 @@ def _idle_polls(engine: Engine, window_s: float) -> tuple[int, bool]:
 def test_an_idle_engine_thread_sleeps() -> None:
     calls, _ = _idle_polls(tiny_engine(), 0.2)
     assert calls <= 1, f"the idle engine thread polled {calls} times in 0.2 s"
+
+
+def test_an_engine_that_cannot_schedule_waits_instead_of_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiting request the scheduler cannot place (here: it schedules nothing at all, as when
+    nothing runs and the request fits no free KV block) leaves the engine with unfinished work
+    that no step advances: the thread waits on its queue between tries (10 to 50 ms) instead of
+    spinning through empty steps, and a command (the abort) still reaches it."""
+    engine = tiny_engine()
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: SchedulerOutput())
+    real_step = engine.step
+    steps = 0
+
+    def step() -> list[RequestOutput]:
+        nonlocal steps
+        steps += 1
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+
+    async def body(ae: AsyncEngine) -> None:
+        nonlocal steps
+        stream = await ae.add_request("stuck", "Hello", GREEDY)
+        await asyncio.sleep(0.1)  # into the longest wait
+        steps = 0
+        await asyncio.sleep(0.3)
+        counted = steps
+        # about 6 at one per 50 ms; a spinning thread makes thousands
+        assert 1 <= counted <= 15, f"{counted} empty steps in 0.3 s"
+        assert ae.is_running and ae.engine.num_waiting == 1 and not stream.finished
+        await stream.abort()
+        assert (await collect(stream))[-1].finish_reason == "abort"
+
+    run(body, engine)
 
 
 class _FakeGroup:

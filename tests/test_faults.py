@@ -2,14 +2,16 @@
 
 Faults are injected with monkeypatch at each stage of a step (the model forward, the sampler, the
 grammar's mask fill and its advance, the detokenizer) while several requests are in flight, through
-the AsyncEngine and through the in-process server app, over the tiny random-weight engine. Each
-time: the requests of the failing step's batch get an EngineStepError naming the stage and the
-cause (on the wire a 500 body or an error event), every other request finishes with exactly its
+the AsyncEngine and through the in-process server app, over the tiny random-weight engine. A fault
+in a request's own grammar or detokenizer ends that request alone (a RequestFaultError), even in
+consecutive steps. A fault in the forward or the sampler: the requests of the failing step's batch
+get an EngineStepError naming the stage and the cause (on the wire a 500 body or an error event), every other request finishes with exactly its
 fault-free greedy tokens, the failed prompts run again to their fault-free tokens (the forward's
 fault leaves garbage in the KV it wrote: none of it entered the prefix cache), and the KV pool
 drains to all-free. Then what does stop the engine: a fault in the step right after a recovery,
 books found inconsistent, a BaseException on the engine thread (each: EngineDeadError, 503, and
-/health saying why); and an n > 1 request counts as n against the waiting-queue limit.
+/health saying why, when restarts are off or, for the BaseException, always; the in-place restart
+is tests/test_supervisor.py's); and an n > 1 request counts as n against the waiting-queue limit.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ import torch
 import onecall.engine.engine as engine_module
 from onecall.engine.engine import Engine, RequestOutput
 from onecall.engine.scheduler import SchedulerOutput
-from onecall.errors import EngineDeadError, EngineStepError, InvalidParameterError, QueueFullError
+from onecall.errors import (
+    EngineDeadError,
+    EngineStepError,
+    InvalidParameterError,
+    QueueFullError,
+    RequestFaultError,
+)
 from onecall.llm import LLM
 from onecall.sampling.grammar_constraint import GrammarConstraint
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
@@ -211,7 +219,7 @@ def assert_pool_drains(engine: Engine) -> None:
 
 
 # ---- one fault: only its batch fails ----------------------------------------------------------------------
-@pytest.mark.parametrize("stage", ["forward", "sampler", "grammar mask", "grammar advance", "detokenizer"])
+@pytest.mark.parametrize("stage", ["forward", "sampler"])
 def test_a_failed_step_fails_only_its_batch(stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
     grammar = stage.startswith("grammar")
     want = fault_free(grammar)
@@ -240,6 +248,41 @@ def test_a_failed_step_fails_only_its_batch(stage: str, monkeypatch: pytest.Monk
         assert failures == len(failed)
 
     run(body, engine, metrics=metrics)
+    assert_pool_drains(engine)
+
+
+@pytest.mark.parametrize("stage", ["grammar mask", "grammar advance", "detokenizer"])
+def test_a_request_fault_ends_that_request_alone(stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's own grammar or detokenizer raising ends that request (a RequestFaultError naming the
+    stage), not its batch; two such faults in a row do not stop the engine."""
+    grammar = stage.startswith("grammar")
+    want = fault_free(grammar)
+    engine = tiny_engine(max_num_seqs=3)
+    fault = Fault(engine, mixed, repeat=True)  # two faults in consecutive steps, then no more
+    real_check = fault.check
+
+    def check_twice() -> None:
+        try:
+            real_check()
+        finally:
+            fault.repeat = len(fault.batches) < 2
+
+    fault.check = check_twice  # type: ignore[method-assign]
+    stage_name = inject(stage, engine, fault, monkeypatch)
+
+    async def body(ae: AsyncEngine) -> None:
+        got = await drive(ae, [(rid, PROMPTS[i], params(i, grammar)) for i, rid in enumerate(IDS)])
+        failed = {rid for rid, r in got.items() if isinstance(r, EngineStepError)}
+        assert len(fault.batches) == len(failed) == 2  # one request per firing step
+        for rid in failed:
+            err = got[rid]
+            assert isinstance(err, RequestFaultError) and err.stage == stage_name
+            assert isinstance(err.cause, InjectedFault)
+            assert str(err) == f"the request was ended in the {stage_name}: injected fault"
+        assert {rid: got[rid] for rid in set(IDS) - failed} == {rid: want[rid] for rid in set(IDS) - failed}
+        assert ae.is_running and ae.dead_reason is None
+
+    run(body, engine)
     assert_pool_drains(engine)
 
 
@@ -439,7 +482,9 @@ def test_on_the_wire_a_failed_step_is_a_500_body_or_an_error_event(monkeypatch: 
     assert_pool_drains(engine)
 
 
-def test_on_the_wire_a_repeated_fault_is_503_and_health_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_the_wire_a_repeated_fault_without_restarts_is_503_and_health_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     engine = tiny_engine(max_num_seqs=2)
     fault = Fault(engine, lambda out: True, repeat=True)
     inject("forward", engine, fault, monkeypatch)
@@ -462,13 +507,14 @@ def test_on_the_wire_a_repeated_fault_is_503_and_health_says_why(monkeypatch: py
         assert (
             "InjectedFault: injected fault" in err["message"]
             and "right after another fault" in err["message"]
+            and "not restarted: restarts are turned off" in err["message"]
         )
         for stream in (False, True):
             r = await client.post("/v1/completions", json=completion(5, stream))
             assert_error(r, 503, type="service_unavailable_error", code="engine_dead")
         assert len(fault.batches) == 2
 
-    in_process(test, AsyncEngine(engine))
+    in_process(test, AsyncEngine(engine, max_restarts=0))
 
 
 def test_on_the_wire_a_base_exception_is_an_error_event_then_503() -> None:

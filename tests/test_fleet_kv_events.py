@@ -204,3 +204,37 @@ def test_a_served_prompt_arrives_as_its_own_blocks_and_flush_as_cleared() -> Non
     finally:
         sub.close()
         pub.close()
+
+
+def test_the_publisher_binds_loopback_only_unless_allowed_and_publishes_one_namespace() -> None:
+    """The events carry prompts' token ids to whoever connects: beyond loopback is refused unless
+    allowed; and only the namespace unsalted requests share is published (the shared tenants' one
+    under --shared-prefix-cache), never another salt's paths."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("msgpack")
+    from onecall.server.kv_events import KVEventPublisher, is_loopback_endpoint
+    from onecall.server.tenants import SHARED_CACHE_SALT
+
+    local = ["tcp://127.0.0.1:5557", "tcp://127.0.0.2:5557", "tcp://[::1]:5557", "tcp://localhost:5557",
+             "tcp://127.0.0.1:*", "ipc:///tmp/onecall-kv", "inproc://kv"]  # fmt: skip
+    remote = ["tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://[::]:5557", "tcp://192.168.1.5:5557",
+              "tcp://eth0:5557", "tcp://kv.example.com:5557", "ws://127.0.0.1:5557", "127.0.0.1:5557"]  # fmt: skip
+    assert all(is_loopback_endpoint(e) for e in local)
+    assert not any(is_loopback_endpoint(e) for e in remote)
+    with pytest.raises(ValueError, match="beyond loopback"):
+        KVEventPublisher(f"tcp://0.0.0.0:{free_port()}")
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = KVEventPublisher(endpoint, block_size=4, salt=SHARED_CACHE_SALT)
+    sub = Subscriber(endpoint)
+    try:
+        _connected(pub, sub)
+        pub.stored([1, 2, 3, 4], 0, None)  # nothing lands here in that mode; not published either
+        pub.stored([5, 6, 7, 8], 0, "tenant:abc")  # a private namespace
+        pub.stored([9, 10, 11, 12], 0, SHARED_CACHE_SALT)
+        pub.cleared()
+        stored, cleared = sub.events(until="AllBlocksCleared")
+        assert stored["token_ids"] == [9, 10, 11, 12] and cleared == {"type": "AllBlocksCleared"}
+    finally:
+        sub.close()
+        pub.close()

@@ -85,7 +85,7 @@ def complete(client: openai.OpenAI, **kw: Any) -> Any:
 
 
 def metrics_text(server: ServerProcess) -> str:
-    r = httpx.get(server.url("/metrics"), timeout=10)
+    r = httpx.get(server.url("/metrics"), headers=AUTH, timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return r.text
 
@@ -321,7 +321,7 @@ def test_tokenize_and_detokenize(server: ServerProcess) -> None:
 @pytest.mark.server
 def test_metrics_endpoint(server: ServerProcess) -> None:
     assert_still_serves(server)
-    text = httpx.get(server.url("/metrics")).text  # no key needed
+    text = metrics_text(server)  # with the key: a keyed server keeps /metrics behind it
     for name in ("onecall_requests_running", "onecall_requests_waiting", "onecall_kv_cache_usage",
                  "onecall_prompt_tokens_total", "onecall_generation_tokens_total",
                  "onecall_prefix_cache_hit_tokens_total", "onecall_prefix_cache_query_tokens_total"):  # fmt: skip
@@ -418,6 +418,7 @@ INFERENCE_ROUTES = [
     ("GET", f"/v1/models/{NAME}", None),
     ("POST", "/tokenize", {"prompt": "Hi"}),
     ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/metrics", None),  # every tenant's traffic together (--open-metrics opens it)
 ]
 
 
@@ -433,7 +434,7 @@ def test_api_key_on_every_inference_route(server: ServerProcess) -> None:
             r = httpx.request(method, server.url(path), json=body, headers=headers, timeout=30)
             assert_error(r, 401, type="authentication_error", code="invalid_api_key")
         assert httpx.request(method, server.url(path), json=body, headers=AUTH, timeout=30).status_code == 200
-    for path in ("/health", "/metrics"):
+    for path in ("/", "/health", "/openapi.json", "/docs"):
         assert httpx.get(server.url(path)).status_code == 200
 
 
@@ -590,7 +591,7 @@ def test_engine_death_mid_stream_is_an_error_event_then_503() -> None:
         assert_error(await client.get("/health"), 503, type="service_unavailable_error", code="engine_dead")
         assert_error(await client.post(CHAT, json={"messages": HI}), 503, type="service_unavailable_error")
 
-    _in_process(test, AsyncEngine(engine))
+    _in_process(test, AsyncEngine(engine, max_restarts=0))  # the in-place restart: test_supervisor.py
 
 
 def test_a_bug_is_a_logged_500_with_a_request_id_and_no_traceback(

@@ -148,11 +148,15 @@ class Engine:
             outputs.append(make_output(seq, "", [], EngineStepError("engine restart", cause)))
         self._seqs.clear()
         self._masks.wait()
+        listener = self.block_manager.tree.listener  # KV events (server/kv_events.py) go on after it
         backend = self.runner.attention_backend
         if getattr(self.runner, "decode_graphs", None) is not None:
             self.enable_static_decode(capture=self.device.type == "cuda", backend=backend)
         else:
             self._build_runner(backend, self.parts.num_blocks)
+        self.block_manager.tree.listener = listener
+        if listener is not None:
+            listener.cleared()  # a router forgets every block this engine had cached
         self._last_fault = None
         self.dead_reason = None
         return outputs

@@ -4,6 +4,7 @@
     params.py              wire request -> SamplingParams and prompts (the one conversion)
     app.py                 create_app(): the routes
     state.py               ServerConfig, ServerState: the engine's life (loading, ready, shut down)
+    tenants.py             tenants (named API keys): auth, each tenant's prefix-cache namespace
     serving_chat.py        POST /v1/chat/completions
     serving_completion.py  POST /v1/completions
     serving_common.py      what both share: n choices, usage, logprobs

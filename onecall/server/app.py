@@ -8,7 +8,7 @@
     GET  /v1/models[/{model}]    key    here
     POST /tokenize, /detokenize  key    serving_tokens
     GET  /health                 open   200 when the engine runs; 503 while loading or once dead (and why)
-    GET  /metrics                open   Prometheus text (server/metrics.py)
+    GET  /metrics                key*   Prometheus text (server/metrics.py); *open with --open-metrics
     GET  /model_info, /get_model_info    key   serving_info: the model's identity and limits (SGLang's names)
     GET  /server_info, /get_server_info  key   serving_info: settings and the engine's live state
     GET  /get_load               key    serving_info: running + waiting requests, KV tokens held
@@ -21,7 +21,10 @@
 /openapi.json and /docs are open, like /health: they describe the API's shape, which is public
 (the same for every onecall), and hold nothing from the model or the requests. The info and load
 routes carry the key: they show the served model and live load. A router in front of keyed
-replicas sends the key (sgl-router: --api-key).
+replicas sends the key (sgl-router: --api-key). /metrics carries it too (as llama.cpp's does):
+its counters are every tenant's traffic together; a Prometheus scrape sends it as a bearer token,
+and --open-metrics serves it without one (vLLM's behaviour). "key" is any tenant's key
+(server/tenants.py); a server without keys is open everywhere.
 
 Every route goes through `_route`, which checks the API key first (before the body is read),
 gives the request its id, and turns any exception into the OpenAI error body (http_errors.py):
@@ -85,7 +88,7 @@ def create_app(
             request_id = random_id()
             try:
                 if not is_open:
-                    state.check_api_key(request)
+                    state.authenticate(request)
                 return await handler(state, request, request_id)
             except ClientDisconnected:
                 return Response(status_code=499)  # nobody is left to read it
@@ -103,7 +106,7 @@ def create_app(
     app.add_api_route("/detokenize", route(detokenize), methods=["POST"])
     app.add_api_route("/", route(_viewer, is_open=True), methods=["GET"])
     app.add_api_route("/health", route(_health, is_open=True), methods=["GET"])
-    app.add_api_route("/metrics", route(_metrics, is_open=True), methods=["GET"])
+    app.add_api_route("/metrics", route(_metrics, is_open=state.config.open_metrics), methods=["GET"])
     for path in ("/model_info", "/get_model_info"):
         app.add_api_route(path, route(get_model_info), methods=["GET"])
     for path in ("/server_info", "/get_server_info"):

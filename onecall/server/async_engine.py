@@ -22,10 +22,19 @@ Invariants:
   and death set them under the same lock, so no command is queued behind either and never answered.
 - A step that fails its batch (Engine.step's recovered fault) ends just those streams, each with its
   EngineStepError; the engine serves on.
-- If step() raises (the engine stopped: a fault right after a recovery, inconsistent books), or
-  anything at all, a BaseException included, escapes the thread's loop, the engine is dead: every
-  open stream raises EngineDeadError saying why, every command taken or queued is answered (adds
-  with EngineDeadError), later adds are refused with it, and the thread ends. `dead_reason` says why.
+- If step() raises (the engine stopped: a fault right after a recovery, inconsistent books), or an
+  Exception escapes the handling of a command or the thread's loop, the supervisor rebuilds the
+  engine in place (Engine.restart(): fresh KV bookkeeping and scheduler on the same weights) at
+  most `max_restarts` times in `restart_window` seconds: while it runs, is_running is False and
+  dead_error() is an EngineRestartingError (/health 503 "restarting", Retry-After), and commands
+  keep queuing to run on the fresh engine. Once it is rebuilt every stream open at the stop
+  raises EngineRestartingError (retryable: a retry now is served; an EngineDeadError subclass),
+  the metrics count the restart and the outage, and it serves again.
+- Otherwise the engine is dead: past the restart budget, under tensor parallel (Engine.restart()
+  refuses), when the restart itself raises, or when a BaseException that is not an Exception
+  escapes the loop. Every open stream raises EngineDeadError saying why, every command taken or
+  queued is answered (adds with EngineDeadError), later adds are refused with it, and the thread
+  ends. `dead_reason` says why, and why there was no restart.
 - Under tensor parallel the idle thread does not block for good: it wakes every second to poll the
   other ranks' processes, and a rank found dead kills the engine as a failed step would (/health
   503 naming the rank before any request comes). Without a group it blocks on the queue alone.
@@ -36,7 +45,11 @@ Invariants:
   anyone: the watchdog answers the queued commands itself, and every open stream is failed on the
   event loop through `open_streams`, the loop's own registry (the stuck thread owns `_streams`).
   Should the step return after all, its outputs are dropped and the thread ends. shutdown() then
-  does not wait for the thread (a daemon; the process can still exit).
+  does not wait for the thread (a daemon; the process can still exit). A hung engine is never
+  restarted: the thread that would rebuild it is stuck in the step.
+- An idle thread blocks on the queue; so does, for 10 to 50 ms at a time, one whose last step
+  scheduled nothing although requests wait (they fit no free KV block while nothing runs): it
+  never spins through empty steps, and a command wakes it at once.
 
 Cleanup is the consumer's job: a consumer that stops iterating (break, cancellation, a client that
 disconnected) must abort its stream, or the request runs on to max_tokens. Either
@@ -58,19 +71,26 @@ from concurrent.futures import Future
 from types import TracebackType
 
 from onecall.engine.engine import Engine, RequestOutput
-from onecall.errors import EngineDeadError, InvalidParameterError
+from onecall.errors import EngineDeadError, EngineRestartingError, InvalidParameterError
 from onecall.sampling.types import TokenConstraint
 from onecall.sampling_params import SamplingParams
-from onecall.server.engine_commands import Abort, Add, Item, NewRequest, Prompt, ResetPrefixCache
+from onecall.server.engine_commands import (
+    Abort,
+    Add,
+    Item,
+    NewRequest,
+    Prompt,
+    ResetPrefixCache,
+)
 from onecall.server.engine_loop import EngineLoop
 from onecall.server.metrics import Metrics
 
-__all__ = ["AsyncEngine", "Prompt", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineRestartingError", "Prompt", "RequestStream"]
 
 
 class RequestStream:
     """One request's outputs, in order; the last has finished=True, or reading it raises the
-    EngineStepError of a step that failed it (or EngineDeadError)."""
+    EngineStepError of a step that failed it (or EngineRestartingError, EngineDeadError)."""
 
     def __init__(self, request_id: str, owner: AsyncEngine) -> None:
         self.request_id = request_id
@@ -141,20 +161,27 @@ class AsyncEngine:
         max_waiting: int = 256,
         metrics: Metrics | None = None,
         step_timeout: float | None = None,
+        max_restarts: int = 3,
+        restart_window: float = 300.0,
     ) -> None:
         """`step_timeout`: seconds one step may run before the watchdog declares the engine hung
-        (None: no watchdog)."""
+        (None: no watchdog). `max_restarts`: how many times the stopped engine may be rebuilt in
+        place within any `restart_window` seconds (0: never; it stays dead)."""
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
             raise InvalidParameterError("max_waiting", f"must be an integer >= 1, got {max_waiting!r}")
         if step_timeout is not None and not step_timeout > 0:
             raise InvalidParameterError(
                 "step_timeout", f"must be > 0 seconds (or None), got {step_timeout!r}"
             )
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise InvalidParameterError("max_restarts", f"must be an integer >= 0, got {max_restarts!r}")
+        if not restart_window > 0:
+            raise InvalidParameterError("restart_window", f"must be > 0 seconds, got {restart_window!r}")
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.step_timeout = step_timeout
-        self._loop = EngineLoop(engine, max_waiting, metrics, step_timeout)
+        self._loop = EngineLoop(engine, max_waiting, metrics, step_timeout, max_restarts, restart_window)
 
     def start(self) -> None:
         """Start the engine thread; call from inside the running event loop that will use it."""
@@ -164,18 +191,23 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
+        """Serving: started, not shut down, not dead, not in the middle of a restart."""
         loop = self._loop
         thread = loop.thread
-        return thread is not None and thread.is_alive() and not loop.dead and not loop.closed
+        alive = thread is not None and thread.is_alive()
+        return alive and not (loop.dead or loop.closed or loop.restarting)
 
     @property
     def dead_reason(self) -> str | None:
-        """Why the engine died; None while it has not."""
+        """Why the engine died; None while it has not (a restart is not a death)."""
         return self._loop.dead_reason
 
     def dead_error(self) -> EngineDeadError | None:
-        """The error every request gets once the engine died, saying why; None while it has not."""
-        return None if self.dead_reason is None else EngineDeadError(self._loop.dead_message())
+        """Why a request cannot be served now: EngineDeadError once the engine died, saying why;
+        EngineRestartingError (retryable) while it is rebuilt in place; None otherwise."""
+        if self.dead_reason is not None:
+            return EngineDeadError(self._loop.dead_message())
+        return self._loop.restarting_error() if self._loop.restarting else None
 
     async def add_request(
         self,
@@ -187,7 +219,8 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue one request. Raises the engine's typed errors, QueueFullError or EngineDeadError
         before any token; on success the stream yields its outputs (or raises EngineStepError if a
-        step that ran it failed, EngineDeadError if the engine died)."""
+        step that ran it failed, EngineRestartingError if the engine stopped and is rebuilt,
+        EngineDeadError if it died)."""
         now = time.perf_counter()
         (stream,) = await self._add([NewRequest(request_id, prompt, params, constraint, now)])
         return stream
@@ -235,7 +268,7 @@ class AsyncEngine:
         await asyncio.shield(asyncio.wrap_future(command.future))
 
     def _submit(self, command: Add | ResetPrefixCache) -> Future[None]:
-        if not self._loop.submit(command):
+        if not self._loop.submit(command):  # during a restart it queues: it runs on the fresh engine
             if self._loop.dead:
                 raise EngineDeadError(self._loop.dead_message())
             raise EngineDeadError("the engine is not running (not started, or shut down)")

@@ -10,7 +10,9 @@ and what the thread needs of a stream to answer. Each command carries the future
     Shutdown()               abort every open request, end the thread             (the thread join)
 
 Once the engine is dead every command taken or queued is answered: adds and resets with
-EngineDeadError, aborts with None (nothing runs any more).
+EngineDeadError, aborts with None (nothing runs any more). While the engine is rebuilt in place
+(engine_loop.py's supervisor) commands still queue: they are handled on the fresh engine; the
+requests in flight then get EngineRestartingError (onecall/errors.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,43 @@
-"""EngineLoop: the thread that owns the Engine, the commands it takes, and the step watchdog. The
-asyncio side (AsyncEngine, RequestStream) is server/async_engine.py; the contract both keep is in its
-docstring; the commands it takes are in server/engine_commands.py. This module is everything
-that runs off the event loop.
+"""EngineLoop: the thread that owns the Engine, the commands it takes, the supervisor that rebuilds
+a stopped engine, and the step watchdog. The asyncio side (AsyncEngine, RequestStream) is
+server/async_engine.py; the contract both keep is in its docstring; the commands it takes are in
+server/engine_commands.py. This module is everything that runs off the event loop.
 
-The loop: take every queued command, handle them in order, then one step while there is work;
-when idle, block on the queue. Outputs go back to the event loop in one call_soon_threadsafe per
-step. Death (_die): `dead` is set under `_lock`, the lock `submit` queues under, so no command
-is queued behind it unanswered; every open stream gets EngineDeadError, every command taken or
+The loop: take every queued command, handle them in order, then one step while there is work.
+It blocks on the queue when idle, and also, for a short wait that grows (_STALL_WAIT: 10 ms
+doubling to 50 ms), after a step that scheduled nothing although requests are unfinished (a
+waiting request that fits no free KV block while nothing runs): only a command (an abort, an
+add) changes that, and a command ends the wait at once. Without the wait the thread would spin
+through empty steps. Outputs go back to the event loop in one call_soon_threadsafe per step.
+
+The supervisor (_fail). When the engine stops (step() raises EngineDeadError, or any Exception
+escapes a step, the handling of a command or the loop), it is rebuilt in place if the budget
+allows, at most `max_restarts` times in `restart_window` seconds:
+
+    1. `restarting` is set under `_lock`: is_running False, /health 503 "restarting"
+    2. Engine.restart(): every request it knows ends, fresh KV bookkeeping, scheduler and runner
+       on the same weights (an empty prefix cache)
+    3. `restarting` clears; the metrics count the restart and the outage
+    4. every open stream gets EngineRestartingError (a retryable 503 with Retry-After): sent after
+       the rebuild, so a retry finds the engine serving (and should the rebuild raise, they get
+       EngineDeadError instead); the loop serves on
+
+Commands keep queuing meanwhile and run on the fresh engine; a command whose handling raised is
+answered (an add with EngineRestartingError), not retried. Otherwise the engine dies (_die), the
+reason saying why it was not restarted: the budget is spent, tensor parallel (the other ranks
+hold their own state: Engine.restart() refuses), or the restart itself raised. A BaseException
+that is not an Exception (KeyboardInterrupt, SystemExit) kills it without a restart: the process
+is going down.
+
+Death (_die): `dead` is set under `_lock`, the lock `submit` queues under, so no command is
+queued behind it unanswered; every open stream gets EngineDeadError, every command taken or
 queued is answered. Under tensor parallel the idle wait wakes every _TP_CHECK_PERIOD seconds to
 poll the other ranks (a rank that died while idle kills the engine now, not at the next request).
 
 The watchdog (with step_timeout) polls the step in progress; past the timeout it declares the
 engine hung. The stuck thread can answer nobody, so the watchdog answers the queued commands and
-asks the event loop to fail every open stream (`open_streams`, the loop's own registry).
+asks the event loop to fail every open stream (`open_streams`, the loop's own registry). A hung
+engine is never restarted: the thread that would rebuild it is the one stuck in the step.
 """
 
 from __future__ import annotations
@@ -25,10 +50,18 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import InvalidStateError
 
 from onecall.engine.engine import Engine, RequestOutput
-from onecall.errors import EngineDeadError, InvalidParameterError, QueueFullError
+from onecall.errors import (
+    EngineDeadError,
+    EngineRestartingError,
+    EngineStepError,
+    InvalidParameterError,
+    QueueFullError,
+    RequestFaultError,
+)
 from onecall.server.engine_commands import (
     Abort,
     Add,
@@ -43,18 +76,31 @@ from onecall.server.metrics import Metrics
 logger = logging.getLogger("onecall.server")
 
 _TP_CHECK_PERIOD = 1.0  # seconds an idle engine thread waits for commands before checking the TP ranks
+_STALL_WAIT = (0.01, 0.05)  # seconds: the first and the longest wait after a step that scheduled nothing
 
 
 class EngineLoop:
-    """The engine thread and its watchdog; AsyncEngine submits commands to it (see the docstring)."""
+    """The engine thread, its supervisor and its watchdog; AsyncEngine submits commands to it (see
+    the module docstring)."""
 
     def __init__(
-        self, engine: Engine, max_waiting: int, metrics: Metrics | None, step_timeout: float | None
+        self,
+        engine: Engine,
+        max_waiting: int,
+        metrics: Metrics | None,
+        step_timeout: float | None,
+        max_restarts: int = 3,
+        restart_window: float = 300.0,
     ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.step_timeout = step_timeout
+        self.max_restarts = max_restarts  # in place, within any restart_window seconds (the supervisor)
+        self.restart_window = restart_window
+        self._restart_times: deque[float] = deque()  # time.monotonic() of the restarts (engine thread)
+        self.restarting = False  # an in-place restart is under way (set under _lock)
+        self.restart_reason: str | None = None  # why the engine last stopped and was restarted
         self._step_started: float | None = None  # time.monotonic() of the step in progress (engine thread)
         self.hung = False  # the watchdog declared the engine dead
         self.open_streams: weakref.WeakSet[StreamSink] = weakref.WeakSet()  # event loop only
@@ -94,23 +140,32 @@ class EngineLoop:
     def dead_message(self) -> str:
         return f"the engine stopped: {self.dead_reason}; restart the server"
 
+    def restarting_error(self) -> EngineRestartingError:
+        return EngineRestartingError(self.restart_reason or "unknown")
+
     # ---- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        """The thread: the loop below until shutdown; whatever ends it otherwise, a BaseException
-        included, fails every waiter (_die) instead of leaving it hanging."""
-        try:
-            self._loop_until_shutdown()
-        except BaseException as e:  # KeyboardInterrupt, SystemExit, ...: nobody above us would answer
-            self._die(f"the engine thread stopped on {type(e).__name__}: {e}", e)
+        """The thread: the loop below until shutdown. An Exception that escapes it goes to the
+        supervisor (restart, then the loop again); a BaseException fails every waiter (_die)
+        instead of leaving it hanging."""
+        while not self.dead:
+            try:
+                self._loop_until_shutdown()
+                return
+            except Exception as e:  # a bug outside the step and the commands
+                self._fail(f"the engine thread raised {type(e).__name__}: {e}", e)
+            except BaseException as e:  # KeyboardInterrupt, SystemExit, ...: nobody above us would answer
+                self._die(f"the engine thread stopped on {type(e).__name__}: {e}", e)
 
     def _loop_until_shutdown(self) -> None:
-        """Commands first, then one step; block for commands only when idle. Returns on shutdown or
-        once dead (everything was answered then)."""
+        """Commands first, then one step; block for commands when idle, wait a little after a step
+        that scheduled nothing. Returns on shutdown or once dead (everything was answered then)."""
         self._update_metrics([])  # initial gauges
+        stall_wait = 0.0  # seconds to wait for a command before the next step (0: step at once)
         while not self.dead:
-            idle = not self.engine.has_unfinished_requests()
-            self._taken.extend(self._take_commands(block=idle))
-            while self._taken:
+            busy = self.engine.has_unfinished_requests()
+            self._taken.extend(self._take_commands(timeout=stall_wait if busy else None))
+            while self._taken and not self.dead:
                 command = self._taken[0]  # stays in _taken while handled: _die answers it if need be
                 if isinstance(command, Shutdown):
                     self._taken.clear()  # nothing is queued behind it
@@ -119,25 +174,37 @@ class EngineLoop:
                 try:
                     self._handle(command)
                 except Exception as e:  # a bug outside the engine's typed errors
-                    self._die(f"handling {type(command).__name__} raised {type(e).__name__}: {e}", e)
-                    return
+                    self._fail(f"handling {type(command).__name__} raised {type(e).__name__}: {e}", e)
+                    if self.dead:
+                        return
+                    self._answer(command, self.restarting_error())  # not retried on the fresh engine
                 self._taken.popleft()
-            if self.engine.has_unfinished_requests():
-                self._step()
+            if self.dead or not self.engine.has_unfinished_requests():
+                continue
+            scheduled = self._step()
+            # nothing scheduled: wait for a command that changes that (backing off), not spin
+            stall_wait = 0.0 if scheduled else min(max(2 * stall_wait, _STALL_WAIT[0]), _STALL_WAIT[1])
 
     def _answer_dead(self, command: Command) -> None:
+        self._answer(command, EngineDeadError(self.dead_message()))
+
+    @staticmethod
+    def _answer(command: Command, error: EngineDeadError) -> None:
+        """Answer a command the engine will not handle: an add or a reset with `error`, an abort with
+        None (it still "succeeded": the request runs no more)."""
         if isinstance(command, Shutdown):
             return
         with contextlib.suppress(InvalidStateError):  # answered already, or cancelled by its caller
             if isinstance(command, Add | ResetPrefixCache):
-                command.future.set_exception(EngineDeadError(self.dead_message()))
+                command.future.set_exception(error)
             else:
-                command.future.set_result(None)  # an abort still "succeeded": nothing runs any more
+                command.future.set_result(None)
 
-    def _take_commands(self, *, block: bool) -> list[Command]:
-        """Every queued command; with `block`, wait for one first (see _wait_for_command)."""
+    def _take_commands(self, *, timeout: float | None) -> list[Command]:
+        """Every queued command; with a timeout other than 0, wait for one first (up to `timeout`
+        seconds, None: until one comes; see _wait_for_command)."""
         commands: list[Command] = []
-        if block and (first := self._wait_for_command()) is not None:
+        if timeout != 0 and (first := self._wait_for_command(timeout)) is not None:
             commands.append(first)
         while True:
             try:
@@ -145,21 +212,29 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
-    def _wait_for_command(self) -> Command | None:
-        """Block until a command comes. Under tensor parallel, wake every _TP_CHECK_PERIOD seconds
-        to look at the other ranks: one that died while the server is idle takes the engine down
-        now (None returned, `dead` set), not at the next request. No group: one plain blocking get."""
+    def _wait_for_command(self, timeout: float | None) -> Command | None:
+        """Block until a command comes or `timeout` seconds pass (None then; timeout None: no
+        limit). Under tensor parallel, wake every _TP_CHECK_PERIOD seconds to look at the other
+        ranks: one that died while the server is idle takes the engine down now (None returned,
+        `dead` set), not at the next request. No group: one plain blocking get."""
         group = self.engine.parts.tp_group
-        if group is None:
-            return self._commands.get()
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            wait = None if group is None else _TP_CHECK_PERIOD
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())
+                wait = left if wait is None else min(wait, left)
             try:
-                return self._commands.get(timeout=_TP_CHECK_PERIOD)
+                return self._commands.get(timeout=wait)
             except queue.Empty:
+                pass
+            if group is not None:
                 group.check_workers()  # polls the worker processes; no collective, no step
                 if group.dead_reason is not None:
-                    self._die(group.dead_reason, EngineDeadError(group.dead_reason))
+                    self._fail(group.dead_reason, EngineDeadError(group.dead_reason))  # TP: no restart
                     return None
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
 
     def _handle(self, command: Add | Abort | ResetPrefixCache) -> None:
         # An add whose caller was cancelled before we got here is skipped; an abort always runs.
@@ -213,35 +288,45 @@ class EngineLoop:
         output = self.engine.abort(request_id)
         return [] if output is None else [output]  # None: finished already, or never added
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step, its outputs published; False when it scheduled nothing (Engine.step
+        counts only the steps that scheduled a batch)."""
+        num_steps = self.engine.stats.num_steps_total
+        failure: Exception | None = None
         self._step_started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:
-            if self.hung:
-                return  # the watchdog answered everyone already
-
-            reason = (
-                str(e) if isinstance(e, EngineDeadError) else f"engine.step() raised {type(e).__name__}: {e}"
-            )
-            self._die(reason, e)
-            return
+            failure = e
         finally:
-            self._step_started = None
+            self._step_started = None  # before a restart, which the watchdog must not time
         if self.hung:
-            return  # a step the watchdog gave up on came back: its streams were failed already
+            return True  # a step the watchdog gave up on came back: everyone was answered already
+        if failure is not None:
+            if isinstance(failure, EngineDeadError):  # the engine's own reason (engine/engine.py)
+                self._fail(str(failure), failure)
+            else:
+                self._fail(f"engine.step() raised {type(failure).__name__}: {failure}", failure)
+            return True
         self._log_faults(outputs)
         self._update_metrics(outputs)  # first, so a consumer that sees an output sees its metrics
         self._publish(outputs)
+        return self.engine.stats.num_steps_total != num_steps
 
     @staticmethod
     def _log_faults(outputs: list[RequestOutput]) -> None:
-        """One line (and the traceback) per failed step, however many requests it failed."""
-        errors = [out.error for out in outputs if out.error is not None]
-        if errors:
-            logger.error(
-                "%s; failed its %d requests, serving on", errors[0], len(errors), exc_info=errors[0].cause
-            )
+        """One line (and the traceback) per failed step, however many requests it failed; a request
+        ended for its own reasons (RequestFaultError) gets a warning line of its own, no traceback
+        when its parameters were the cause."""
+        step: list[EngineStepError] = []
+        for out in outputs:
+            e = out.error
+            if isinstance(e, RequestFaultError):
+                logger.warning("request %s: %s", out.request_id, e, exc_info=e.cause if e.param is None else None)
+            elif e is not None:
+                step.append(e)
+        if step:
+            logger.error("%s; failed its %d requests, serving on", step[0], len(step), exc_info=step[0].cause)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Send outputs to their streams: one wake-up of the event loop per call, not per output.
@@ -262,6 +347,57 @@ class EngineLoop:
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is left to read them
             self._loop.call_soon_threadsafe(_deliver_all, batch)
 
+    # ---- the supervisor --------------------------------------------------------------------------
+    def _fail(self, reason: str, exc: Exception) -> None:
+        """The engine stopped: rebuild it in place if the budget allows, else _die (module docstring)."""
+        refusal = self._restart_refusal()
+        if refusal is not None:
+            self._die(f"{reason} (not restarted: {refusal})", exc)
+            return
+        self._restart(reason, exc)
+
+    def _restart_refusal(self) -> str | None:
+        """Why the engine may not be rebuilt now; None when it may."""
+        if self.closed:
+            return "the server is shutting down"
+        if self.engine.parts.tp_group is not None:
+            return "a tensor-parallel engine cannot restart in place"
+        if self.max_restarts == 0:
+            return "restarts are turned off"
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > self.restart_window:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= self.max_restarts:
+            return f"the budget of {self.max_restarts} restarts in {self.restart_window:g} s is spent"
+        return None
+
+    def _restart(self, reason: str, exc: Exception) -> None:
+        """Steps 1-4 of the module docstring; a restart that raises kills the engine."""
+        started = time.monotonic()
+        num_open = len(self._streams)
+        logger.error("%s; restarting the engine, failing %d open requests", reason, num_open, exc_info=exc)
+        with self._lock:
+            self.restart_reason, self.restarting = reason, True
+        self._observe(lambda m: m.engine_restarting.set(1))
+        try:
+            outputs = self.engine.restart()
+        except Exception as e:  # the open streams get EngineDeadError
+            self._die(f"{reason}; restarting the engine raised {type(e).__name__}: {e}", e)
+            return
+        self._restart_times.append(time.monotonic())
+        outage = time.monotonic() - started
+        failed = list(self._streams)
+        self._observe(lambda m: m.observe_restart(outputs, failed, reason, outage, time.perf_counter()))
+        with self._lock:
+            self.restarting = False
+        self._update_metrics([])
+        self._send([(stream, self.restarting_error()) for stream in self._streams.values()])
+        self._streams.clear()
+        num, most, window = len(self._restart_times), self.max_restarts, self.restart_window
+        logger.warning(
+            "the engine restarted in %.3f s (%d of %d in %g s); serving again", outage, num, most, window
+        )
+
     def _die(self, reason: str, exc: BaseException) -> None:
         """The engine cannot go on: refuse later commands, fail every open stream and every command
         taken or queued. Nothing can be queued after this: `dead` is set under `_lock`."""
@@ -269,10 +405,11 @@ class EngineLoop:
             "%s; the engine is dead, failing %d open requests", reason, len(self._streams), exc_info=exc
         )
         with self._lock:
-            self.dead, self.dead_reason = True, reason
+            self.dead, self.dead_reason, self.restarting = True, reason, False
+        self._observe(lambda m: m.engine_restarting.set(0))
         self._send([(stream, EngineDeadError(self.dead_message())) for stream in self._streams.values()])
         self._streams.clear()
-        unanswered = [*self._taken, *self._take_commands(block=False)]
+        unanswered = [*self._taken, *self._take_commands(timeout=0)]
         self._taken.clear()
         for command in unanswered:
             self._answer_dead(command)
@@ -288,12 +425,17 @@ class EngineLoop:
         self._publish(outputs)
 
     def _update_metrics(self, outputs: list[RequestOutput]) -> None:
-        if self.metrics is None or self.dead:
+        if not self.dead:
+            self._observe(lambda m: m.observe_outputs(outputs, time.perf_counter()))
+            self._observe(lambda m: m.update_engine(self.engine))
+
+    def _observe(self, update: Callable[[Metrics], None]) -> None:
+        """Apply `update` to the metrics, if any; a failure is worth a log line, never a dead engine."""
+        if self.metrics is None:
             return
         try:
-            self.metrics.observe_outputs(outputs, time.perf_counter())
-            self.metrics.update_engine(self.engine)
-        except Exception:  # metrics are worth a log line, never a dead engine
+            update(self.metrics)
+        except Exception:
             logger.exception("updating the metrics failed")
 
     # ---- the watchdog thread ---------------------------------------------------------------------
@@ -313,7 +455,7 @@ class EngineLoop:
         loop fails the open streams (module docstring)."""
         reason = (
             f"a step has not returned after {elapsed:.0f} s (step timeout {self.step_timeout:g} s): "
-            "the engine is hung"
+            "the engine is hung (not restarted: its thread is stuck in the step)"
         )
         with self._lock:
             if self.dead or self.closed:
@@ -321,7 +463,7 @@ class EngineLoop:
             self.hung = True
             self.dead, self.dead_reason = True, reason
         logger.error("%s; failing every open request", reason)
-        for command in self._take_commands(block=False):
+        for command in self._take_commands(timeout=0):
             self._answer_dead(command)
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell

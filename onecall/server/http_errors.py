@@ -10,6 +10,10 @@
     QueueFullError                                      429     rate_limit_error, Retry-After
     model still loading, engine dead                    503     service_unavailable_error (why, in the
                                                                 message: the load error, the dead engine's cause)
+    EngineRestartingError (rebuilt in place)            503     service_unavailable_error, code
+                                                                engine_restarting, Retry-After: retry soon
+    RequestFaultError naming a parameter (the request's 400     invalid_request_error, code request_fault:
+      own parameters left no token, its grammar failed)         the parameter named; nobody else noticed
     EngineStepError (the step that ran it raised)       500     server_error, code engine_step_failed: the
                                                                 stage and cause named; logged by the engine thread
     anything else (a bug)                               500     server_error: logged with the request
@@ -32,10 +36,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from onecall.errors import (
     ContextLengthExceededError,
     EngineDeadError,
+    EngineRestartingError,
     EngineStepError,
     InvalidParameterError,
     OnecallError,
     QueueFullError,
+    RequestFaultError,
     TemplateError,
 )
 from onecall.server.protocol import ErrorInfo, ErrorResponse
@@ -88,8 +94,18 @@ def http_error(exc: BaseException, request_id: str) -> HTTPError:
             code="queue_full",
             headers={"Retry-After": str(exc.retry_after)},
         )
+    if isinstance(exc, EngineRestartingError):  # before EngineDeadError, its base: this one passes
+        return HTTPError(
+            503,
+            str(exc),
+            type="service_unavailable_error",
+            code="engine_restarting",
+            headers={"Retry-After": str(exc.retry_after)},
+        )
     if isinstance(exc, EngineDeadError):
         return HTTPError(503, str(exc), type="service_unavailable_error", code="engine_dead")
+    if isinstance(exc, RequestFaultError) and exc.param is not None:  # the request's own parameters
+        return HTTPError(400, str(exc), param=exc.param, code="request_fault")
     if isinstance(exc, EngineStepError):  # not the caller's fault, and the engine serves on
         return HTTPError(500, str(exc), type="server_error", code="engine_step_failed")
     if isinstance(exc, ValidationError):

@@ -19,7 +19,11 @@ tokens along a cached path, aligned at position 0 and independent of the KV pool
     | positions [s, n) of path P inserted          | BlockStored for blocks s//B .. n//B - 1       |
     | positions [s, n) of path P evicted           | BlockRemoved for the same blocks              |
     | reset (/flush_cache)                         | AllBlocksCleared                              |
-    | a path under a cache_salt                    | nothing (the router cannot tell salts apart)  |
+    | a path under another cache_salt              | nothing (the router cannot tell salts apart)  |
+
+The published namespace is the one requests without a salt of their own share: the unsalted one,
+or with tenants in one shared cache the salt they share (`salt`, tenants.published_cache_salt).
+Tenants in private namespaces (the default with several keys) are never published.
 
 Block i of P is cached exactly when positions [0, (i+1)B) of P are: an insert at s completes the
 blocks ending in (s, n], and an eviction of a leaf [s, n) (nothing below it) breaks the same ones.
@@ -30,11 +34,19 @@ Threads: the listener runs on the engine thread and only appends to a list under
 thread sends what has gathered every `interval` seconds as one batch, `[topic, seq (8 bytes, big
 endian), msgpack([ts, [event, ...], None])]`, each event a map tagged by "type" with vLLM's field names.
 pyzmq and msgpack come with the `fleet` extra; nothing imports this module unless the flag is given.
+
+Who can read it: every event carries the token ids of a cached prompt, i.e. the prompts themselves
+(detokenized with the model's tokenizer), and a ZMQ PUB socket has no authentication. So the
+publisher binds loopback (tcp://127.0.0.1, [::1], localhost) or local transports (ipc://, whose
+socket file's permissions decide, and inproc://) unless it is told `allow_remote`
+(serve --kv-events-allow-remote, which logs a warning): `*`, 0.0.0.0, an interface, a hostname or
+another address would hand every prompt to whoever reaches the port.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import struct
 import threading
 import time
@@ -58,6 +70,25 @@ def block_ids(path: list[int], num_blocks: int, block_size: int) -> list[int]:
     return ids
 
 
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether binding a ZMQ endpoint stays on this machine: ipc:// and inproc://, or tcp:// on a
+    loopback address or `localhost`. `*`, 0.0.0.0, ::, interface names, hostnames: False."""
+    transport, sep, address = endpoint.partition("://")
+    if not sep:
+        return False
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport != "tcp":
+        return False  # pgm, epgm, udp, ws, ...: network transports
+    host = address.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def changed_blocks(path: list[int], start: int, block_size: int) -> range:
     """Blocks whose cached state flips when positions [start, len(path)) of path do (table above)."""
     return range(start // block_size, len(path) // block_size)
@@ -67,12 +98,25 @@ class KVEventPublisher:
     """A radix_cache.CacheListener that publishes vLLM-shaped KV events over ZMQ (see the module doc)."""
 
     def __init__(
-        self, endpoint: str, *, block_size: int = 16, topic: str = "", interval: float = 0.02
+        self,
+        endpoint: str,
+        *,
+        block_size: int = 16,
+        topic: str = "",
+        interval: float = 0.02,
+        salt: str | None = None,
+        allow_remote: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"kv events block_size must be >= 1, got {block_size}")
+        if not allow_remote and not is_loopback_endpoint(endpoint):
+            raise ValueError(
+                f"{endpoint!r} binds beyond loopback; KV events carry every cached prompt's token ids "
+                "to anyone who connects (allow_remote=True to bind it anyway)"
+            )
         self.endpoint = endpoint
         self.block_size = block_size
+        self.salt = salt  # the namespace published (the module doc)
         self.topic = topic.encode()
         self.interval = interval
         self._lock = threading.Lock()
@@ -88,7 +132,7 @@ class KVEventPublisher:
     # ---- CacheListener (the engine thread) ---------------------------------------------------------
     def stored(self, path: list[int], start: int, salt: str | None) -> None:
         blocks = changed_blocks(path, start, self.block_size)
-        if salt is not None or not blocks:
+        if salt != self.salt or not blocks:
             return
         ids = block_ids(path, blocks.stop, self.block_size)
         bs = self.block_size
@@ -107,7 +151,7 @@ class KVEventPublisher:
 
     def removed(self, path: list[int], start: int, salt: str | None) -> None:
         blocks = changed_blocks(path, start, self.block_size)
-        if salt is not None or not blocks:
+        if salt != self.salt or not blocks:
             return
         ids = block_ids(path, blocks.stop, self.block_size)
         self._add({"type": "BlockRemoved", "block_hashes": ids[blocks.start :], "medium": "GPU"})

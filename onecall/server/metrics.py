@@ -1,11 +1,15 @@
 """Metrics: the Prometheus registry behind GET /metrics, updated from the engine thread.
 
     gauges      onecall_requests_running, onecall_requests_waiting,
-                onecall_kv_cache_usage (0..1: blocks held by live sequences; cache-only blocks are free)
+                onecall_kv_cache_usage (0..1: blocks held by live sequences; cache-only blocks are free),
+                onecall_engine_restarting (1 while the engine is rebuilt in place),
+                onecall_engine_last_outage_seconds (how long the last restart kept it from serving),
+                onecall_engine_last_restart_info{reason} (why it last stopped; one series, replaced)
     counters    onecall_prompt_tokens_total, onecall_generation_tokens_total,
                 onecall_prefix_cache_query_tokens_total, onecall_prefix_cache_hit_tokens_total,
                 onecall_preemptions_total, onecall_request_success_total{finish_reason},
-                onecall_request_aborted_total, onecall_request_failed_total (a step that ran it raised)
+                onecall_request_aborted_total, onecall_request_failed_total (a step that ran it raised,
+                or the engine restarted under it), onecall_engine_restarts_total
     histograms  onecall_time_to_first_token_seconds, onecall_inter_token_latency_seconds,
                 onecall_e2e_request_latency_seconds
 
@@ -13,7 +17,8 @@ Sources: gauges are set from the engine after every step, add and abort; token c
 by the delta of EngineStats since the last update (so they never disagree with the engine); TTFT
 and end-to-end latency come from each request's RequestTrace when it finishes (an aborted request
 counts its TTFT if it got a first token, but no end-to-end latency); inter-token latency is the
-wall time between consecutive outputs of one request, as a streaming client sees it.
+wall time between consecutive outputs of one request, as a streaming client sees it. The restart
+figures come from the supervisor (server/engine_loop.py) when it rebuilds the engine.
 
 Each Metrics has its own CollectorRegistry (not the process-global one), so several servers or
 tests in one process never collide. prometheus_client is thread-safe: render() may run on the
@@ -31,6 +36,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
     generate_latest,
 )
 
@@ -107,6 +113,20 @@ class Metrics:
         self.e2e_request_latency = Histogram(
             "onecall_e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS, registry=r
         )
+        self.engine_restarts = Counter(
+            "onecall_engine_restarts", "Times the stopped engine was rebuilt in place.", registry=r
+        )
+        self.engine_restarting = Gauge(
+            "onecall_engine_restarting", "1 while the engine is rebuilt in place, else 0.", registry=r
+        )
+        self.engine_last_outage = Gauge(
+            "onecall_engine_last_outage_seconds",
+            "From the engine stopping to serving again, at the last restart.",
+            registry=r,
+        )
+        self.engine_last_restart = Info(
+            "onecall_engine_last_restart", "Why the engine last stopped and was restarted.", registry=r
+        )
         self._last_stats = EngineStats()
         self._last_output_time: dict[str, float] = {}  # request id -> when its last output came
 
@@ -134,6 +154,24 @@ class Metrics:
             if out.finished:
                 self._last_output_time.pop(rid, None)
                 self._observe_finished(out)
+
+    def observe_restart(
+        self, outputs: list[RequestOutput], request_ids: list[str], reason: str, outage: float, now: float
+    ) -> None:
+        """The engine was rebuilt in place after stopping for `reason`, `outage` seconds without
+        serving. Every request it cut off counts as failed: `request_ids`, the streams it failed;
+        `outputs`, Engine.restart()'s, for those the engine still knew (the batch of the step that
+        stopped it, it had dropped already)."""
+        self.observe_outputs(outputs, now)
+        known = {out.request_id for out in outputs}
+        for rid in request_ids:
+            self._last_output_time.pop(rid, None)
+            if rid not in known:
+                self.request_failed.inc()
+        self.engine_restarts.inc()
+        self.engine_last_outage.set(outage)
+        self.engine_last_restart.info({"reason": reason[:300]})
+        self.engine_restarting.set(0)
 
     def _observe_finished(self, out: RequestOutput) -> None:
         trace = out.trace

@@ -97,7 +97,9 @@ ROUTES: dict[str, RouteDoc] = {
     "/health": RouteDoc(
         "get", "200 when the engine runs; 503 loading or dead", response=HealthResponse, needs_key=False
     ),
-    "/metrics": RouteDoc("get", "Prometheus text (onecall_*)", media_type="text/plain", needs_key=False),
+    "/metrics": RouteDoc(
+        "get", "Prometheus text (onecall_*; open with --open-metrics)", media_type="text/plain"
+    ),
     "/": RouteDoc("get", "The trace viewer (HTML)", media_type="text/html", needs_key=False),
     "/openapi.json": RouteDoc("get", "This document", needs_key=False),
     "/docs": RouteDoc(
@@ -117,7 +119,8 @@ EXTENSIONS: dict[str, str] = {
     "trace": "Return the engine's per-request trace (`trace` on the response; a list for n > 1; on the "
     "last chunk when streaming): prompt ids, cached prefix, queue/prefill/decode timeline, per-step batches.",
     "trace_level": '"basic" or "full": full adds each output token\'s logit provenance and implies trace.',
-    "cache_salt": "Requests share prefix-cache entries only with requests of the same salt.",
+    "cache_salt": "Requests share prefix-cache entries only with requests of the same salt (on a server "
+    "with several keys, of the same tenant too, unless it shares its cache).",
     "structured_outputs": "Exactly one of json, regex, choice, grammar: constrains the output.",
     "chat_template_kwargs": "Extra variables for the model's chat template (e.g. enable_thinking).",
     "add_generation_prompt": "End the rendered prompt with the assistant turn's opening.",
@@ -174,7 +177,7 @@ def openapi_schema() -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": schemas,
-            # enforced only when the server runs with --api-key
+            # enforced only when the server runs with --api-key or --api-keys-file
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

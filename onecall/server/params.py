@@ -27,6 +27,9 @@ Seeds and n: candidate i gets `seed + i` (candidates are separate engine request
 seeds would give n copies of one answer); without a seed every candidate samples freshly. Every
 prompt of a batch gets the same list.
 
+cache_salt: passed as the request has it, which is already the namespace the tenant runs in
+(state.parse_body scopes it: server/tenants.py), so the engine keeps tenants apart by salt.
+
 Imports neither torch nor the web framework: only the protocol, SamplingParams and the errors.
 """
 

@@ -9,7 +9,11 @@ all or nothing. Its outputs come back as Deltas, the n streams interleaved as to
 
 `trace()` is the engine's RequestTrace.to_dict() plus what only the tokenizer knows: `prompt_tokens`
 (each prompt token decoded alone, special tokens keeping their text, so a viewer can draw the
-prompt token by token) and, at a cache divergence, the two differing tokens as text.
+prompt token by token) and, at a cache divergence, the two differing tokens as text. A divergence
+read in the namespace tenants share (--shared-prefix-cache: tenants.SHARED_CACHE_SALT, which the
+trace names by its hash) goes out with `cached_token` and `cached_token_text` null: the cached path
+may be another tenant's prompt, and its next token is theirs. The index and the requester's own
+`prompt_token` stay, as do the counts (`cached_tokens` is what sharing the cache means).
 
 `close()` aborts every request still running (idempotent, a no-op for finished ones); each
 consumer calls it in a `finally`, so a client that disconnects, a cancelled task or an error
@@ -32,6 +36,7 @@ from onecall.engine.engine import RequestOutput
 from onecall.sampling_params import SamplingParams
 from onecall.server.async_engine import AsyncEngine, Prompt, RequestStream
 from onecall.server.protocol import PromptTokensDetails, Trace, Usage
+from onecall.server.tenants import SHARED_CACHE_SALT_SHA256
 from onecall.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -152,6 +157,8 @@ class Generation:
             texts = [token_text(self.tokenizer, t) for t in traces[0]["prompt_token_ids"]]
             for t in traces:
                 _add_token_texts(t, texts, self.tokenizer)
+        for t in traces:
+            _hide_shared_cached_token(t)
         return traces[0] if len(traces) == 1 else traces
 
 
@@ -165,6 +172,13 @@ def _add_token_texts(trace: dict[str, Any], prompt_tokens: list[str], tokenizer:
             "prompt_token_text": token_text(tokenizer, divergence["prompt_token"]),
             "cached_token_text": token_text(tokenizer, divergence["cached_token"]),
         }
+
+
+def _hide_shared_cached_token(trace: dict[str, Any]) -> None:
+    """Null the cached side of a divergence read in the namespace tenants share (module doc)."""
+    divergence = trace.get("divergence")
+    if divergence and trace["sampling"].get("cache_salt_sha256") == SHARED_CACHE_SALT_SHA256:
+        trace["divergence"] = {**divergence, "cached_token": None, "cached_token_text": None}
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -72,8 +72,8 @@ async def create_completion(state: ServerState, request: Request, request_id: st
     _check_batch_size(req, len(prompts), len(params), engine.max_waiting)
     inputs = await asyncio.to_thread(_prompt_inputs, tokenizer, prompts)
     # 3. structured outputs, add
-    # `grammar` is held until the requests are queued: the engine thread finds it (serving_structured)
-    grammar = await compile_structured_outputs(engine.engine, *asked) if asked is not None else None
+    # held until the requests are queued, so the engine thread finds it compiled (serving_structured)
+    _held_grammar = await compile_structured_outputs(engine.engine, *asked) if asked is not None else None
     cmpl_id = f"cmpl-{request_id}"
     c = len(params)  # candidates per prompt
     items = [(f"{cmpl_id}-{k}", inputs[k // c], params[k % c]) for k in range(len(prompts) * c)]

@@ -6,7 +6,9 @@ ServerState owns the engine's life in the server:
                   as `onecall serve` passes) runs in a worker thread after the socket is up, so
                   /health answers 503 "loading" until the model is in memory, then 200
     2. serving    routes get the engine from `ready_engine()` (503 while loading or once dead, saying why),
-                  check the API key, the model name and the body size here
+                  check the API key (which names the tenant: tenants.py), the model name and the
+                  body size here; `parse_body` puts a request that carries a cache_salt into its
+                  tenant's prefix-cache namespace (the salt the engine sees)
     3. shutdown   the engine aborts whatever is still in flight and its thread is joined
 
 Routes close over one ServerState (no app.state lookups); create_app builds it.
@@ -16,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -31,6 +33,7 @@ from onecall.errors import OnecallError
 from onecall.server.async_engine import AsyncEngine
 from onecall.server.http_errors import HTTPError, validation_error
 from onecall.server.metrics import Metrics
+from onecall.server.tenants import Tenant, Tenants
 
 logger = logging.getLogger("onecall.server")
 
@@ -44,9 +47,20 @@ _DRAIN_LIMIT = 4 * MAX_BODY_BYTES  # an over-long body is read (and dropped) up 
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str | None = None  # None: the model's own name
-    api_key: str | None = None  # None: no authentication
+    api_key: str | None = field(default=None, repr=False)  # the tenant "default"; none at all: open
+    tenants: tuple[Tenant, ...] = ()  # named tenants, each its own key (--api-keys-file)
+    shared_prefix_cache: bool = False  # tenants share one prefix-cache namespace (tenants.py)
+    open_metrics: bool = False  # /metrics without a key even when keys are set
     max_body_bytes: int = MAX_BODY_BYTES
     url: str | None = None  # where the server listens, for the "serving ..." log line
+
+    def __post_init__(self) -> None:
+        self.auth  # noqa: B018 (an empty or duplicate key is refused here, before anything starts)
+
+    @functools.cached_property
+    def auth(self) -> Tenants:
+        """The keys and tenants, checked: --api-key and the keys file together."""
+        return Tenants.build(self.api_key, self.tenants, shared_prefix_cache=self.shared_prefix_cache)
 
 
 class ServerState:
@@ -120,7 +134,9 @@ class ServerState:
         if not self.engine.is_running:
             dead = self.engine.dead_error()
             if dead is not None:
-                raise dead  # 503 engine_dead, with the cause (http_errors.py)
+                raise dead  # 503 engine_dead with the cause, or engine_restarting (http_errors.py)
+            if self.engine.is_running:  # a restart ended between the two reads
+                return self.engine
             raise HTTPError(
                 503,
                 "the engine is not running (the server is shutting down)",
@@ -130,13 +146,14 @@ class ServerState:
         return self.engine
 
     # ---- per-request checks --------------------------------------------------------------------
-    def check_api_key(self, request: Request) -> None:
-        """Bearer token against --api-key, compared in constant time."""
-        key = self.config.api_key
-        if key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+    def authenticate(self, request: Request) -> Tenant | None:
+        """The tenant whose key the request's `Authorization: Bearer` header carries (None on an
+        open server); a 401 when it carries none of the keys."""
+        auth = self.config.auth
+        if auth.is_open:
+            return None
+        tenant = auth.authenticate(request.headers.get("authorization", ""))
+        if tenant is None:
             raise HTTPError(
                 401,
                 "missing or invalid API key: send it as 'Authorization: Bearer <key>'",
@@ -144,6 +161,7 @@ class ServerState:
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        return tenant
 
     def check_model(self, name: str | None) -> None:
         """None means the served model; any other name must match it exactly."""
@@ -156,7 +174,8 @@ class ServerState:
             )
 
     async def parse_body(self, request: Request, model: type[ModelT]) -> ModelT:
-        """Read the body (at most max_body_bytes, else 413) and validate it (else 400)."""
+        """Read the body (at most max_body_bytes, else 413) and validate it (else 400). A request
+        with a `cache_salt` field comes back with the salt its tenant runs under (its namespace)."""
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length", "")
         too_big = declared.isdigit() and int(declared) > limit
@@ -173,6 +192,11 @@ class ServerState:
         if too_big:
             raise HTTPError(413, f"the request body is larger than the limit of {limit} bytes")
         try:
-            return model.model_validate_json(bytes(body))
+            parsed = model.model_validate_json(bytes(body))
         except ValidationError as e:
             raise validation_error(e) from None
+        if "cache_salt" not in type(parsed).model_fields:
+            return parsed
+        # the request's cache_salt becomes the namespace its tenant runs in (tenants.py's table)
+        salt = self.config.auth.cache_salt(self.authenticate(request), getattr(parsed, "cache_salt", None))
+        return parsed.model_copy(update={"cache_salt": salt})
