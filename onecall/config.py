@@ -60,7 +60,7 @@ class EngineConfig:
     # On CUDA with the fast kernels: decode steps padded to bucket sizes and replayed as CUDA graphs
     # (engine/decode_graphs.py). False runs every step eagerly.
     cuda_graphs: bool = True
-    # Tensor parallel: the model split over this many processes (engine/tp_workers.py), one per
+    # Tensor parallel: the model split over this many processes (engine/tp/workers.py), one per
     # device on CUDA (cuda:0 .. cuda:N-1, NCCL), N processes on CPU (gloo). 1: this process alone.
     tensor_parallel_size: int = 1
 

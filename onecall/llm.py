@@ -62,7 +62,7 @@ class LLM:
     """An engine with a model loaded. `model=None` is the embedded SmolLM2-135M-Instruct.
 
     `tensor_parallel_size=N` (an EngineConfig field, like the other keyword arguments) splits the
-    model over N processes that this one starts (engine/tp_workers.py); `close()`, or leaving a
+    model over N processes that this one starts (engine/tp/workers.py); `close()`, or leaving a
     `with LLM(...) as llm:` block, stops them (they also stop when this process exits)."""
 
     def __init__(

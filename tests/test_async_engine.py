@@ -441,7 +441,7 @@ def test_an_engine_that_cannot_schedule_waits_instead_of_spinning(monkeypatch: p
 
 
 class _FakeGroup:
-    """Stands in for engine/tp_workers.py's TensorParallelGroup as the engine thread sees it while idle:
+    """Stands in for engine/tp/workers.py's TensorParallelGroup as the engine thread sees it while idle:
     check_workers() polls the ranks, dead_reason names the one found gone. `kill()` makes rank 1 die."""
 
     def __init__(self) -> None:

@@ -26,7 +26,8 @@ import torch
 
 from onecall import LLM
 from onecall.engine.decode_graphs import MAX_CHUNK, DecodeGraphs, Layout, layout_for
-from onecall.engine.model_runner import ModelRunner, StepInputs
+from onecall.engine.model_runner import ModelRunner
+from onecall.engine.step_inputs import StepInputs
 from onecall.model.attention_metadata import first_run_length
 from onecall.model.kv_cache import PagedKVCache
 from onecall.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""Tensor parallel through the engine (engine/tp_workers.py): LLM(tensor_parallel_size=2) on CPU, two
+"""Tensor parallel through the engine (engine/tp/workers.py): LLM(tensor_parallel_size=2) on CPU, two
 gloo ranks, against the same model in one process.
 
 The oracle is the engine at tensor_parallel_size 1 with the reference kernels: greedy tokens must be
@@ -38,9 +38,9 @@ from tokenizers import decoders, models, pre_tokenizers
 from onecall import LLM, SamplingParams
 from onecall.config import EngineConfig
 from onecall.engine.engine import RequestOutput
-from onecall.engine.model_runner import StepInputs
-from onecall.engine.tp_messages import decode_step, encode_step
-from onecall.engine.tp_workers import TensorParallelError
+from onecall.engine.step_inputs import StepInputs
+from onecall.engine.tp.messages import decode_step, encode_step
+from onecall.engine.tp.workers import TensorParallelError
 from onecall.engine_flags import add_engine_args, engine_kwargs
 from onecall.errors import EngineDeadError, InvalidParameterError, UnsupportedModelError
 from onecall.text.byte_level import byte_alphabet

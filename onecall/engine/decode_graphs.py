@@ -56,7 +56,7 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
-    from onecall.engine.model_runner import StepInputs
+    from onecall.engine.step_inputs import StepInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CHUNK_BUCKETS = (8, 16, 32, 64)

@@ -27,7 +27,7 @@ after it, step() raises EngineDeadError, and does on every later call: a fault t
 repeats is not the requests' fault, and state that drifted cannot be trusted. Under tensor
 parallel, a rank that dies (or a step that fails while the ranks run it) raises
 TensorParallelError, an EngineDeadError, at once: the ranks are out of step, nothing is
-recovered (engine/tp_workers.py).
+recovered (engine/tp/workers.py).
 """
 
 from __future__ import annotations
@@ -65,10 +65,24 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "EngineStats", "RequestOutput"]
 
 
+def _load_parts(config: EngineConfig) -> LoadedEngineParts:
+    """Load the model; with tensor_parallel_size > 1 start the other ranks first (engine/tp/)."""
+    if config.tensor_parallel_size == 1:
+        return load_engine_parts(config)
+    from onecall.engine.tp.workers import start_group  # torch.distributed loads only when asked for
+
+    group = start_group(config)
+    try:
+        return load_engine_parts(config, group)
+    except BaseException:
+        group.close()  # the workers wait for a first step that will never come
+        raise
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, parts: LoadedEngineParts | None = None) -> None:
         self.config = config or EngineConfig()
-        self.parts = parts or load_engine_parts(self.config)
+        self.parts = parts or _load_parts(self.config)
         p = self.parts
         self.tokenizer = p.tokenizer
         self.model_config = p.model_config
@@ -252,7 +266,7 @@ class Engine:
         self._note_first_schedule(sched, t0)
         try:
             outputs = self._run_step(sched, t0)
-        except EngineDeadError as e:  # a tensor-parallel rank died: nothing to recover (tp_workers.py)
+        except EngineDeadError as e:  # a tensor-parallel rank died: nothing to recover (engine/tp/workers.py)
             self.dead_reason = str(e)
             raise
         except Exception as e:

@@ -6,9 +6,9 @@
 4. build DecoderLM on the device, stream the weights in
 5. size the KV pool: budget // bytes per block; the context window is capped by it
 
-With tensor_parallel_size N > 1, rank 0 (this process) refuses a model whose heads do not divide
-by N before any other process exists, then starts ranks 1 .. N-1 (engine/tp_workers.py). Every
-rank builds and loads its own 1/N of the model (load_model) and counts the KV blocks its own budget
+With tensor_parallel_size N > 1, the Engine first starts the group (engine/tp/workers.py
+start_group, which refuses a model whose heads do not divide by N before any other process exists)
+and passes it here; nothing in this module imports engine/tp/. Every rank builds and loads its own 1/N of the model (load_model) and counts the KV blocks its own budget
 holds for its own KV heads (kv_blocks_in_budget); the ranks take the smallest count, so every
 rank's pool has the same block ids. Rank 0 keeps the scheduler and the tokenizer.
 """
@@ -20,12 +20,12 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from onecall.config import DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
+from onecall.engine.step_inputs import StepGroup
 from onecall.errors import InvalidParameterError, UnsupportedModelError
 from onecall.model import native
 from onecall.model.checkpoint import (
@@ -46,9 +46,6 @@ from onecall.model.quants import StoredGroups
 from onecall.model.weights import load_weights
 from onecall.text.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from onecall.engine.tp_workers import TensorParallelGroup
-
 
 @dataclass
 class LoadedEngineParts:
@@ -63,7 +60,7 @@ class LoadedEngineParts:
     dtype: torch.dtype
     load_seconds: float
     kernels: str = "reference"  # what the projections run on (DecoderLM.kernels)
-    tp_group: TensorParallelGroup | None = None  # the other ranks, with tensor_parallel_size > 1
+    tp_group: StepGroup | None = None  # the other ranks, with tensor_parallel_size > 1
 
     def __post_init__(self) -> None:
         # A token id past the embedding's rows would fault a step (on CUDA: a device assert that
@@ -79,63 +76,59 @@ class LoadedEngineParts:
         return self.files.name
 
 
-def load_engine_parts(config: EngineConfig) -> LoadedEngineParts:
+def load_engine_parts(config: EngineConfig, group: StepGroup | None = None) -> LoadedEngineParts:
+    """The model, tokenizer and KV pool for `config`; under tensor parallel, rank 0's 1/N of them,
+    `group` being the ranks already started (Engine starts them: engine/tp/workers.py start_group)."""
     t0 = time.perf_counter()
     device, dtype = config.torch_device, config.torch_dtype
     if config.num_threads is not None and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
+    if (group is None) != (config.tensor_parallel_size == 1):
+        raise InvalidParameterError(
+            "tensor_parallel_size", "a group of ranks is needed exactly when tensor_parallel_size > 1"
+        )
 
-    # 1.-2. files and config; under tensor parallel, refuse what does not split, then start the ranks
+    # 1.-2. files and config
     files = resolve_model(config.model)
     model_config = ModelConfig.from_hf_config(load_hf_config_dict(files))
-    group = None
-    if config.tensor_parallel_size > 1:
-        from onecall.engine.tp_workers import start_group  # it imports this module (load_model)
-
-        TensorParallel(0, config.tensor_parallel_size).check_divides(model_config)
-        group = start_group(config)  # returns on rank 0 only
+    if group is not None:
         device = group.device
-    try:
-        # 3.-4. tokenizer and weights. The tokenizer builds on a thread while the weights load (the
-        # weight work is torch ops that release the GIL): about 0.2 s of cold start off the critical path.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            tokenizer_job = pool.submit(_load_tokenizer, files)
-            model = load_model(config, files, model_config, dtype, device, group.tp if group else None)
-            tokenizer = tokenizer_job.result()
+    # 3.-4. tokenizer and weights. The tokenizer builds on a thread while the weights load (the
+    # weight work is torch ops that release the GIL): about 0.2 s of cold start off the critical path.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        tokenizer_job = pool.submit(_load_tokenizer, files)
+        model = load_model(config, files, model_config, dtype, device, group.tp if group else None)
+        tokenizer = tokenizer_job.result()
 
-        # 5. KV pool: this rank's KV heads; every rank agrees on the smallest pool
-        kv_dtype = config.torch_kv_cache_dtype
-        num_blocks = kv_blocks_in_budget(config, model.config, kv_dtype, device)
-        if group is not None:
-            num_blocks = group.agree_num_blocks(num_blocks)
-        max_model_len = _check_kv(config, model_config, num_blocks, kv_dtype)
-        kv_cache = PagedKVCache(
-            model_config.num_hidden_layers,
-            num_blocks,
-            config.block_size,
-            model.config.num_key_value_heads,
-            model_config.head_dim,
-            kv_dtype,
-            device,
-        )
-        return LoadedEngineParts(  # checks the tokenizer against the embedding (__post_init__)
-            files,
-            model_config,
-            model,
-            tokenizer,
-            kv_cache,
-            num_blocks,
-            max_model_len,
-            device,
-            dtype,
-            time.perf_counter() - t0,
-            model.kernels,
-            group,
-        )
-    except BaseException:
-        if group is not None:
-            group.close()  # the workers wait for a first step that will never come
-        raise
+    # 5. KV pool: this rank's KV heads; every rank agrees on the smallest pool
+    kv_dtype = config.torch_kv_cache_dtype
+    num_blocks = kv_blocks_in_budget(config, model.config, kv_dtype, device)
+    if group is not None:
+        num_blocks = group.agree_num_blocks(num_blocks)
+    max_model_len = _check_kv(config, model_config, num_blocks, kv_dtype)
+    kv_cache = PagedKVCache(
+        model_config.num_hidden_layers,
+        num_blocks,
+        config.block_size,
+        model.config.num_key_value_heads,
+        model_config.head_dim,
+        kv_dtype,
+        device,
+    )
+    return LoadedEngineParts(  # checks the tokenizer against the embedding (__post_init__)
+        files,
+        model_config,
+        model,
+        tokenizer,
+        kv_cache,
+        num_blocks,
+        max_model_len,
+        device,
+        dtype,
+        time.perf_counter() - t0,
+        model.kernels,
+        group,
+    )
 
 
 def _load_tokenizer(files: ModelFiles) -> Tokenizer:
@@ -263,7 +256,7 @@ def _check_kv(config: EngineConfig, mc: ModelConfig, num_blocks: int, dtype: tor
 def install_fused_ops(model: torch.nn.Module, backend: str, kernels: str, device: torch.device) -> None:
     """With the Triton attention backend and the fast kernels on CUDA, fuse the model's small ops
     (norms, RoPE + K/V writes, SiLU: one kernel each, model/triton_ops.py); else leave it as it is.
-    Every rank's model runs this: the Engine's, and each tensor-parallel worker's (tp_worker_loop.py)."""
+    Every rank's model runs this: the Engine's, and each tensor-parallel worker's (engine/tp/worker_loop.py)."""
     if backend == "triton" and kernels == "fast" and device.type == "cuda":
         from onecall.model import triton_ops  # Triton loads only with its backend (CUDA)
 

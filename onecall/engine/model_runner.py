@@ -3,7 +3,7 @@
 The only engine module that touches tensors. A step has two halves:
 
   (a) pack(batch) -> StepInputs: plain ints and lists, nothing from the model folder, so under
-      tensor parallel rank 0 can send them to the other ranks (engine/tp_messages.py):
+      tensor parallel rank 0 can send them to the other ranks (engine/tp/messages.py):
         - the KV manager's pending copy-on-write slot copies,
         - every scheduled chunk flattened into one packed batch, decode rows first (input ids,
           positions, block tables, sequence and query lengths, run lengths),
@@ -24,44 +24,22 @@ is sent anywhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from onecall.engine.block_manager import BlockManager
 from onecall.engine.decode_graphs import DecodeGraphs
 from onecall.engine.scheduler import ScheduledSeq
+from onecall.engine.step_inputs import PromptLogitsFn, StepGroup, StepInputs
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
 from onecall.model.fast_linear import decode_rows
 from onecall.model.kv_cache import PagedKVCache
 
-if TYPE_CHECKING:
-    from onecall.engine.tp_workers import TensorParallelGroup
-
 _PROMPT_LOGPROBS_ROWS = 256  # positions per logits slice when collecting prompt logprobs
 
-# on_prompt_logits(k, lo, logits): rows lo .. lo + len(logits) - 1 of StepInputs.prompt_rows[k]
-PromptLogitsFn = Callable[[int, int, torch.Tensor], None]
-
-
-@dataclass
-class StepInputs:
-    """One step's packed batch as plain ints: all a rank needs to run the forward and the logits."""
-
-    copies: list[tuple[int, int]]  # (src_slot, dst_slot) copy-on-write, applied before the forward
-    input_ids: list[int]  # (num_tokens,) decode rows first
-    positions: list[int]  # (num_tokens,)
-    block_tables: list[Seq[int]]  # per sequence (rank 0: live views, read-only within the step)
-    seq_lens: list[int]  # per sequence: KV length after this step
-    query_lens: list[int]  # per sequence: tokens fed now
-    run_lengths: list[int]  # per sequence: leading consecutive blocks (BlockManager.first_run_length)
-    sample_rows: list[int]  # packed rows whose logits are sampled, in batch order
-    prompt_rows: list[tuple[int, int]]  # (first packed row, count) per sequence collecting prompt logprobs
-    num_decode: int  # the first num_decode sequences decode one token each
 
 
 @dataclass
@@ -89,7 +67,7 @@ class ModelRunner:
         attention_backend: str = "paged",
         *,
         block_size: int | None = None,
-        tp_group: TensorParallelGroup | None = None,
+        tp_group: StepGroup | None = None,
     ) -> None:
         """`block_manager` is None on a tensor-parallel worker, which only run()s (then `block_size`
         is given); `tp_group` on rank 0 of a tensor-parallel group sends each step to the workers."""

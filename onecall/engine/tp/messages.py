@@ -6,7 +6,7 @@ num_prompt_rows, num_decode], then, for a STEP, one payload tensor with the Step
 end to end in that order (copies as src, dst pairs; block tables as their lengths, then their ids;
 prompt rows as row, count pairs). A SHUTDOWN is a header alone, its sizes all 0.
 
-    rank 0 (engine/tp_workers.py)                       ranks 1 .. N-1 (engine/tp_worker_loop.py)
+    rank 0 (engine/tp/workers.py)                       ranks 1 .. N-1 (engine/tp/worker_loop.py)
     encode_step(step) -> broadcast header, payload       receive_step(): header, then the payload
     close(): broadcast shutdown_header()                 receive_step() -> None
 
@@ -24,7 +24,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from onecall.engine.model_runner import StepInputs
+from onecall.engine.step_inputs import StepInputs
 
 SHUTDOWN, STEP = 0, 1
 HEADER_LEN = 8

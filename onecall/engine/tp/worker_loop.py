@@ -13,8 +13,8 @@ worker exits at once. A collective that fails (rank 0 or another rank gone) ends
 with exit code 1 and the error on stderr.
 
 Every rank, rank 0 included, sets itself up the same way: rank_device() (cuda:r on CUDA, the CPU
-otherwise) and set_cpu_threads() (CPU ranks share the cores). engine/tp_workers.py starts the
-workers and is rank 0's side; engine/tp_messages.py is what the two sides send each other.
+otherwise) and set_cpu_threads() (CPU ranks share the cores). engine/tp/workers.py starts the
+workers and is rank 0's side; engine/tp/messages.py is what the two sides send each other.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from onecall.config import EngineConfig
 from onecall.engine.engine_parts import install_fused_ops, kv_blocks_in_budget, load_model
 from onecall.engine.model_runner import ModelRunner
-from onecall.engine.tp_messages import GROUP_TIMEOUT, backend_for, control_group, receive_step
+from onecall.engine.tp.messages import GROUP_TIMEOUT, backend_for, control_group, receive_step
 from onecall.model.attention_metadata import default_backend
 from onecall.model.checkpoint import load_hf_config_dict, resolve_model
 from onecall.model.config import ModelConfig
@@ -43,7 +43,7 @@ STARTUP_TIMEOUT_S = 600.0  # for every worker to import torch and check in at th
 READY_KEY = "onecall_tp_ready"
 # argv after it: config JSON, rank, world size, the store's port on 127.0.0.1 (see worker_main)
 WORKER_COMMAND = (
-    "import sys; from onecall.engine.tp_worker_loop import worker_main; worker_main(sys.argv[1:])"
+    "import sys; from onecall.engine.tp.worker_loop import worker_main; worker_main(sys.argv[1:])"
 )
 
 

@@ -3,7 +3,7 @@ step, and what happens when one dies.
 
     rank 0 (this process: Engine, scheduler, API, trace)       ranks 1 .. N-1 (started here)
     ----------------------------------------------------       -----------------------------
-    start_group(): (engine_parts checked the heads divide)     worker_main() (engine/tp_worker_loop.py):
+    start_group(): the heads divide by N? then start           worker_main() (engine/tp/worker_loop.py):
       start N-1 `python -c` processes, wait for each to          join the group, load 1/N of the
       check in at the TCP store, join the group                  weights, agree on the KV pool
     load 1/N of the weights; agree_num_blocks (all-reduce MIN)
@@ -12,8 +12,8 @@ step, and what happens when one dies.
                                                                  collectives, in the same order)
     close(): broadcast SHUTDOWN, wait (terminate if need be)   SHUTDOWN: leave the group, exit 0
 
-The messages and the gloo group they travel on are engine/tp_messages.py's; the workers' side,
-and the device and thread set-up every rank shares, engine/tp_worker_loop.py's.
+The messages and the gloo group they travel on are engine/tp/messages.py's; the workers' side,
+and the device and thread set-up every rank shares, engine/tp/worker_loop.py's.
 
 Workers are fresh interpreters (`python -c "...worker_main()"`, the config as JSON in argv), not
 multiprocessing's spawn: spawn re-runs the parent's main script in the child, so a script that
@@ -48,15 +48,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from onecall.config import EngineConfig
-from onecall.engine.model_runner import ModelRunner, StepInputs
-from onecall.engine.tp_messages import GROUP_TIMEOUT, backend_for, control_group, encode_step, shutdown_header
-from onecall.engine.tp_worker_loop import (
+from onecall.engine.step_inputs import PromptLogitsFn, StepInputs, StepRunner
+from onecall.engine.tp.messages import GROUP_TIMEOUT, backend_for, control_group, encode_step, shutdown_header
+from onecall.engine.tp.worker_loop import (
     READY_KEY,
     STARTUP_TIMEOUT_S,
     WORKER_COMMAND,
@@ -65,10 +64,9 @@ from onecall.engine.tp_worker_loop import (
     set_cpu_threads,
 )
 from onecall.errors import EngineDeadError, InvalidParameterError
+from onecall.model.checkpoint import load_hf_config_dict, resolve_model
+from onecall.model.config import ModelConfig
 from onecall.model.parallel import TensorParallel
-
-if TYPE_CHECKING:
-    from onecall.engine.model_runner import PromptLogitsFn
 
 _CLOSE_TIMEOUT_S = 10.0  # for the workers to leave after SHUTDOWN, before they are terminated
 
@@ -101,7 +99,7 @@ class TensorParallelGroup:
 
     # ---- each step ----
     def run_step(
-        self, runner: ModelRunner, step: StepInputs, on_prompt_logits: PromptLogitsFn | None
+        self, runner: StepRunner, step: StepInputs, on_prompt_logits: PromptLogitsFn | None
     ) -> torch.Tensor:
         """Send `step` to the workers, then run it here: the sampling rows' logits. Any failure is
         fatal for the group (TensorParallelError): the ranks could be out of step."""
@@ -196,9 +194,12 @@ class TensorParallelGroup:
 
 
 def start_group(config: EngineConfig) -> TensorParallelGroup:
-    """Start (or, under torchrun, join) the group of config.tensor_parallel_size ranks. Returns on
-    rank 0; other torchrun ranks serve as workers here and leave with SystemExit(0)."""
+    """Start (or, under torchrun, join) the group of config.tensor_parallel_size ranks, once the
+    model's heads are known to divide by it. Returns on rank 0; other torchrun ranks serve as
+    workers here and leave with SystemExit(0)."""
     n = config.tensor_parallel_size
+    model_config = ModelConfig.from_hf_config(load_hf_config_dict(resolve_model(config.model)))
+    TensorParallel(0, n).check_divides(model_config)
     if dist.is_initialized():
         raise InvalidParameterError(
             "tensor_parallel_size",
@@ -214,7 +215,7 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
     group = TensorParallelGroup(TensorParallel(0, n), device, processes)
     config_json = json.dumps(dataclasses.asdict(config))
     # onecall importable in the worker as it is here (also from a source tree that is not installed)
-    source_root = str(Path(__file__).resolve().parents[2])
+    source_root = str(Path(__file__).resolve().parents[3])
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")])),
