@@ -12,7 +12,7 @@ The public API is `__all__`, and entry points built on the library (the lab) imp
     SamplingParams, StructuredOutputsParams     a request's parameters
     RenderedPrompt, get_named_template          LLM.render's result; the templates onecall ships
     ToolChatOutput, ToolCall, ToolFormat        LLM.chat(tools=...)'s result, a parsed call, and how the
-                                                model's template talks tools (text/tool_calling.py)
+                                                model's template talks tools (tools/calling.py)
     OnecallError, InvalidParameterError         the errors a caller can cause
 
 Everything but the parameters loads lazily, on first use, so `import onecall` stays cheap
@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from onecall.llm import LLM, ModelInfo
     from onecall.text.chat_template import RenderedPrompt
     from onecall.text.templates import get_named_template
-    from onecall.text.tool_calling import ToolChatOutput
-    from onecall.text.tool_calls import ToolCall
-    from onecall.text.tool_specs import ToolFormat
+    from onecall.tools.calling import ToolChatOutput
+    from onecall.tools.calls import ToolCall
+    from onecall.tools.specs import ToolFormat
 
 # name -> the module that defines it, imported on first access
 _LAZY: dict[str, str] = {
@@ -44,9 +44,9 @@ _LAZY: dict[str, str] = {
     "OnecallError": "onecall.errors",
     "RenderedPrompt": "onecall.text.chat_template",
     "RequestOutput": "onecall.engine.engine",
-    "ToolCall": "onecall.text.tool_calls",
-    "ToolChatOutput": "onecall.text.tool_calling",
-    "ToolFormat": "onecall.text.tool_specs",
+    "ToolCall": "onecall.tools.calls",
+    "ToolChatOutput": "onecall.tools.calling",
+    "ToolFormat": "onecall.tools.specs",
     "get_named_template": "onecall.text.templates",
 }
 

@@ -24,7 +24,7 @@ from onecall.errors import ContextLengthExceededError, InvalidParameterError
 from onecall.model.attention_probe import last_position_attention
 from onecall.sampling_params import SamplingParams
 from onecall.text.chat_template import RenderedPrompt, render_chat
-from onecall.text.tool_calling import ChatTools, ToolChatOutput
+from onecall.tools.calling import ChatTools, ToolChatOutput
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -118,7 +118,7 @@ class LLM:
         """The prompt a chat request sends: text, ids, control-token mask. `chat_template` (Jinja
         source, e.g. onecall.text.templates.get_named_template("qwen3-style")) replaces the model's.
         `tools` are offered as chat(tools=...) offers them: through a template with a tool format, else
-        in the system message (text/tool_specs.py's convention); tool_choice "none" withdraws them."""
+        in the system message (tools/specs.py's convention); tool_choice "none" withdraws them."""
         template_tools = None
         if tools is not None or tool_choice is not None:
             chat_tools = ChatTools.build(tools, tool_choice, self.tokenizer)
@@ -174,7 +174,7 @@ class LLM:
 
         With `tools` (OpenAI's shape) and `tool_choice` ("auto" when omitted, "none", "required",
         {"type": "function", "function": {"name": ...}}) the tools are rendered through the
-        template (or its system message, text/tool_specs.py's convention), a grammar forces the
+        template (or its system message, tools/specs.py's convention), a grammar forces the
         call when tool_choice requires one, and each result is a ToolChatOutput: content,
         tool_calls (id, name, arguments_json) and the API's finish_reason, as the server answers."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages

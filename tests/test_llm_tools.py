@@ -1,5 +1,5 @@
 """LLM.chat(tools=..., tool_choice=...): the library's tool calling, the one implementation the server's
-chat endpoint and the lab's tools experiment call (text/tool_calling.py).
+chat endpoint and the lab's tools experiment call (tools/calling.py).
 
 A tiny random-weight model with the embedded model's tokenizer and template (no tool format, so the
 json convention): a forced call goes through the grammar, so it parses even from random weights; the
@@ -15,8 +15,8 @@ import pytest
 
 from onecall import LLM, InvalidParameterError, SamplingParams, StructuredOutputsParams, ToolChatOutput
 from onecall.server import serving_chat
-from onecall.text import tool_calling
-from onecall.text.tool_specs import tools_system_prompt
+from onecall.tools import calling as tool_calling
+from onecall.tools.specs import tools_system_prompt
 from tests.helpers.tiny_engine import tiny_engine
 
 pytest.importorskip("llguidance")

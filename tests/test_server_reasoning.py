@@ -36,7 +36,7 @@ from onecall.server.app import create_app
 from onecall.server.async_engine import AsyncEngine
 from onecall.text.chat_template import render_chat
 from onecall.text.tokenizer import Tokenizer
-from onecall.text.tool_specs import tool_call_grammar
+from onecall.tools.specs import tool_call_grammar
 from tests.helpers.server_process import check_chat_stream
 from tests.helpers.tiny_engine import tiny_model
 

@@ -1,6 +1,6 @@
 """Structured outputs and tool calls over HTTP: a real `onecall serve` with the embedded model.
 
-SmolLM2's template knows no tools, so tools use the JSON convention (text/tool_specs.py); reasoning
+SmolLM2's template knows no tools, so tools use the JSON convention (tools/specs.py); reasoning
 and Hermes calls are tested in-process in test_server_reasoning.py. The tests on the subprocess are
 marked `server` (`make test-fast` leaves them out).
 

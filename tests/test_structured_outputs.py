@@ -9,7 +9,7 @@
     prompt and the grammar, 20 sampled calls each (temperature 0.7, seeded).
     json.loads failures are counted and printed; the grammar run must have none.
 (c) LLM.generate with a regex and a choice, and an enforced tool call (the
-    json convention's schema from text/tool_specs.py) whose arguments validate.
+    json convention's schema from tools/specs.py) whose arguments validate.
 
 (a) and (b) run as one batch each (the engine keeps up to 64 sequences running).
 """
@@ -169,8 +169,8 @@ TOOLS: list[dict[str, Any]] = [
 @pytest.mark.parametrize("required_name", [None, "get_time"])
 def test_enforced_tool_call_is_a_valid_call(llm: LLM, required_name: str | None) -> None:
     """The bridge to tool calling: tool_choice "required" / a named function, as a JSON Schema the
-    grammar enforces (the json convention of text/tool_specs.py for a template with no tool format)."""
-    from onecall.text.tool_specs import messages_for_json_tools, tool_call_schema
+    grammar enforces (the json convention of tools/specs.py for a template with no tool format)."""
+    from onecall.tools.specs import messages_for_json_tools, tool_call_schema
 
     messages = messages_for_json_tools([{"role": "user", "content": "What's the weather in Rome?"}], TOOLS)
     so = StructuredOutputsParams(json=tool_call_schema(TOOLS, required_name=required_name))

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from onecall.errors import InvalidParameterError
-from onecall.text.tool_calls import (
+from onecall.tools.calls import (
     ParsedToolCalls,
     ToolCall,
     ToolCallParser,
@@ -24,7 +24,7 @@ from onecall.text.tool_calls import (
     new_tool_call_id,
     parse_tool_calls,
 )
-from onecall.text.tool_specs import (
+from onecall.tools.specs import (
     ToolFormat,
     messages_for_json_tools,
     tool_call_grammar,
@@ -321,7 +321,7 @@ def test_system_prompt_and_messages() -> None:
 def test_text_modules_import_nothing_heavy() -> None:
     """The server calls these pieces; they must stay plain Python (no torch, web framework or engine)."""
     code = (
-        "import sys, onecall.text.tool_calls, onecall.text.tool_calling, onecall.text.reasoning; "
+        "import sys, onecall.tools.calls, onecall.tools.calling, onecall.text.reasoning; "
         "print([m for m in ('torch', 'fastapi', 'onecall.engine', 'onecall.server', 'llguidance') if m in sys.modules])"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -104,7 +104,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None  # validated by text/tool_specs.validate_tools
+    tools: list[dict[str, Any]] | None = None  # validated by tools/specs.validate_tools
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # None: true
     response_format: ResponseFormat | None = None

@@ -60,7 +60,7 @@ from onecall.server.state import ServerState
 from onecall.text.chat_template import RenderedPrompt, render_chat
 from onecall.text.reasoning import ReasoningFormat
 from onecall.text.tokenizer import Tokenizer
-from onecall.text.tool_calling import ChatTools
+from onecall.tools.calling import ChatTools
 
 
 async def create_chat_completion(state: ServerState, request: Request, request_id: str) -> Response:

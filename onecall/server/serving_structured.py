@@ -3,7 +3,7 @@ before the request is queued.
 
     1. what the output must match, and the field that asked for it (named in every 400):
            response_format / structured_outputs    params.requested_structured_outputs
-           tool_choice "required" or a function    text/tool_calling.ChatTools.enforced ("tools")
+           tool_choice "required" or a function    tools/calling.ChatTools.enforced ("tools")
     2. with_reasoning: for a thinking template the grammar waits for the reasoning to end
        (StructuredOutputsParams' reasoning_start / reasoning_end, see sampling/grammar_constraint.py):
 

@@ -2,7 +2,7 @@
 the per-choice parser that splits the output into reasoning_content, content and tool_calls.
 
 ChatTools (the tools for one model's template, their grammar and parser) is the library's
-(text/tool_calling.py, what LLM.chat uses too); chat_tools() builds it from a request.
+(tools/calling.py, what LLM.chat uses too); chat_tools() builds it from a request.
 
 ChoiceParser, one per choice: reasoning first (a thinking template's <think> block ->
 reasoning_content), then tool calls in what remains. feed()/finish() stream it; whole() parses a
@@ -18,13 +18,13 @@ from onecall.server.protocol import ChatCompletionRequest
 from onecall.server.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from onecall.text.reasoning import ReasoningDelta, ReasoningFormat, ReasoningParser
 from onecall.text.tokenizer import Tokenizer
-from onecall.text.tool_calling import ChatTools, is_special
-from onecall.text.tool_calls import ToolCallDelta, ToolCallParser
-from onecall.text.tool_specs import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from onecall.tools.calling import ChatTools, is_special
+from onecall.tools.calls import ToolCallDelta, ToolCallParser
+from onecall.tools.specs import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 
 def chat_tools(req: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatTools:
-    """The request's validated tools (the shared implementation: text/tool_calling.py)."""
+    """The request's validated tools (the shared implementation: tools/calling.py)."""
     return ChatTools.build(req.tools, req.tool_choice, tokenizer, parallel_tool_calls=req.parallel_tool_calls)
 
 

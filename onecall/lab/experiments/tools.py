@@ -2,7 +2,7 @@
 
     1. render     the user's question with the tools, as the template renders them: a template with
                   a tool format (Qwen's <tool_call>, "hermes") renders `tools` itself; one without
-                  (the embedded SmolLM2) gets the json convention of text/tool_specs.py in its
+                  (the embedded SmolLM2) gets the json convention of tools/specs.py in its
                   system message
     2. call       tool_choice "get_weather": LLM.chat turns it into a grammar, so the output always
                   parses, and returns the parsed call; greedy
@@ -13,7 +13,7 @@
                   the tools withdrawn (tool_choice "none"), and that reply is the final answer
 
 Only LLM.chat(tools=..., tool_choice=...) and LLM.render(tools=...) are used: the one implementation of
-tool calling (text/tool_calling.py) that the server's chat endpoint calls too.
+tool calling (tools/calling.py) that the server's chat endpoint calls too.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def _markdown(ctx: LabContext, r: dict[str, Any]) -> str:
         f"The template renders the tools itself ({r['format']} format)."
         if r["format"] == ToolFormat.HERMES
         else "The template has no tool format, so the tools go into the system message as onecall's JSON "
-        'convention (text/tool_specs.py) and the model answers `{"tool_calls": [...]}`.'
+        'convention (tools/specs.py) and the model answers `{"tool_calls": [...]}`.'
     )
     return "\n\n".join(
         [

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 from onecall.errors import InvalidParameterError
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 from onecall.text.tokenizer import Tokenizer
-from onecall.text.tool_calls import ToolCall, ToolCallParser, assemble_tool_calls
-from onecall.text.tool_specs import (
+from onecall.tools.calls import ToolCall, ToolCallParser, assemble_tool_calls
+from onecall.tools.specs import (
     TOOL_CALL_OPEN,
     ToolChoice,
     ToolFormat,

@@ -1,4 +1,4 @@
-"""Tool calls out of model output: whole-text and streaming parsers (tools themselves: tool_specs.py).
+"""Tool calls out of model output: whole-text and streaming parsers (tools themselves: tools/specs.py).
 
 Two formats, chosen per model by ToolFormat.for_template():
 
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from onecall.text.reasoning import StrippedStream, partial_marker_len
-from onecall.text.tool_specs import TOOL_CALL_CLOSE as _CLOSE
-from onecall.text.tool_specs import TOOL_CALL_OPEN as _OPEN
-from onecall.text.tool_specs import ToolFormat
+from onecall.tools.specs import TOOL_CALL_CLOSE as _CLOSE
+from onecall.tools.specs import TOOL_CALL_OPEN as _OPEN
+from onecall.tools.specs import ToolFormat
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 _FENCE = "```"

@@ -1,6 +1,6 @@
 """Tools as the request gives them: validate `tools`/`tool_choice`, describe them, enforce calls.
 
-Two formats, chosen per model by ToolFormat.for_template() (see tool_calls.py for the outputs):
+Two formats, chosen per model by ToolFormat.for_template() (see tools/calls.py for the outputs):
 hermes, where the template renders tools itself (Qwen2.5, Qwen3), and json, a convention for
 templates that know no tools (the embedded SmolLM2): tools_system_prompt() goes into the system
 message and the model answers with {"tool_calls": [{"name": ..., "arguments": {...}}]}.

@@ -1,0 +1,11 @@
+"""Tool calling, one home for what the server, the library (LLM.chat) and the lab share.
+
+    specs.py    `tools` / `tool_choice` validated; the tools described to a template without a tool
+                format; the schema or grammar that enforces a required or named call
+    calls.py    tool calls out of model output: whole-text and streaming parsers (hermes and json)
+    calling.py  ChatTools: one request's tools for one model's template (what to render, what to
+                enforce, a parser per choice); ToolChatOutput, what LLM.chat returns with tools
+
+It sits above the engine (calling.py reads a RequestOutput) and below the server and the library;
+the server's ChoiceParser (server/serving_tools.py) turns its parsed calls into OpenAI deltas.
+"""
