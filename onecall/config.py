@@ -1,8 +1,8 @@
 """EngineConfig: the one frozen configuration of an engine, validated when built.
 
 What the engine only learns at load time (the model's shape, EOS ids, how many KV
-blocks fit the budget) is kept in `RuntimeInfo` (engine/engine.py), never written
-back here. `device` and `dtype` are resolved once, by properties, so every layer
+blocks fit the budget) is kept in `LoadedEngineParts` (engine/engine_parts.py), never
+written back here. `device` and `dtype` are resolved once, by properties, so every layer
 below receives concrete values.
 """
 

@@ -1,4 +1,4 @@
-"""`onecall lab`: its flags and command. onecall/cli.py adds them as the `lab` subcommand;
+"""`onecall lab`: its flags and command. onecall/cli/__init__.py adds them as the `lab` subcommand;
 `python -m onecall.lab` runs them on their own.
 
     onecall lab [--model M] [--out DIR] [--only NAME,...] [--calls N] [--quick]
