@@ -94,6 +94,7 @@ try:
     from onecall.model.checkpoint import ModelFiles
     from onecall.model.config import ModelConfig
     from onecall.model.decoder import DecoderLM
+    from onecall.model.hf_config import model_config_from_hf
     from onecall.model.kv_cache import PagedKVCache
     from onecall.model.packing import weight_bytes_read
     from onecall.model.weights import load_weights
@@ -227,7 +228,7 @@ def tiny_qwen3(
             if "norm" not in name:
                 p.normal_(0.0, 0.3)  # wide logit gaps: greedy is not decided by rounding
     hf = hf.to(device)
-    ours = DecoderLM(ModelConfig.from_hf_config(hf_config.to_dict()), dtype=dtype, device=device)
+    ours = DecoderLM(model_config_from_hf(hf_config.to_dict()), dtype=dtype, device=device)
     load_weights(ours, ((name, t.to(dtype)) for name, t in hf.state_dict().items()))
     return hf, ours
 

@@ -190,6 +190,7 @@ def test_raise_exception_message() -> None:
         "{{ lipsum.__globals__['os'] }}",
         "{{ messages.__class__ }}",
         "{{ '{0.__class__}'.format(1) }}",
+        "{{ ('{0.__class__}'|attr('format'))(1) }}",  # CVE-2025-27516: |attr reached the plain str.format
         "{% set x = [] %}{{ x.append(1) }}",  # the sandbox is immutable too
         "{% set ns = namespace(_secret=1) %}",
     ],
@@ -197,6 +198,13 @@ def test_raise_exception_message() -> None:
 def test_sandbox_refuses_escapes(source: str) -> None:
     with pytest.raises(TemplateError, match="sandbox"):
         ChatTemplate(source).render([{"role": "user", "content": "x"}])
+
+
+def test_jinja2_has_no_known_sandbox_escape() -> None:
+    """pyproject.toml requires jinja2>=3.1.6: 3.1.5 and earlier let a template reach str.format unsandboxed."""
+    import jinja2
+
+    assert tuple(int(part) for part in jinja2.__version__.split(".")[:3]) >= (3, 1, 6)
 
 
 def test_template_errors() -> None:

@@ -22,7 +22,7 @@ from onecall.model.checkpoint import (
     resolve_model,
     safetensors_shards,
 )
-from onecall.model.config import ModelConfig
+from onecall.model.hf_config import model_config_from_hf
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf, write_tiny_hf_folder
 
 
@@ -164,7 +164,7 @@ def test_gguf_yarn_metadata_becomes_rope_scaling(tmp_path: Path) -> None:
         "factor": 4.0,
         "original_max_position_embeddings": 32768,
     }
-    scaling = ModelConfig.from_hf_config(hf_config).rope_scaling
+    scaling = model_config_from_hf(hf_config).rope_scaling
     assert scaling is not None and (scaling.rope_type, scaling.factor) == ("yarn", 4.0)
 
 
@@ -207,7 +207,7 @@ def test_gguf_rope_scaling_refusals(
         tmp_path / "m.gguf", random_state_dict(config), config, extra_metadata=extra, extra_tensors=tensors
     )
     with pytest.raises(UnsupportedModelError, match=needle):
-        ModelConfig.from_hf_config(load_hf_config_dict(resolve_model(path)))
+        model_config_from_hf(load_hf_config_dict(resolve_model(path)))
 
 
 def test_gguf_vocab_size_falls_back_to_token_count(tmp_path: Path) -> None:

@@ -15,10 +15,10 @@ from gguf.quants import quantize
 
 from onecall.model import native, packing, weights
 from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
-from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.fast_embedding import StoredEmbedding
 from onecall.model.fast_linear import compact_scales
+from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.quants import Int8Groups, StoredGroups, dequantize, int4_groups, int8_groups
 from onecall.model.weights import load_weights
@@ -73,7 +73,7 @@ def test_4bit_rows_are_the_dequantized_table_bit_for_bit(qtype: T) -> None:
 def _load(path: Path, fast: bool) -> DecoderLM:
     files = resolve_model(path)
     stored: dict[str, StoredGroups] | None = {} if fast else None
-    model = DecoderLM(ModelConfig.from_hf_config(load_hf_config_dict(files)), pack_on_load=fast)
+    model = DecoderLM(model_config_from_hf(load_hf_config_dict(files)), pack_on_load=fast)
     # as engine_parts loads: stored groups not expanded where the native kernels take them
     load_weights(model, iter_weights(files, torch.float32, stored, expand_stored=not fast), stored)
     return model.eval()
@@ -91,7 +91,7 @@ def test_a_gguf_keeps_its_embedding_as_stored(
     config = tiny_hf_config("qwen3", tie_word_embeddings=tied)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=qtype)
     ref = _load(path, fast=False)
-    bare = DecoderLM(ModelConfig.from_hf_config(load_hf_config_dict(resolve_model(path))), pack_on_load=True)
+    bare = DecoderLM(model_config_from_hf(load_hf_config_dict(resolve_model(path))), pack_on_load=True)
     assert bare.model.embed_tokens.weight.is_meta  # built without the table: the loader decides
     with monkeypatch.context() as m:
         m.setattr(weights, "materialize_weight", _never)

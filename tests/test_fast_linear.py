@@ -148,8 +148,8 @@ def test_a_q8_0_gguf_decodes_on_its_own_int8_groups(tmp_path: Path) -> None:
     projection's int8 groups (un-permuted with the rows), decode rows run them, and each projection
     gives the reference model's float32 product within the int16 activation rounding."""
     from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
-    from onecall.model.config import ModelConfig
     from onecall.model.decoder import DecoderLM
+    from onecall.model.hf_config import model_config_from_hf
     from onecall.model.weights import load_weights
     from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
 
@@ -157,7 +157,7 @@ def test_a_q8_0_gguf_decodes_on_its_own_int8_groups(tmp_path: Path) -> None:
     files = resolve_model(
         write_tiny_gguf(tmp_path / "q8.gguf", random_state_dict(config, 5), config, weight_type=T.Q8_0)
     )
-    mc = ModelConfig.from_hf_config(load_hf_config_dict(files))
+    mc = model_config_from_hf(load_hf_config_dict(files))
     stored: dict[str, StoredGroups] = {}
     fast = DecoderLM(mc, pack_on_load=True)
     load_weights(fast, iter_weights(files, torch.float32, stored), stored)

@@ -48,6 +48,7 @@ from onecall.model.gemma import (
     embed_scale,
     soft_cap,
 )
+from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, RMSNorm
 from tests.helpers.make_models import hf_and_ours
@@ -423,7 +424,7 @@ def test_model_builds_on_meta_without_buffers() -> None:
 
 
 # ---------------------------------------------------------------- the whole model, as a user loads it
-# ModelConfig.from_hf_config on transformers' own config dict, DecoderLM, load_weights (folding the
+# model_config_from_hf on transformers' own config dict, DecoderLM, load_weights (folding the
 # norms' + 1) and the engine's paged cache; tolerance: test_model_numerics' ATOL on logits.
 
 _TINY: dict[str, Any] = dict(
@@ -474,14 +475,14 @@ def test_gemma_configs_as_their_files_write_them() -> None:
     Gemma 3: five sliding layers to one global, no caps, two RoPE bases), and the refusals."""
     from onecall.errors import UnsupportedModelError
 
-    g2 = ModelConfig.from_hf_config(
+    g2 = model_config_from_hf(
         {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
     )  # fmt: skip
     assert g2.gemma is not None and g2.head_dim == 256 and g2.tie_word_embeddings
     assert g2.gemma.layer_types == (SLIDING, GLOBAL, SLIDING, GLOBAL)
     assert (g2.gemma.attn_logit_softcapping, g2.gemma.final_logit_softcapping) == (50.0, 30.0)
-    g3 = ModelConfig.from_hf_config(
+    g3 = model_config_from_hf(
         {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 256,
          "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 4,
          "num_key_value_heads": 1, "head_dim": 16, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
@@ -493,7 +494,7 @@ def test_gemma_configs_as_their_files_write_them() -> None:
     assert g3.gemma.rope_local_base_freq == 10000.0 and g3.rope_scaling is not None
     assert ModelConfig(**g3.to_dict()) == g3  # the nested GemmaSpec survives a dict round trip
     with pytest.raises(UnsupportedModelError, match="hidden_activation 'silu'"):
-        ModelConfig.from_hf_config(
+        model_config_from_hf(
             {**g3.to_dict(), "architectures": ["Gemma3ForCausalLM"], "hidden_activation": "silu"}
         )
 
@@ -524,4 +525,4 @@ def test_gemma_checkpoints_we_do_not_run_are_named(architecture: str, needle: st
     config = {"architectures": [architecture], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
     with pytest.raises(UnsupportedModelError, match=f"{architecture}.*{needle}"):
-        ModelConfig.from_hf_config(config)
+        model_config_from_hf(config)

@@ -24,8 +24,8 @@ from gguf.quants import quantize as gguf_quantize
 
 from onecall.errors import UnsupportedModelError
 from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
-from onecall.model.config import ModelConfig
 from onecall.model.gguf import SUPPORTED_QUANT_TYPES, GGUFFile, hf_tensor_name
+from onecall.model.hf_config import model_config_from_hf
 from tests.helpers.make_models import gguf_tensor_name, random_state_dict, tiny_hf_config, write_tiny_gguf
 
 T = GGMLQuantizationType
@@ -258,7 +258,7 @@ def test_tiny_model_round_trip(arch: str, tmp_path: Path) -> None:
     for name, tensor in state.items():
         assert torch.equal(got[name], tensor), name
     gguf_config = load_hf_config_dict(files)
-    assert ModelConfig.from_hf_config(gguf_config) == ModelConfig.from_hf_config(config)
+    assert model_config_from_hf(gguf_config) == model_config_from_hf(config)
 
 
 def test_quantized_tiny_llama_matches_gguf_reference(tmp_path: Path) -> None:
@@ -295,7 +295,7 @@ def test_embedded_smollm2_against_transformers() -> None:
                     "num_key_value_heads": 3, "vocab_size": 49152, "rope_theta": 100000.0,
                     "tie_word_embeddings": True, "head_dim": 64, "intermediate_size": 1536}  # fmt: skip
     assert {k: cfg[k] for k in expected_cfg} == expected_cfg
-    assert "rope_scaling" not in cfg and ModelConfig.from_hf_config(cfg).architecture == "llama"
+    assert "rope_scaling" not in cfg and model_config_from_hf(cfg).architecture == "llama"
 
     # 2. names: llama.cpp's own HF -> GGUF name map, inverted, over all 272 tensors
     gguf = GGUFFile(files.path)
@@ -354,11 +354,21 @@ def test_our_ggml_tables_agree_with_the_gguf_package() -> None:
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.constants import GGUFValueType as TheirValueType
 
-    from onecall.model.ggml_types import GGML_BLOCK_SIZES, GGMLType, GGUFValueType, ggml_type_name
+    from onecall.model.ggml_types import (
+        GGML_BLOCK_SIZES,
+        GGML_TYPE_SIZES,
+        GGMLType,
+        GGUFValueType,
+        ggml_type_name,
+    )
 
     for t in GGMLType:
         assert GGMLQuantizationType[t.name] == t.value
         assert GGML_BLOCK_SIZES[t] == GGML_QUANT_SIZES[GGMLQuantizationType(t.value)]
+    # every type a file may hold (so the reader can bounds-check tensors it will not load), sized alike
+    assert {
+        int(t): (t.name, *sizes) for t, sizes in GGML_QUANT_SIZES.items()
+    }.items() <= GGML_TYPE_SIZES.items()
     assert {v.name: v.value for v in GGUFValueType} == {v.name: v.value for v in TheirValueType}
     assert ggml_type_name(int(GGMLQuantizationType.IQ2_XS)) == "IQ2_XS"
     assert ggml_type_name(9999) == "unknown type id 9999"

@@ -55,6 +55,7 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.fast_linear import FastLinear
 from onecall.model.gguf import GGUFFile
 from onecall.model.gguf_layout import gguf_config_dict
+from onecall.model.hf_config import model_config_from_hf
 from onecall.model.moe import Experts
 from onecall.model.quants import StoredGroups
 from onecall.model.weights import load_weights
@@ -109,7 +110,7 @@ def random_hf(family: str, seed: int = 0, **overrides: Any) -> Any:
 def load(path: Path, stored: dict[str, StoredGroups] | None = None) -> DecoderLM:
     """What the engine does with a model path (engine/engine_parts.py), float32 on CPU."""
     files = resolve_model(path)
-    model = DecoderLM(ModelConfig.from_hf_config(load_hf_config_dict(files)), pack_on_load=stored is not None)
+    model = DecoderLM(model_config_from_hf(load_hf_config_dict(files)), pack_on_load=stored is not None)
     load_weights(model, iter_weights(files, torch.float32, stored), stored)
     return model.eval()
 
@@ -291,7 +292,7 @@ def _shapes(arch: str, layers: int, hidden: int = 64, heads: int = 4, **extra: A
 
 
 def _config(path: Path) -> ModelConfig:
-    return ModelConfig.from_hf_config(gguf_config_dict(GGUFFile(path)))
+    return model_config_from_hf(gguf_config_dict(GGUFFile(path)))
 
 
 def test_gguf_config_rules(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""ModelConfig.from_hf_config and weights.load_weights: what they accept and what they refuse.
+"""model_config_from_hf and weights.load_weights: what they accept and what they refuse.
 
 Refusals must be UnsupportedModelError naming the offending value, never a
 model that runs silently wrong.
@@ -19,6 +19,7 @@ from transformers import Qwen2Config, Qwen3Config
 from onecall.errors import UnsupportedModelError
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
+from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.weights import load_weights
 
@@ -166,7 +167,7 @@ def with_(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
 
 
 def test_smollm2_config() -> None:
-    c = ModelConfig.from_hf_config(SMOLLM2)
+    c = model_config_from_hf(SMOLLM2)
     assert (c.architecture, c.hidden_size, c.num_hidden_layers) == ("llama", 576, 30)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
     assert (c.intermediate_size, c.vocab_size, c.rope_theta, c.rms_norm_eps) == (1536, 49152, 100000.0, 1e-5)
@@ -177,10 +178,10 @@ def test_smollm2_config() -> None:
 
 
 def test_qwen_configs() -> None:
-    q2 = ModelConfig.from_hf_config(QWEN25)
+    q2 = model_config_from_hf(QWEN25)
     assert (q2.architecture, q2.attention_bias, q2.qk_norm, q2.o_proj_bias) == ("qwen2", True, False, False)
     assert (q2.head_dim, q2.num_key_value_heads, q2.rope_theta) == (64, 2, 1e6)
-    q3 = ModelConfig.from_hf_config(QWEN3)
+    q3 = model_config_from_hf(QWEN3)
     assert (q3.architecture, q3.attention_bias, q3.qk_norm, q3.head_dim) == ("qwen3", False, True, 128)
     assert q3.max_position_embeddings == 40960
 
@@ -191,24 +192,24 @@ def test_transformers_5_dicts_and_defaults() -> None:
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=5e5
     )
     d = Qwen3Config(**kwargs).to_dict()
-    c = ModelConfig.from_hf_config(d)
+    c = model_config_from_hf(d)
     assert (c.architecture, c.rope_theta, c.head_dim) == ("qwen3", 5e5, 128)
     assert (
-        ModelConfig.from_hf_config(
+        model_config_from_hf(
             Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4).to_dict()
         ).head_dim
         == 16
     )
     # Defaults: head_dim from hidden/heads, kv heads = heads, theta 10000.
-    c = ModelConfig.from_hf_config(with_(SMOLLM2, head_dim=..., num_key_value_heads=..., rope_theta=...))
+    c = model_config_from_hf(with_(SMOLLM2, head_dim=..., num_key_value_heads=..., rope_theta=...))
     assert (c.head_dim, c.num_key_value_heads, c.rope_theta) == (64, 9, 10000.0)
     # model_type alone is enough; rope_scaling {"rope_type": "default"} is plain RoPE.
-    c = ModelConfig.from_hf_config(with_(SMOLLM2, architectures=..., rope_scaling={"rope_type": "default"}))
+    c = model_config_from_hf(with_(SMOLLM2, architectures=..., rope_scaling={"rope_type": "default"}))
     assert c.architecture == "llama"
 
 
 def test_scaled_rope_families() -> None:
-    c = ModelConfig.from_hf_config(LLAMA32)
+    c = model_config_from_hf(LLAMA32)
     assert c.rope_scaling is not None
     assert (
         c.rope_scaling.rope_type,
@@ -220,31 +221,31 @@ def test_scaled_rope_families() -> None:
         8192,
     )
     assert ModelConfig(**c.to_dict()) == c  # the nested RopeScaling survives a dict round trip
-    m = ModelConfig.from_hf_config(MISTRAL)
+    m = model_config_from_hf(MISTRAL)
     assert (m.architecture, m.head_dim, m.rope_scaling, m.attention_bias) == ("mistral", 128, None, False)
     assert (
-        ModelConfig.from_hf_config(with_(MISTRAL, sliding_window=32768)).sliding_window is None
+        model_config_from_hf(with_(MISTRAL, sliding_window=32768)).sliding_window is None
     )  # covers all
     # a window shorter than the context bites: every layer attends to its last sliding_window positions
-    assert ModelConfig.from_hf_config(with_(MISTRAL, sliding_window=4096)).sliding_window == 4096
+    assert model_config_from_hf(with_(MISTRAL, sliding_window=4096)).sliding_window == 4096
     assert (
-        ModelConfig.from_hf_config(with_(MISTRAL, sliding_window=...)).sliding_window == 4096
+        model_config_from_hf(with_(MISTRAL, sliding_window=...)).sliding_window == 4096
     )  # the default
     assert (
-        ModelConfig.from_hf_config(with_(PHI4_MINI, sliding_window=2047)).sliding_window == 2047
+        model_config_from_hf(with_(PHI4_MINI, sliding_window=2047)).sliding_window == 2047
     )  # Phi-3-mini-4k's
-    p = ModelConfig.from_hf_config(PHI4_MINI)
+    p = model_config_from_hf(PHI4_MINI)
     assert (p.architecture, p.head_dim, p.rotary_dim, p.partial_rotary_factor) == ("phi3", 128, 96, 0.75)
     assert p.rope_scaling is not None and p.rope_scaling.rope_type == "longrope"
     assert (p.rope_scaling.factor, p.rope_scaling.original_max_position_embeddings) == (32.0, 4096)
     assert p.rope_scaling.long_factor == tuple(1.0 + i for i in range(48))
     # Phi-3's old "su" name; transformers 5's rope_parameters; yarn's factor from the lengths.
     su = with_(PHI4_MINI, rope_scaling=PHI4_MINI["rope_scaling"] | {"type": "su"})
-    assert ModelConfig.from_hf_config(su).rope_scaling == p.rope_scaling
+    assert model_config_from_hf(su).rope_scaling == p.rope_scaling
     yarn = {"rope_type": "yarn", "rope_theta": 1e6, "original_max_position_embeddings": 32768}
-    q = ModelConfig.from_hf_config(with_(QWEN3, rope_parameters=yarn, max_position_embeddings=131072))
+    q = model_config_from_hf(with_(QWEN3, rope_parameters=yarn, max_position_embeddings=131072))
     assert q.rope_scaling is not None and (q.rope_scaling.rope_type, q.rope_scaling.factor) == ("yarn", 4.0)
-    d = ModelConfig.from_hf_config(with_(SMOLLM2, rope_scaling={"type": "dynamic", "factor": 2.0}))
+    d = model_config_from_hf(with_(SMOLLM2, rope_scaling={"type": "dynamic", "factor": 2.0}))
     assert d.rope_scaling is not None and d.rope_scaling.rope_type == "dynamic"
 
 
@@ -293,7 +294,7 @@ def test_scaled_rope_families() -> None:
 )
 def test_refusals_name_the_value(config: dict[str, Any], needle: str) -> None:
     with pytest.raises(UnsupportedModelError, match=None) as info:
-        ModelConfig.from_hf_config(config)
+        model_config_from_hf(config)
     assert needle in str(info.value), str(info.value)
 
 
@@ -340,7 +341,7 @@ def tiny_weights(c: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def test_load_weights_fuses_and_casts() -> None:
-    c = ModelConfig.from_hf_config(TINY)
+    c = model_config_from_hf(TINY)
     w = tiny_weights(c)
     model = DecoderLM(c, dtype=torch.bfloat16)
     load_weights(model, w.items())
@@ -370,7 +371,7 @@ def test_load_weights_fuses_and_casts() -> None:
     ],
 )
 def test_load_weights_refusals_name_the_tensor(mutate: Any, needle: str) -> None:
-    c = ModelConfig.from_hf_config(TINY)
+    c = model_config_from_hf(TINY)
     w = tiny_weights(c)
     mutate(w)
     with pytest.raises(UnsupportedModelError) as info:
@@ -379,7 +380,7 @@ def test_load_weights_refusals_name_the_tensor(mutate: Any, needle: str) -> None
 
 
 def test_tied_embeddings_accept_or_omit_lm_head() -> None:
-    c = ModelConfig.from_hf_config(with_(TINY, tie_word_embeddings=True))
+    c = model_config_from_hf(with_(TINY, tie_word_embeddings=True))
     w = tiny_weights(c)
     model = DecoderLM(c)
     load_weights(model, w.items())  # lm_head.weight present: ignored, the embedding is used

@@ -102,8 +102,8 @@ def test_a_token_reads_only_its_own_experts() -> None:
 # prefill, paged decode and a prefix hit. Tolerance: test_model_numerics' ATOL on logits.
 from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
-from onecall.model.config import ModelConfig  # noqa: E402
 from onecall.model.decoder import DecoderLM  # noqa: E402
+from onecall.model.hf_config import model_config_from_hf  # noqa: E402
 from onecall.model.weights import load_weights  # noqa: E402
 from tests.helpers.make_models import hf_and_ours  # noqa: E402
 from tests.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt  # noqa: E402
@@ -150,7 +150,7 @@ def test_whole_moe_models_match_transformers(arch: str) -> None:
     if arch == "qwen3_moe":
         assert ours.config.moe.sparse_layers == (True, False, True)  # mlp_only_layers=[1]
     # the same model from per-expert tensors: the same parameters
-    from_files = DecoderLM(ModelConfig.from_hf_config(hf.config.to_dict()))
+    from_files = DecoderLM(model_config_from_hf(hf.config.to_dict()))
     load_weights(from_files, _per_expert(dict(hf.state_dict()), arch).items())
     for (name, a), (_, b) in zip(ours.named_parameters(), from_files.named_parameters(), strict=True):
         assert torch.equal(a, b), name
@@ -180,7 +180,7 @@ def test_a_missing_expert_is_named() -> None:
     files = _per_expert(dict(hf.state_dict()), "mixtral")
     del files["model.layers.2.block_sparse_moe.experts.3.w2.weight"]
     with pytest.raises(UnsupportedModelError, match="layers.2.mlp.experts.down_proj"):
-        load_weights(DecoderLM(ModelConfig.from_hf_config(hf.config.to_dict())), files.items())
+        load_weights(DecoderLM(model_config_from_hf(hf.config.to_dict())), files.items())
 
 
 def test_the_fast_kernels_run_a_moe_model() -> None:

@@ -15,6 +15,7 @@ Over the tiny random-weight engine (a real Engine, the embedded tokenizer):
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -23,11 +24,9 @@ import torch
 
 import onecall.engine.engine as engine_module
 import onecall.sampling.grammar as grammar_module
-from onecall.engine.engine_parts import LoadedEngineParts
+from onecall.engine.engine_parts import check_vocab
 from onecall.errors import EngineStepError, InvalidParameterError, RequestFaultError, UnsupportedModelError
-from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
-from onecall.model.kv_cache import PagedKVCache
 from onecall.sampling.grammar import GrammarBackend, GrammarBusyError, GrammarLimits
 from onecall.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -148,17 +147,25 @@ def test_ids_past_the_vocabulary_are_refused_before_anything_runs() -> None:
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load() -> None:
     tok = embedded_tokenizer()
-    mc = ModelConfig(
-        architecture="llama", vocab_size=tok.vocab_size - 100, hidden_size=16, intermediate_size=32,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
-    )  # fmt: skip
-    model = DecoderLM(mc, dtype=torch.float32, device="meta")
-    kv = PagedKVCache(1, 4, 4, 1, 8, torch.float32, "cpu")
-    from onecall.model.checkpoint import resolve_model
-
+    mc = tiny_engine().model_config
+    smaller = dataclasses.replace(mc, vocab_size=tok.vocab_size - 100)
     with pytest.raises(UnsupportedModelError, match=rf"{tok.vocab_size} tokens .* {tok.vocab_size - 100} rows"):
-        LoadedEngineParts(resolve_model(None), mc, model, tok, kv, 4, 16, torch.device("cpu"), torch.float32, 0.0)
+        check_vocab(tok, smaller, "m.gguf")
+    check_vocab(tok, dataclasses.replace(mc, vocab_size=tok.vocab_size + 64), "padded.gguf")  # fine
+
+
+def test_ids_past_the_embedding_are_refused_even_when_the_tokenizer_has_them() -> None:
+    """A test-sized model under the embedded tokenizer: intake bounds ids by the smaller of the two."""
+    ours = tiny_engine().parts.model
+    small = dataclasses.replace(ours.config, vocab_size=300)
+    engine = tiny_engine(model=DecoderLM(small, dtype=torch.float32, device="cpu").eval())
+    for prompt, params, param in [
+        ([1, 300], GREEDY, "prompt"),
+        ([1, 2], SamplingParams(logit_bias={299: 1.0, 300: 1.0}), "logit_bias"),
+    ]:
+        with pytest.raises(InvalidParameterError) as e:
+            engine.add_request("r", prompt, params)
+        assert e.value.param == param and "[0, 300)" in str(e.value)
 
 
 # ---- a failed step commits nothing ------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from onecall.model import rope
 from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
+from onecall.model.hf_config import model_config_from_hf
 from onecall.model.layers import RotaryEmbedding
 from onecall.model.weights import load_weights
 from tests.helpers.make_models import hf_and_ours, llama3_rope_freqs, write_tiny_gguf
@@ -95,7 +96,7 @@ TABLE_CONFIGS = {
 
 
 def ours_of(hf_config: Any) -> ModelConfig:
-    return ModelConfig.from_hf_config(hf_config.to_dict())
+    return model_config_from_hf(hf_config.to_dict())
 
 
 @pytest.mark.parametrize("name", sorted(TABLE_CONFIGS))
@@ -283,7 +284,7 @@ def test_gguf_llama3_round_trip(tmp_path: Path) -> None:
         extra_tensors={"rope_freqs.weight": llama3_rope_freqs(d)},
     )
     files = resolve_model(path)
-    config = ModelConfig.from_hf_config(load_hf_config_dict(files))
+    config = model_config_from_hf(load_hf_config_dict(files))
     assert config.rope_scaling is not None and config.rope_scaling.rope_type == "llama3"
     assert config.rope_scaling.freq_factors is not None
     ours = DecoderLM(config)
@@ -300,7 +301,7 @@ def test_gguf_yarn_and_linear_metadata(tmp_path: Path) -> None:
     state = random_state_dict(d)
     yarn = {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
             "qwen2.rope.scaling.original_context_length": 64, "qwen2.rope.scaling.yarn_beta_fast": 24.0}  # fmt: skip
-    config = ModelConfig.from_hf_config(
+    config = model_config_from_hf(
         load_hf_config_dict(
             resolve_model(write_tiny_gguf(tmp_path / "y.gguf", state, d, extra_metadata=yarn))
         )
@@ -309,7 +310,7 @@ def test_gguf_yarn_and_linear_metadata(tmp_path: Path) -> None:
     assert (config.rope_scaling.rope_type, config.rope_scaling.factor) == ("yarn", 4.0)
     assert (config.rope_scaling.original_max_position_embeddings, config.rope_scaling.beta_fast) == (64, 24.0)
     linear = {"qwen2.rope.scaling.type": "linear", "qwen2.rope.scaling.factor": 2.0}
-    config = ModelConfig.from_hf_config(
+    config = model_config_from_hf(
         load_hf_config_dict(
             resolve_model(write_tiny_gguf(tmp_path / "l.gguf", state, d, extra_metadata=linear))
         )

@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 
 from onecall.errors import UnsupportedModelError
 from onecall.model.attention_metadata import build_attention_metadata
-from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
+from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel
 from onecall.model.weights import load_weights
@@ -49,7 +49,7 @@ BLOCK, NUM_BLOCKS = 4, 8
 def _run(arch: str, tp: TensorParallel | None) -> torch.Tensor:
     """Prefill PROMPT, then 3 greedy steps: the 4 positions' logits, (4, vocab_size)."""
     hf, state = _checkpoint(arch)
-    config = ModelConfig.from_hf_config(hf)
+    config = model_config_from_hf(hf)
     model = DecoderLM(config, tp=tp)
     weights = iter(state.items())
     load_weights(model, weights if tp is None else tp.shard_weights(weights, config))
@@ -124,7 +124,7 @@ def test_two_ranks_give_the_whole_models_logits(arch: str, tmp_path: Path) -> No
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_by_name() -> None:
     """The embedded SmolLM2 (9 query heads, 3 KV heads) cannot be split in 2."""
-    smollm2 = ModelConfig.from_hf_config(
+    smollm2 = model_config_from_hf(
         tiny_hf_config("llama", hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                        intermediate_size=1536)
     )  # fmt: skip
@@ -135,7 +135,7 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_by_name() -> None:
 
 def test_each_rank_holds_its_slice() -> None:
     hf = tiny_hf_config("llama", attention_bias=True, vocab_size=97)
-    config = ModelConfig.from_hf_config(hf)
+    config = model_config_from_hf(hf)
     state = random_state_dict(hf, seed=1)
     q = state["model.layers.0.self_attn.q_proj.weight"]  # (4 heads * 8, 32)
     o_bias = state["model.layers.0.self_attn.o_proj.bias"]
@@ -165,7 +165,7 @@ def test_each_rank_reads_only_its_slice_from_safetensors(
 
     hf, state = _checkpoint(arch)
     files = resolve_model(str(write_tiny_hf_folder(tmp_path / arch, state, hf, shards=2)))
-    config = ModelConfig.from_hf_config(hf)
+    config = model_config_from_hf(hf)
     whole: list[str] = []
     real_open = engine_parts.safe_open
 

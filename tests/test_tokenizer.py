@@ -386,3 +386,18 @@ def test_hf_folder_encode_continuation(tmp_path: Path, prefix: str) -> None:
 def test_byte_level_continuation_is_encode(tok: Tokenizer) -> None:
     for text in CORPUS:
         assert tok.encode_continuation(text) == tok.encode(text)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("tokenizer.ggml.model", ["gpt2"]),
+        ("tokenizer.ggml.tokens", "abc"),
+        ("tokenizer.ggml.tokens", [1, 2, 3]),
+        ("tokenizer.ggml.token_type", "x"),
+        ("tokenizer.ggml.eos_token_id", "two"),
+    ],
+)
+def test_hostile_tokenizer_metadata_is_a_typed_error_naming_the_key(key: str, value: Any) -> None:
+    with pytest.raises(UnsupportedModelError, match=key.rsplit(".", 1)[-1] if key != "tokenizer.ggml.model" else "model"):
+        Tokenizer.from_gguf_metadata({**tiny_gguf_metadata("qwen2"), key: value})

@@ -40,6 +40,7 @@ from onecall.model.checkpoint import (
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.gguf import open_gguf
+from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel, is_fused
 from onecall.model.quants import StoredGroups
@@ -62,14 +63,12 @@ class LoadedEngineParts:
     kernels: str = "reference"  # what the projections run on (DecoderLM.kernels)
     tp_group: StepGroup | None = None  # the other ranks, with tensor_parallel_size > 1
 
-    def __post_init__(self) -> None:
-        # A token id past the embedding's rows would fault a step (on CUDA: a device assert that
-        # poisons the context for every request), so such a pair is refused here, as llama.cpp does.
-        if self.tokenizer.vocab_size > self.model_config.vocab_size:
-            raise UnsupportedModelError(
-                f"{self.files.name}: the tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
-                f"embedding has {self.model_config.vocab_size} rows; ids past them could not be run"
-            )
+    @property
+    def vocab_size(self) -> int:
+        """Token ids below this run: the tokenizer's ids that the model's embedding has rows for (a
+        loaded model has both the same or more rows: check_vocab; tests pair tiny models with the
+        embedded tokenizer and feed ids below the model's size)."""
+        return min(self.tokenizer.vocab_size, self.model_config.vocab_size)
 
     @property
     def model_name(self) -> str:
@@ -90,7 +89,7 @@ def load_engine_parts(config: EngineConfig, group: StepGroup | None = None) -> L
 
     # 1.-2. files and config
     files = resolve_model(config.model)
-    model_config = ModelConfig.from_hf_config(load_hf_config_dict(files))
+    model_config = model_config_from_hf(load_hf_config_dict(files))
     if group is not None:
         device = group.device
     # 3.-4. tokenizer and weights. The tokenizer builds on a thread while the weights load (the
@@ -115,7 +114,8 @@ def load_engine_parts(config: EngineConfig, group: StepGroup | None = None) -> L
         kv_dtype,
         device,
     )
-    return LoadedEngineParts(  # checks the tokenizer against the embedding (__post_init__)
+    check_vocab(tokenizer, model_config, files.name)
+    return LoadedEngineParts(
         files,
         model_config,
         model,
@@ -129,6 +129,17 @@ def load_engine_parts(config: EngineConfig, group: StepGroup | None = None) -> L
         model.kernels,
         group,
     )
+
+
+def check_vocab(tokenizer: Tokenizer, model_config: ModelConfig, name: str) -> None:
+    """A token id past the embedding's rows would fault a step (on CUDA: a device assert that poisons
+    the context for every request), so a tokenizer larger than the embedding is refused, as llama.cpp
+    refuses it. (An embedding padded past the tokenizer is common and fine.)"""
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise UnsupportedModelError(
+            f"{name}: the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has "
+            f"{model_config.vocab_size} rows; ids past them could not be run"
+        )
 
 
 def _load_tokenizer(files: ModelFiles) -> Tokenizer:

@@ -64,7 +64,7 @@ class RequestIntake:
         """A validated request as a Sequence with its trace, detokenizer and stop matcher; typed errors
         for anything the caller got wrong. `constraint` (any TokenConstraint) overrides the grammar."""
         parts = self._parts
-        params.validate_vocab(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+        params.validate_vocab(self._parts.vocab_size, self.tokenizer.eos_token_ids)
         trace = RequestTrace(request_id=request_id, arrival_time=arrival_time or time.perf_counter())
         ids = self._prompt_ids(prompt, trace)
         check_length(len(ids), params.max_tokens, self.max_model_len)
@@ -98,7 +98,7 @@ class RequestIntake:
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """The token ids the engine runs for `prompt` (a str gets the tokenizer's BOS, if any);
         InvalidParameterError for an empty prompt, ids outside the vocabulary, or another type."""
-        vocab_size = self.tokenizer.vocab_size
+        vocab_size = self._parts.vocab_size
         if isinstance(prompt, RenderedPrompt):
             ids = list(prompt.token_ids)
         elif isinstance(prompt, str):

@@ -1,8 +1,7 @@
 """ModelConfig: the hyperparameters of a decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3,
 Qwen3-MoE, Mixtral).
 
-Built from a Hugging Face config.json dict by `ModelConfig.from_hf_config` (the reading is
-model/hf_config.py's), which refuses (UnsupportedModelError) anything our model code would run
+Built from a Hugging Face config.json dict by `model_config_from_hf` (model/hf_config.py), which refuses (UnsupportedModelError) anything our model code would run
 silently wrong: other architectures, RoPE scalings we do not implement, per-layer sliding windows
 (Qwen2's use_sliding_window), other activations, MLP biases. Every dataclass here validates itself
 when built, whatever built it (a dict round trip, a test). Names follow Hugging Face
@@ -247,10 +246,3 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_hf_config(cls, d: dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face config.json dict; refuse what we would run wrong (model/hf_config.py)."""
-        from onecall.model.hf_config import model_config_from_hf  # it builds ModelConfigs: imports us
-
-        return model_config_from_hf(d)

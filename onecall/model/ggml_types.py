@@ -1,14 +1,20 @@
 """The GGUF format's numeric tags: tensor (ggml) types with their block sizes, and metadata value types.
 
 These are fixed by the GGUF specification; the `gguf` package defines them too, but importing it
-runs its whole package (writer, vocab, yaml, ...: about 90 ms of cold start) for two tables. Only
-the types onecall reads are listed; tests/test_gguf.py checks every entry against `gguf.constants`,
-and error messages name other types through the package (imported only on that error path).
+runs its whole package (writer, vocab, yaml, ...: about 90 ms of cold start) for two tables.
+GGMLType lists the types onecall can load; GGML_TYPE_SIZES lists every type ggml defines, so the
+reader can size (and bounds-check) a tensor of any of them and name the ones it will not load.
+tests/test_gguf.py checks both tables against `gguf.constants`. Also here: `checked_value`, which reads
+one metadata value of an expected kind (a positive integer, a finite number, ...) or refuses it by name.
 """
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
+from typing import Any
+
+from onecall.errors import UnsupportedModelError
 
 
 class GGMLType(IntEnum):
@@ -27,7 +33,7 @@ class GGMLType(IntEnum):
     BF16 = 30
 
 
-# type -> (elements per block, bytes per block)
+# type -> (elements per block, bytes per block), for the types onecall loads
 GGML_BLOCK_SIZES: dict[int, tuple[int, int]] = {
     GGMLType.F32: (1, 4),
     GGMLType.F16: (1, 2),
@@ -41,6 +47,18 @@ GGML_BLOCK_SIZES: dict[int, tuple[int, int]] = {
     GGMLType.Q6_K: (256, 128 + 64 + 16 + 2),  # low 4 bits, high 2 bits, int8 scales, d:f16
     GGMLType.BF16: (1, 2),
 }
+
+# every type a GGUF file may hold: id -> (name, elements per block, bytes per block). Ids 4, 5, 31-33
+# and 36-38 were removed from ggml (Q4_2, Q4_3, the Q4_0/IQ4_NL repacks): a file using one is invalid.
+GGML_TYPE_SIZES: dict[int, tuple[str, int, int]] = {
+    **{int(t): (t.name, *GGML_BLOCK_SIZES[t]) for t in GGMLType},
+    9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+    40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+}  # fmt: skip
 
 
 class GGUFValueType(IntEnum):
@@ -63,13 +81,35 @@ class GGUFValueType(IntEnum):
 
 def ggml_type_name(type_id: int) -> str:
     """A type's name for messages, also for types onecall does not load."""
-    try:
-        return GGMLType(type_id).name
-    except ValueError:
-        pass
-    from gguf.constants import GGMLQuantizationType  # error path only: see the module docstring
+    known = GGML_TYPE_SIZES.get(type_id)
+    return known[0] if known is not None else f"unknown type id {type_id}"
 
-    try:
-        return GGMLQuantizationType(type_id).name
-    except ValueError:
-        return f"unknown type id {type_id}"
+
+# the kinds of metadata value checked_value accepts, as named in its errors
+_KIND_NAMES = {"count": "a positive integer", "size": "a non-negative integer", "number": "a finite number",
+               "flag": "a boolean", "string": "a string"}  # fmt: skip
+
+
+def checked_value(meta: dict[str, Any], key: str, default: Any, kind: str) -> Any:
+    """meta[key] if it holds a `kind` (a key of _KIND_NAMES), `default` if absent; UnsupportedModelError
+    naming the key otherwise. An array is refused too: it is how per-layer values (OpenELM's head
+    counts) are written, which onecall does not run."""
+    if key not in meta:
+        return default
+    value = meta[key]
+    if isinstance(value, list):
+        raise UnsupportedModelError(
+            f"GGUF key {key} is an array where {_KIND_NAMES[kind]} was expected (per-layer values, as "
+            "some converters write head counts, are not supported)"
+        )
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    ok = {
+        "count": is_int and value > 0,
+        "size": is_int and value >= 0,
+        "number": is_int or (isinstance(value, float) and math.isfinite(value)),
+        "flag": isinstance(value, bool) or is_int,
+        "string": isinstance(value, str),
+    }[kind]
+    if not ok:
+        raise UnsupportedModelError(f"GGUF key {key} must be {_KIND_NAMES[kind]}, got {value!r}")
+    return value

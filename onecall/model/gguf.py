@@ -6,7 +6,9 @@ header ourselves over a memory map (gguf.GGUFReader builds a numpy view per arra
 element and takes 7-10 s on SmolLM2's 49k-token vocabulary; this takes ~0.1 s);
 dequantization is in quants.py. The `gguf` package supplies the type constants and
 is the tests' reference reader. Float32 metadata scalars read as their shortest decimal
-(1e-05, as written by the converter), float32 arrays as exact values.
+(1e-05, as written by the converter), float32 arrays as exact values. Every count, length, type
+tag, dimension and offset is checked against the file before it is used (the table above _Cursor):
+a truncated, corrupt or hostile file is a ModelFileError that names the key, tensor or byte offset.
 
 Tensor data is never copied until a tensor is requested: `iter_tensors` yields one
 dequantized, renamed tensor at a time, so the model is never held twice. What each family's
@@ -18,6 +20,7 @@ stacked experts) is iter_tensors'.
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import os
 import struct
@@ -29,13 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from onecall.errors import UnsupportedModelError
-from onecall.model.ggml_types import GGML_BLOCK_SIZES, GGMLType, GGUFValueType, ggml_type_name
+from onecall.errors import ModelFileError, UnsupportedModelError
+from onecall.model.ggml_types import GGML_TYPE_SIZES, GGMLType, GGUFValueType, ggml_type_name
 from onecall.model.gguf_layout import (
     GEMMA_ARCHITECTURES,
     SKIPPED_TENSORS,
     check_loadable,
     hf_tensor_name,
+    key_reader,
 )
 from onecall.model.quants import (
     SUPPORTED_QUANT_TYPES,
@@ -66,6 +70,29 @@ _SCALARS: dict[int, tuple[struct.Struct, str]] = {
     ]
 }  # fmt: skip
 
+# What a header is checked against before anything is allocated or looped over (a malformed or hostile
+# file is a ModelFileError naming the key, tensor or byte offset, never a raw exception):
+# | counts, lengths     | at most what the rest of the file could hold, at the smallest encodings below |
+# | arrays of arrays    | at most _MAX_ARRAY_DEPTH deep (llama.cpp refuses any nesting)                  |
+# | keys, tensor names  | valid UTF-8, each once                                                         |
+# | tensor dims         | 1 to 4 of them (GGML_MAX_DIMS), each >= 1, their product at most INT64_MAX     |
+# | tensor type         | one ggml defines (GGML_TYPE_SIZES); the innermost dim whole blocks of it       |
+# | general.alignment   | an integer power of two (default 32); every data offset a multiple of it      |
+# | tensor data         | inside the file, no two tensors overlapping                                    |
+_MAX_ARRAY_DEPTH = 8
+_MAX_DIMS = 4
+_INT64_MAX = 2**63 - 1
+_MIN_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 4 + 8} | {
+    vtype: fmt.size for vtype, (fmt, _) in _SCALARS.items()
+}
+_MIN_KV_BYTES = 8 + 4 + 1  # empty key, type tag, one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # empty name, dim count, type, offset
+
+
+class _Malformed(Exception):
+    """What is wrong with the file and where; GGUFFile turns it into a ModelFileError naming the file."""
+
+
 # ---------------------------------------------------------------- file parsing
 
 
@@ -81,55 +108,84 @@ class TensorInfo:
 
 
 class _Cursor:
-    """Little-endian reads over the memory-mapped header, advancing `pos`."""
+    """Little-endian reads over the memory-mapped header, advancing `pos`; every read is bounds-checked
+    and names `what` it was reading when the file is malformed."""
 
     def __init__(self, buf: mmap.mmap) -> None:
-        self.buf, self.pos = buf, 0
+        self.buf, self.pos, self.size = buf, 0, len(buf)
 
-    def unpack(self, fmt: struct.Struct) -> Any:
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise _Malformed(
+                f"{what} needs {n} bytes at offset {self.pos}, past the end of the file ({self.size} bytes)"
+            )
+
+    def unpack(self, fmt: struct.Struct, what: str) -> Any:
+        self.need(fmt.size, what)
         (value,) = fmt.unpack_from(self.buf, self.pos)
         self.pos += fmt.size
         return value
 
-    def take(self, n: int) -> bytes:
-        if self.pos + n > len(self.buf):
-            raise ValueError("unexpected end of file")
+    def take(self, n: int, what: str) -> bytes:
+        self.need(n, what)
         self.pos += n
         return self.buf[self.pos - n : self.pos]
 
-    def string(self) -> str:
-        return self.take(self.unpack(_U64)).decode("utf-8")
+    def string(self, what: str) -> str:
+        raw = self.take(self.unpack(_U64, f"the length of {what}"), what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            offset = self.pos - len(raw)
+            raise _Malformed(f"{what} at offset {offset} is not valid UTF-8 ({e.reason})") from None
 
-    def strings(self, count: int) -> list[str]:
+    def strings(self, count: int, what: str) -> list[str]:
         """`count` length-prefixed strings: the vocabulary's hot loop, kept free of method calls."""
-        buf, pos, unpack_u64, out = self.buf, self.pos, _U64.unpack_from, []
-        for _ in range(count):
-            (n,) = unpack_u64(buf, pos)
-            out.append(buf[pos + 8 : pos + 8 + n].decode("utf-8"))
-            pos += 8 + n
-        if pos > len(buf):
-            raise ValueError("unexpected end of file")
+        self.need(count * 8, f"{what} ({count} strings)")
+        buf, pos, end, unpack_u64 = self.buf, self.pos, self.size, _U64.unpack_from
+        out: list[str] = []
+        try:  # a length past the end cuts its slice short, then the next unpack (or the check below) fails
+            for _ in range(count):
+                (n,) = unpack_u64(buf, pos)
+                out.append(buf[pos + 8 : pos + 8 + n].decode("utf-8"))
+                pos += 8 + n
+        except struct.error:
+            index = len(out) - 1 if pos > end else len(out)  # the last one's length, or this one's
+            raise _Malformed(f"{what}[{index}] runs past the end of the file ({end} bytes)") from None
+        except UnicodeDecodeError as e:
+            raise _Malformed(f"{what}[{len(out)}] at offset {pos} is not valid UTF-8 ({e.reason})") from None
+        if pos > end:
+            raise _Malformed(f"{what}[{count - 1}] runs past the end of the file ({end} bytes)")
         self.pos = pos
         return out
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, what: str) -> Any:
         if vtype == GGUFValueType.STRING:
-            return self.string()
+            return self.string(what)
         if vtype == GGUFValueType.ARRAY:
-            item_type, count = self.unpack(_U32), self.unpack(_U64)
-            if item_type in _SCALARS:  # numeric arrays in one numpy read
-                fmt, np_dtype = _SCALARS[item_type]
-                items = np.frombuffer(self.take(count * fmt.size), dtype=np_dtype)
-                return (items != 0).tolist() if item_type == GGUFValueType.BOOL else items.tolist()
-            if item_type == GGUFValueType.STRING:
-                return self.strings(count)
-            return [self.value(item_type) for _ in range(count)]
+            return self.array(what, depth=0)
         if vtype not in _SCALARS:
-            raise ValueError(f"unknown metadata value type {vtype}")
-        value = self.unpack(_SCALARS[vtype][0])
+            raise _Malformed(f"{what} has unknown value type {vtype} (offset {self.pos - 4})")
+        value = self.unpack(_SCALARS[vtype][0], what)
         if vtype == GGUFValueType.FLOAT32:  # shortest decimal that is this float32: 1e-05, not 9.99999974e-06
             return float(str(np.float32(value)))
         return value
+
+    def array(self, what: str, depth: int) -> list[Any]:
+        item_type = self.unpack(_U32, f"the item type of {what}")
+        count = self.unpack(_U64, f"the length of {what}")
+        if item_type not in _MIN_BYTES:
+            raise _Malformed(f"{what} is an array of unknown value type {item_type} (offset {self.pos - 12})")
+        if item_type == GGUFValueType.ARRAY and depth + 1 >= _MAX_ARRAY_DEPTH:
+            raise _Malformed(f"{what} nests arrays over {_MAX_ARRAY_DEPTH} deep (offset {self.pos - 12})")
+        self.need(count * _MIN_BYTES[item_type], f"{what} ({count} items of type {item_type})")
+        if item_type in _SCALARS:  # numeric arrays in one numpy read
+            fmt, np_dtype = _SCALARS[item_type]
+            items = np.frombuffer(self.take(count * fmt.size, what), dtype=np_dtype)
+            return (items != 0).tolist() if item_type == GGUFValueType.BOOL else items.tolist()
+        if item_type == GGUFValueType.STRING:
+            return self.strings(count, what)
+        return [self.array(f"{what}[{i}]", depth + 1) for i in range(count)]
 
 
 class GGUFFile:
@@ -137,45 +193,87 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        with open(self.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < 4 + 4 + 8 + 8:
+                raise ModelFileError(f"{self.path} is not a GGUF file: too short for a GGUF header")
+            # private (copy-on-write) map: torch wraps it without warnings
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         try:
-            with open(self.path, "rb") as f:  # private (copy-on-write) map: torch wraps it without warnings
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             self.metadata, self.tensors = self._parse()
-        except (ValueError, struct.error, UnicodeDecodeError) as e:
-            raise UnsupportedModelError(f"{self.path} is not a readable GGUF file: {e}") from e
+        except _Malformed as e:
+            raise ModelFileError(f"{self.path} is not a readable GGUF file: {e}") from None
         arch = self.metadata.get("general.architecture")
         self.architecture: str = arch if isinstance(arch, str) else ""
 
     def _parse(self) -> tuple[dict[str, Any], list[TensorInfo]]:
         """Phases: 1. header, 2. key/values, 3. tensor directory, 4. aligned data offsets."""
         cur = _Cursor(self._mmap)
-        if cur.take(4) != b"GGUF":
-            raise ValueError("missing GGUF magic bytes")
-        version = cur.unpack(_U32)
+        # 1. header
+        if cur.take(4, "the magic bytes") != b"GGUF":
+            raise _Malformed("missing GGUF magic bytes")
+        version = cur.unpack(_U32, "the version")
         if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not supported (need 2 or 3, little-endian)")
-        num_tensors, num_kv = cur.unpack(_U64), cur.unpack(_U64)
+            raise _Malformed(f"GGUF version {version} is not supported (need 2 or 3, little-endian)")
+        num_tensors, num_kv = cur.unpack(_U64, "the tensor count"), cur.unpack(_U64, "the key/value count")
+        min_size = num_kv * _MIN_KV_BYTES + num_tensors * _MIN_TENSOR_INFO_BYTES
+        cur.need(min_size, f"the header (with {num_kv} key/values and {num_tensors} tensor infos)")
+        # 2. key/values
         metadata: dict[str, Any] = {}
-        for _ in range(num_kv):
-            key = cur.string()
-            metadata[key] = cur.value(cur.unpack(_U32))
-        directory = []
-        for _ in range(num_tensors):
-            name = cur.string()
-            dims = [cur.unpack(_U64) for _ in range(cur.unpack(_U32))]
-            directory.append((name, tuple(reversed(dims)), cur.unpack(_U32), cur.unpack(_U64)))
-        alignment = int(metadata.get("general.alignment", 32))
+        for i in range(num_kv):
+            key = cur.string(f"metadata key #{i}")
+            if key in metadata:
+                raise _Malformed(f"metadata key {key!r} appears twice")
+            metadata[key] = cur.value(cur.unpack(_U32, f"the type of key {key!r}"), f"metadata key {key!r}")
+        # 3. tensor directory
+        directory: dict[str, tuple[tuple[int, ...], int, int]] = {}
+        for i in range(num_tensors):
+            name = cur.string(f"the name of tensor #{i}")
+            if name in directory:
+                raise _Malformed(f"tensor {name!r} appears twice in the tensor directory")
+            directory[name] = self._tensor_entry(cur, name)
+        # 4. data offsets
+        alignment = metadata.get("general.alignment", 32)
+        is_int = isinstance(alignment, int) and not isinstance(alignment, bool)
+        if not is_int or alignment <= 0 or alignment & (alignment - 1):
+            raise _Malformed(f"general.alignment must be a power of two, got {alignment!r}")
         data_start = -(-cur.pos // alignment) * alignment
-        tensors = []
-        for name, shape, ggml_type, offset in directory:
-            block_size, type_size = GGML_BLOCK_SIZES.get(ggml_type, (1, 0))  # type checked at load time
-            if not shape or shape[-1] % block_size:
-                raise ValueError(f"tensor {name!r} of shape {shape} does not split into whole blocks")
-            nbytes = int(np.prod(shape, dtype=np.int64)) // block_size * type_size
-            if data_start + offset + nbytes > len(self._mmap):
-                raise ValueError(f"tensor {name!r} lies past the end of the file (truncated download?)")
-            tensors.append(TensorInfo(name, shape, ggml_type, data_start + offset, nbytes))
+        tensors = [self._tensor_info(name, *info, data_start, alignment) for name, info in directory.items()]
+        _check_no_overlap(tensors)
         return metadata, tensors
+
+    @staticmethod
+    def _tensor_entry(cur: _Cursor, name: str) -> tuple[tuple[int, ...], int, int]:
+        """(torch shape, ggml type, data offset) of one directory entry, the shape and type checked."""
+        num_dims = cur.unpack(_U32, f"the dimension count of tensor {name!r}")
+        if not 1 <= num_dims <= _MAX_DIMS:
+            raise _Malformed(f"tensor {name!r} has {num_dims} dimensions (GGUF allows 1 to {_MAX_DIMS})")
+        dims = [cur.unpack(_U64, f"the dimensions of tensor {name!r}") for _ in range(num_dims)]
+        ggml_type = cur.unpack(_U32, f"the type of tensor {name!r}")
+        offset = cur.unpack(_U64, f"the data offset of tensor {name!r}")
+        if math.prod(dims) > _INT64_MAX:
+            raise _Malformed(f"tensor {name!r} has dimensions {dims} whose product overflows int64")
+        if not all(dims):
+            raise _Malformed(f"tensor {name!r} has dimensions {dims}: no values")
+        if ggml_type not in GGML_TYPE_SIZES:
+            raise _Malformed(f"tensor {name!r} has unknown ggml type id {ggml_type}")
+        type_name, block_size, _ = GGML_TYPE_SIZES[ggml_type]
+        if dims[0] % block_size:
+            raise _Malformed(f"tensor {name!r} has rows of {dims[0]} values, not whole {type_name} blocks "
+                             f"of {block_size}")  # fmt: skip
+        return tuple(reversed(dims)), ggml_type, offset
+
+    def _tensor_info(
+        self, name: str, shape: tuple[int, ...], ggml_type: int, offset: int, data_start: int, alignment: int
+    ) -> TensorInfo:
+        _, block_size, type_size = GGML_TYPE_SIZES[ggml_type]
+        nbytes = math.prod(shape) // block_size * type_size
+        if offset % alignment:
+            raise _Malformed(f"tensor {name!r} has data offset {offset}, not a multiple of {alignment}")
+        start = data_start + offset
+        if start + nbytes > len(self._mmap):
+            raise _Malformed(f"tensor {name!r} (bytes {start} to {start + nbytes}) lies past the end of the "
+                             f"file ({len(self._mmap)} bytes): truncated download?")  # fmt: skip
+        return TensorInfo(name, shape, ggml_type, start, nbytes)
 
     def tensor_names(self) -> list[str]:
         """GGUF tensor names in file order."""
@@ -199,7 +297,12 @@ class GGUFFile:
                     f"GGUF tensor {info.name!r} uses quantization type {kind}, which onecall cannot "
                     f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))})"
                 )
-            plan.append((info, hf_tensor_name(info.name, self.architecture, has_experts)))
+            hf_name = hf_tensor_name(info.name, self.architecture, has_experts)
+            if "*" in hf_name and len(info.shape) != 3:
+                raise UnsupportedModelError(
+                    f"GGUF tensor {info.name!r} stacks experts, so it must be 3-D, got shape {info.shape}"
+                )
+            plan.append((info, hf_name))
         return plan
 
     def iter_tensors(
@@ -226,8 +329,9 @@ class GGUFFile:
         start's largest cost and, for a Q8_0 file, four times its size in memory).
         """
         plan = self._check_loadable()
-        num_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count", 0))
-        num_kv_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count_kv", num_heads))
+        key = key_reader(self.metadata, self.architecture)
+        num_heads = key("attention.head_count", 0)
+        num_kv_heads = key("attention.head_count_kv", num_heads)
         gemma = self.architecture in GEMMA_ARCHITECTURES
         for info, hf_name in plan:
             heads = 0
@@ -314,6 +418,15 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
 @functools.lru_cache(maxsize=4)
 def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:  # mtime/size: reparse if replaced
     return GGUFFile(path)
+
+
+def _check_no_overlap(tensors: list[TensorInfo]) -> None:
+    """Refuse two tensors whose data overlap (llama.cpp's writer lays them out one after another)."""
+    by_offset = sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset)
+    for before, after in zip(by_offset, by_offset[1:]):
+        if after.offset < before.offset + before.nbytes:
+            raise _Malformed(f"tensors {before.name!r} and {after.name!r} overlap (bytes {after.offset} to "
+                             f"{before.offset + before.nbytes})")  # fmt: skip
 
 
 def unpermute_qk_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:

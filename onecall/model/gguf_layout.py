@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from onecall.errors import UnsupportedModelError
 from onecall.model.config import GLOBAL, SLIDING
+from onecall.model.ggml_types import checked_value
 from onecall.model.gguf_rope_scaling import rope_scaling_dict
 
 if TYPE_CHECKING:
@@ -53,15 +54,19 @@ _HF_CLASS = {
     "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
 }  # fmt: skip
+# block_count's bound: per-layer lists are built from it; far above any released model's (405B Llama: 126)
+_MAX_LAYERS = 4096
 _MODEL_TYPE = {"qwen3moe": "qwen3_moe"}  # config.json's model_type where it differs from the GGUF arch
 
 
 def check_loadable(arch: str, metadata: dict[str, Any], file_name: str) -> None:
     """Raise UnsupportedModelError naming what a GGUF is, unless onecall runs it: one part of a split
     model (split.count > 1, whatever the file is called), or an architecture we do not implement."""
-    if (count := metadata.get("split.count", 1)) > 1:
+    count = checked_value(metadata, "split.count", 1, "count")
+    if count > 1:
+        part = checked_value(metadata, "split.no", 0, "size")
         raise UnsupportedModelError(
-            f"{file_name} is part {metadata.get('split.no', 0) + 1} of {count} of a split GGUF; merge the parts "
+            f"{file_name} is part {part + 1} of {count} of a split GGUF; merge the parts "
             "first (`llama-gguf-split --merge FIRST_PART OUT.gguf`) and pass the merged file"
         )
     if arch in SUPPORTED_ARCHITECTURES:
@@ -149,15 +154,18 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama", has_experts: boo
 
 
 def gguf_config_dict(gguf: GGUFFile) -> dict[str, Any]:
-    """The Hugging Face config.json dict a GGUF was converted from (ModelConfig.from_hf_config checks it).
+    """The Hugging Face config.json dict a GGUF was converted from (model_config_from_hf checks it).
     Phases: 1. architecture, 2. shapes, 3. RoPE, 4. the family's own keys, 5. token ids."""
     meta, arch = gguf.metadata, gguf.architecture
     check_loadable(arch, meta, gguf.path.name)
-    key = _key_reader(meta, arch)
-    hidden_size, num_heads = key("embedding_length"), key("attention.head_count")
-    if hidden_size is None or num_heads is None:
+    key = key_reader(meta, arch)
+    required = {name: key(name) for name in ("embedding_length", "attention.head_count", "block_count")}
+    if missing := [f"{arch}.{name}" for name, value in required.items() if value is None]:
+        raise UnsupportedModelError(f"{gguf.path.name} lacks {' and '.join(missing)}")
+    hidden_size, num_heads, num_layers = required.values()
+    if num_layers > _MAX_LAYERS:  # per-layer lists are built from it below
         raise UnsupportedModelError(
-            f"{gguf.path.name} lacks {arch}.embedding_length or {arch}.attention.head_count"
+            f"GGUF key {arch}.block_count is {num_layers}; onecall reads at most {_MAX_LAYERS}"
         )
     head_dim = key("attention.key_length", hidden_size // num_heads)
     if key("attention.value_length", head_dim) != head_dim:
@@ -167,14 +175,15 @@ def gguf_config_dict(gguf: GGUFFile) -> dict[str, Any]:
     family = "mixtral" if is_mixtral else arch
     # the embedding's rows are the vocabulary the model has (Gemma 3's converter trims padding rows)
     embed, tokens = names.get("token_embd.weight"), meta.get("tokenizer.ggml.tokens")
-    vocab_size = embed.shape[0] if embed is not None else key("vocab_size", len(tokens) if tokens else None)
+    num_tokens = len(tokens) if isinstance(tokens, list) and tokens else None
+    vocab_size = embed.shape[0] if embed is not None else key("vocab_size", num_tokens)
     config: dict[str, Any] = {
         "architectures": [_HF_CLASS[family]],
         "model_type": _MODEL_TYPE.get(family, family),
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
+        "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": key("attention.head_count_kv", num_heads),
         "head_dim": head_dim,
@@ -197,7 +206,7 @@ def gguf_config_dict(gguf: GGUFFile) -> dict[str, Any]:
     if arch == "phi3":
         config["sliding_window"] = key("attention.sliding_window") or None  # the converter writes 0 for none
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        if (token_id := meta.get(f"tokenizer.ggml.{gguf_key}")) is not None:
+        if (token_id := checked_value(meta, f"tokenizer.ggml.{gguf_key}", None, "size")) is not None:
             config[hf_key] = token_id
     return {k: v for k, v in config.items() if v is not None or k in _NULLABLE}
 
@@ -206,12 +215,26 @@ def gguf_config_dict(gguf: GGUFFile) -> dict[str, Any]:
 _NULLABLE = frozenset({"sliding_window", "attn_logit_softcapping", "final_logit_softcapping"})
 
 
-def _key_reader(meta: dict[str, Any], arch: str) -> Callable[..., Any]:
+# What each `{arch}.*` key read here holds: key_reader refuses any other value by name, so a hostile or
+# corrupt file cannot reach a division, a range() or a comparison with a string or a zero.
+_KEY_KINDS = {
+    **dict.fromkeys(("embedding_length", "attention.head_count", "attention.head_count_kv",
+                     "attention.key_length", "attention.value_length", "block_count", "context_length",
+                     "vocab_size", "rope.dimension_count", "attention.sliding_window_pattern"), "count"),
+    **dict.fromkeys(("feed_forward_length", "expert_count", "expert_used_count", "expert_feed_forward_length",
+                     "expert_shared_count", "expert_shared_feed_forward_length", "expert_gating_func",
+                     "attention.sliding_window"), "size"),
+    **dict.fromkeys(("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa",
+                     "attn_logit_softcapping", "final_logit_softcapping", "expert_weights_scale"), "number"),
+    "expert_weights_norm": "flag",
+}  # fmt: skip
+
+
+def key_reader(meta: dict[str, Any], arch: str) -> Callable[..., Any]:
+    """key(name, default): the checked value of `{arch}.{name}` (kinds in _KEY_KINDS), or `default`."""
+
     def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if isinstance(value, list):  # per-layer values (e.g. OpenELM's head counts)
-            raise UnsupportedModelError(f"GGUF key {arch}.{name} varies per layer, which is not supported")
-        return value
+        return checked_value(meta, f"{arch}.{name}", default, _KEY_KINDS[name])
 
     return key
 
@@ -236,10 +259,6 @@ def _gemma_keys(arch: str, key: Callable[..., Any], config: dict[str, Any]) -> d
     }
     # llama.cpp's set_swa_pattern(period): layer i slides unless i % period == period - 1
     period = key("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
-    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-        raise UnsupportedModelError(
-            f"GGUF key {arch}.attention.sliding_window_pattern must be a positive integer"
-        )
     # Gemma 2 files from before the key was written slide at 4096, as llama.cpp assumes for them
     window = key("attention.sliding_window", 4096 if arch == "gemma2" else None) or None
     out["sliding_window"] = window

@@ -1,5 +1,5 @@
 """A GGUF's RoPE scaling, read back into the rope_scaling dict of the config.json it was converted
-from (model/gguf_layout.py's gguf_config_dict puts it there; ModelConfig.from_hf_config checks it).
+from (model/gguf_layout.py's gguf_config_dict puts it there; model_config_from_hf checks it).
 
 llama.cpp's converter writes a RoPE scaling two ways: as `{arch}.rope.scaling.*` metadata keys
 (linear, yarn), or as small float tensors beside the weights (Llama 3.1+'s rope_freqs, Phi-3's
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from onecall.errors import UnsupportedModelError
-from onecall.model.ggml_types import GGMLType
-from onecall.model.quants import dequantize
+from onecall.model.ggml_types import GGMLType, checked_value, ggml_type_name
+from onecall.model.quants import SUPPORTED_QUANT_TYPES, dequantize
 
 if TYPE_CHECKING:
     from onecall.model.gguf import GGUFFile
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 # {arch}.rope.scaling.* keys that only llama.cpp's own yarn variants set, with the value at which they
 # change nothing: any other value is refused rather than ignored.
 _NEUTRAL_YARN_KEYS = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0}
+# what the rope.scaling.* keys read here hold (checked_value refuses anything else by name)
+_SCALING_KINDS = {"type": "string", "factor": "number", "original_context_length": "count",
+                  "yarn_beta_fast": "number", "yarn_beta_slow": "number", "finetuned": "flag",
+                  **dict.fromkeys(_NEUTRAL_YARN_KEYS, "number")}  # fmt: skip
 
 
 def rope_scaling_dict(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
@@ -44,6 +48,8 @@ def rope_scaling_dict(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
     meta = gguf.metadata
     prefix = f"{arch}.rope.scaling."
     scaling = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
+    for name in scaling.keys() & _SCALING_KINDS.keys():
+        checked_value(meta, prefix + name, None, _SCALING_KINDS[name])
     if arch == "phi3":
         return _phi3_longrope(gguf, scaling)
     rope_type = scaling.pop("type", None)
@@ -71,7 +77,8 @@ def rope_scaling_dict(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
         raise UnsupportedModelError(
             f"GGUF keys {', '.join(prefix + k for k in sorted(scaling))} are not supported"
         )
-    if rope is None and (linear := meta.get(f"{arch}.rope.scale_linear")) not in (None, 1.0):
+    linear = checked_value(meta, f"{arch}.rope.scale_linear", None, "number")
+    if rope is None and linear not in (None, 1.0):
         rope = {"rope_type": "linear", "factor": linear}
     freqs = _float_tensor(gguf, "rope_freqs.weight")
     if freqs is not None:
@@ -106,8 +113,8 @@ def _phi3_longrope(gguf: GGUFFile, scaling: dict[str, Any]) -> dict[str, Any] | 
         )
     rope: dict[str, Any] = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
                             "original_max_position_embeddings": original}  # fmt: skip
-    factor = gguf.metadata.get("phi3.context_length", original) / original
-    derived = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    factor = checked_value(gguf.metadata, "phi3.context_length", original, "count") / original
+    derived = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 and original > 1 else 1.0
     if attn_factor is not None and abs(attn_factor - derived) > 1e-6 * derived:  # float32-stored
         rope["attention_factor"] = attn_factor
     return rope
@@ -118,5 +125,10 @@ def _float_tensor(gguf: GGUFFile, name: str) -> list[float] | None:
     info = next((t for t in gguf.tensors if t.name == name), None)
     if info is None:
         return None
+    if info.ggml_type not in SUPPORTED_QUANT_TYPES or len(info.shape) != 1:
+        raise UnsupportedModelError(
+            f"GGUF tensor {name!r} must be 1-D, in a type onecall reads: it has shape {info.shape}, "
+            f"type {ggml_type_name(info.ggml_type)}"
+        )
     values = dequantize(gguf.raw_data(info), GGMLType(info.ggml_type), info.shape, torch.float32)
     return [float(v) for v in values.flatten().tolist()]

@@ -1,19 +1,10 @@
 """Chat templates: a model's Jinja template, rendered in a sandbox, then tokenized.
 
-A chat template is code shipped with the model, so it runs in jinja2's ImmutableSandboxedEnvironment,
-configured like Hugging Face's apply_chat_template so real templates render the same text:
-
-    trim_blocks, lstrip_blocks       HF's whitespace handling
-    loopcontrols                     {% break %} / {% continue %}
-    {% generation %}                 HF's assistant-mask marker; rendered as its body
-    namespace(), dict()              as HF hardens them: no underscore names, no `dict` type exposed
-    raise_exception(msg)             -> TemplateError carrying msg
-    strftime_now(fmt)                the local time, formatted (Llama 3 puts the date in its prompt)
-    | tojson                         json.dumps with ensure_ascii=False (Jinja's own HTML-escapes)
-
-Unlike plain jinja2, touching an unsafe attribute (`''.__class__`, `cycler.__init__`) raises at once
-instead of quietly rendering an empty string. Every failure a template or a request can cause surfaces
-as a TemplateError with a message that says what went wrong.
+A chat template is code shipped with the model, so it runs in text/template_sandbox.py's environment:
+jinja2's immutable sandbox configured like Hugging Face's apply_chat_template (real templates render the
+same text), strict about unsafe attributes and bounded in render time and size (text/template_limits.py). Every
+failure a template or a request can cause surfaces as a TemplateError with a message that says what went
+wrong: a syntax error, raise_exception() in the template, an attempt to leave the sandbox, a limit.
 
 Messages are checked before rendering (role a string; content a string, None or a list of text parts)
 and list content is flattened to one string, parts joined by newlines as vLLM does, since many templates
@@ -23,18 +14,14 @@ and list content is flattened to one string, parts joined by newlines as vLLM do
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any
 
 import jinja2
-from jinja2 import nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from onecall.errors import TemplateError
+from onecall.text.template_limits import LimitExceeded, RenderLimits, render_bounded
+from onecall.text.template_sandbox import TemplateSandbox
 from onecall.text.tokenizer import Tokenizer
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -49,89 +36,25 @@ class RenderedPrompt:
     is_control: list[bool]  # per id: is it a control (special) token
 
 
-class _StrictSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, but an unsafe attribute is an error, not a silent Undefined."""
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise jinja2.exceptions.SecurityError(
-            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
-        )
-
-
-class _SafeNamespace(jinja2.utils.Namespace):
-    """`namespace()` that refuses underscore-prefixed names (as HF's does), so nothing private is stored."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature trick: `namespace(self=...)` works
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _SafeNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _SafeNamespace._check(name)
-        super().__setitem__(name, value)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a namespace cannot hold the private name {name!r}")
-
-
-def _make_dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
-    """The template's `dict(...)`: builds a dict without exposing the `dict` type itself."""
-    return dict(*args, **kwargs)
-
-
-class _GenerationBlock(Extension):
-    """HF's `{% generation %}...{% endgeneration %}` (marks assistant text for training): just the body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Parser) -> list[nodes.Node]:
-        next(parser.stream)  # the `generation` token
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise_exception(message: str) -> NoReturn:
-    raise TemplateError(f"chat template raised an error: {message}")
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
 class ChatTemplate:
     """One chat template, compiled once, rendered per request."""
 
-    def __init__(self, source: str, *, bos_token: str | None = None, eos_token: str | None = None) -> None:
-        env = _StrictSandbox(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        env.globals["namespace"] = _SafeNamespace
-        env.globals["dict"] = _make_dict
+    def __init__(
+        self,
+        source: str,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        limits: RenderLimits | None = None,
+    ) -> None:
         try:
-            self._template = env.from_string(source)
+            self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template does not compile (line {e.lineno}): {e.message}") from e
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.limits = limits or RenderLimits()
 
     def render(
         self,
@@ -151,9 +74,13 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            return self._template.render(**context)
+            return render_bounded(self._template, self.limits, context)
         except TemplateError:
             raise  # raise_exception() inside the template
+        except LimitExceeded as e:
+            raise TemplateError(str(e)) from None
+        except RecursionError:
+            raise TemplateError("the chat template nests too deeply (recursive macros or values)") from None
         except jinja2.exceptions.SecurityError as e:
             raise TemplateError(f"chat template tried to leave its sandbox: {e}") from e
         except Exception as e:  # the template is model-supplied code: any failure in it is a template error
@@ -205,6 +132,12 @@ def _checked_tools(tools: Any) -> list[dict] | None:
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise TemplateError("tools must be a list of tool objects")
     return tools
+
+
+@functools.cache
+def _environment() -> TemplateSandbox:
+    """One sandbox for every template (it holds no per-render state: that is the render's budget)."""
+    return TemplateSandbox()
 
 
 @functools.lru_cache(maxsize=16)

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from onecall.errors import InvalidParameterError, ModelNotFoundError, UnsupportedModelError
+from onecall.errors import InvalidParameterError, ModelFileError, ModelNotFoundError, UnsupportedModelError
 from onecall.text.byte_level import GGUF_PRE_TOKENIZERS, UNICODE_TO_BYTE, byte_level_from_gguf
 from onecall.text.sentencepiece import build_spm_tokenizer, piece_bytes, without_space_prefix
 
@@ -119,19 +119,25 @@ class Tokenizer:
         see the module doc) or SentencePiece ("llama", see onecall.text.sentencepiece)."""
         # 1. what kind of tokenizer, and its pieces
         kind = metadata.get("tokenizer.ggml.model")
-        if kind not in _GGUF_TOKENIZER_MODELS:
+        if not isinstance(kind, str) or kind not in _GGUF_TOKENIZER_MODELS:
             raise UnsupportedModelError(
                 f"GGUF tokenizer model {kind!r} is not supported; supported: "
                 + ", ".join(f"{k!r} ({v})" for k, v in _GGUF_TOKENIZER_MODELS.items())
             )
         tokens: list[str] = _required(metadata, "tokenizer.ggml.tokens")
         types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise ModelFileError("GGUF tokenizer.ggml.tokens must be an array of strings")
+        if not isinstance(types, list) or not all(isinstance(t, int) for t in types):
+            raise ModelFileError("GGUF tokenizer.ggml.token_type must be an array of integers")
         if len(types) != len(tokens):
             raise UnsupportedModelError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
 
         def token_id(key: str) -> int | None:
             value = metadata.get(f"tokenizer.ggml.{key}")
-            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool)):
+                raise ModelFileError(f"GGUF tokenizer.ggml.{key} must be an integer, got {value!r:.40}")
+            return value if value is not None and 0 <= value < len(tokens) else None
 
         # 2. the pipeline, and the defaults llama.cpp takes for each kind when a flag is absent
         piece_mode: PieceMode

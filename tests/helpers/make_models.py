@@ -272,8 +272,8 @@ def hf_and_ours(hf_config: Any, model_cls: Any, *, weight_scale: float, seed: in
     """A transformers model with every parameter random (norms ~1 + 0.2 N, biases 0.2 N, the rest
     weight_scale * N: transformers initialises norms to 1 and biases to 0, which would hide them),
     and our DecoderLM loaded from its state dict."""
-    from onecall.model.config import ModelConfig
     from onecall.model.decoder import DecoderLM
+    from onecall.model.hf_config import model_config_from_hf
     from onecall.model.weights import load_weights
 
     torch.manual_seed(seed)
@@ -286,7 +286,7 @@ def hf_and_ours(hf_config: Any, model_cls: Any, *, weight_scale: float, seed: in
                 p.copy_(0.2 * torch.randn_like(p))
             else:
                 p.copy_(weight_scale * torch.randn_like(p))
-    ours = DecoderLM(ModelConfig.from_hf_config(hf_config.to_dict()), dtype=torch.float32, device="cpu")
+    ours = DecoderLM(model_config_from_hf(hf_config.to_dict()), dtype=torch.float32, device="cpu")
     load_weights(ours, hf.state_dict().items())
     return hf, ours
 

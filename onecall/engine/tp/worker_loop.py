@@ -35,7 +35,7 @@ from onecall.engine.model_runner import ModelRunner
 from onecall.engine.tp.messages import GROUP_TIMEOUT, backend_for, control_group, receive_step
 from onecall.model.attention_metadata import default_backend
 from onecall.model.checkpoint import load_hf_config_dict, resolve_model
-from onecall.model.config import ModelConfig
+from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel
 
@@ -99,7 +99,7 @@ def serve_steps(
     set_cpu_threads(config)
     files = resolve_model(config.model)
     model = load_model(
-        config, files, ModelConfig.from_hf_config(load_hf_config_dict(files)), dtype, device,
+        config, files, model_config_from_hf(load_hf_config_dict(files)), dtype, device,
         TensorParallel(rank, world_size),
     )  # fmt: skip
     local = model.config

@@ -65,7 +65,7 @@ from onecall.engine.tp.worker_loop import (
 )
 from onecall.errors import EngineDeadError, InvalidParameterError
 from onecall.model.checkpoint import load_hf_config_dict, resolve_model
-from onecall.model.config import ModelConfig
+from onecall.model.hf_config import model_config_from_hf
 from onecall.model.parallel import TensorParallel
 
 _CLOSE_TIMEOUT_S = 10.0  # for the workers to leave after SHUTDOWN, before they are terminated
@@ -198,7 +198,7 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
     model's heads are known to divide by it. Returns on rank 0; other torchrun ranks serve as
     workers here and leave with SystemExit(0)."""
     n = config.tensor_parallel_size
-    model_config = ModelConfig.from_hf_config(load_hf_config_dict(resolve_model(config.model)))
+    model_config = model_config_from_hf(load_hf_config_dict(resolve_model(config.model)))
     TensorParallel(0, n).check_divides(model_config)
     if dist.is_initialized():
         raise InvalidParameterError(
