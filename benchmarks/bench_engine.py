@@ -111,7 +111,7 @@ def load_tokenizer(path: Path) -> tuple[Callable[[str], list[int]], str]:
     """The text -> ids function every prompt is built with: onecall's tokenizer, or llama.cpp's
     (vocab only) while onecall's cannot load. Both read the GGUF's own vocabulary and merges."""
     try:
-        from onecall.model.gguf import open_gguf
+        from onecall.formats.gguf import open_gguf
         from onecall.text.tokenizer import Tokenizer
 
         tok = Tokenizer.from_gguf_metadata(open_gguf(path).metadata)

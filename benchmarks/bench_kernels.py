@@ -23,7 +23,7 @@ figure that repeats; each kernel called the way the engine calls it), and the by
 The weights of the four projection shapes are read from L3/DRAM in a loop over 30 layers' worth of
 copies, so the figure is not a cache-resident one. The last line is one JSON object.
 
---against REV builds REV's onecall/model/csrc (git archive, same compiler and flags) beside this
+--against REV builds REV's onecall/kernels/cpu/csrc (git archive, same compiler and flags) beside this
 tree's kernels and times the q4 and q8 GEMMs of both in turn (a, b, a, b, ...), so both see the same
 moments of the machine: on a shared machine whose speed drifts by 25% between runs, two separate
 runs cannot show a 10% change, an interleaved A/B can. It also says whether the two gave the same bits.
@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from onecall import LLM
-from onecall.model import native, native_build
+from onecall.kernels.cpu import native, native_build
+from onecall.kernels.cpu.fast_linear import FastLinear, decode_rows
 from onecall.model.attention_metadata import build_attention_metadata
-from onecall.model.fast_linear import FastLinear, decode_rows
 from onecall.model.kv_cache import PagedKVCache
 
 
@@ -113,7 +113,7 @@ def bench_q4(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[s
 def other_revision(rev: str, tmp: Path) -> Any:
     """REV's kernel sources, built and loaded (native_build.load_from)."""
     repo = Path(__file__).resolve().parent.parent
-    tar = subprocess.run(["git", "-C", str(repo), "archive", rev, "onecall/model/csrc"], capture_output=True, check=True)
+    tar = subprocess.run(["git", "-C", str(repo), "archive", rev, "onecall/kernels/cpu/csrc"], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=tar.stdout, check=True)
     return native_build.load_from(tmp / "onecall" / "model" / "csrc", tmp)
 

@@ -91,10 +91,10 @@ try:
     from onecall.config import EngineConfig
     from onecall.engine.engine import Engine, RequestOutput
     from onecall.engine.engine_parts import LoadedEngineParts
-    from onecall.model.checkpoint import ModelFiles
+    from onecall.formats.checkpoint import ModelFiles
+    from onecall.formats.hf_config import model_config_from_hf
     from onecall.model.config import ModelConfig
     from onecall.model.decoder import DecoderLM
-    from onecall.model.hf_config import model_config_from_hf
     from onecall.model.kv_cache import PagedKVCache
     from onecall.model.packing import weight_bytes_read
     from onecall.model.weights import load_weights

@@ -20,8 +20,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from onecall.model.checkpoint import resolve_model
-from onecall.model.quants import dequantize
+from onecall.formats.checkpoint import resolve_model
+from onecall.formats.quants import dequantize
 
 _TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16")
 

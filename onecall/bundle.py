@@ -39,7 +39,7 @@ from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from onecall.engine.engine import Engine, RequestOutput
-    from onecall.model.checkpoint import ModelFiles
+    from onecall.formats.checkpoint import ModelFiles
     from onecall.text.tokenizer import Tokenizer
 
 BUNDLE_FORMAT = "onecall-bundle"

@@ -45,7 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     # "fast": the fastest kernels this device has (CPU float32: oneDNN prepacked weights, plus the
-    # checkpoint's own int4 groups for small batches; see model/fast_linear.py). "reference": plain
+    # checkpoint's own int4 groups for small batches; see kernels/cpu/fast_linear.py). "reference": plain
     # torch ops only, the oracle the tests compare the fast path against.
     kernels: str = "fast"
     # With the fast kernels on CPU: 4-bit projections quantize their activations to int8 per group of

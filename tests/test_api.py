@@ -160,7 +160,7 @@ def test_engine_config_names_the_parameter(kwargs: dict, param: str) -> None:
 @pytest.mark.slow
 def test_model_package_never_imports_engine_text_or_server() -> None:
     code = (
-        "import sys, onecall.model.decoder, onecall.model.checkpoint;"
+        "import sys, onecall.model.decoder, onecall.formats.checkpoint;"
         "bad=[m for m in sys.modules if m.startswith(('onecall.engine','onecall.text','onecall.server','fastapi'))];"
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -2,7 +2,7 @@
 
 The same seeded request runs alone, in a batch of 16 with other requests of other lengths, and with
 its prompt cut into small chunks (chunked prefill); its tokens must be identical every time. What
-makes it hold (see model/fast_linear.py and model/attention.py): every row of a 4-bit projection,
+makes it hold (see kernels/cpu/fast_linear.py and model/attention.py): every row of a 4-bit projection,
 decode or prompt, goes through the native 4-bit kernel (torch's int4 kernel for decode rows and
 oneDNN for prompt rows where it cannot build), each row-independent; attention is computed per
 sequence (SDPA for prompts, the native kernel for decode rows) over that sequence's KV only.

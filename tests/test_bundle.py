@@ -33,8 +33,8 @@ from onecall.bundle import (
 )
 from onecall.cli import main
 from onecall.errors import InvalidParameterError
+from onecall.formats.checkpoint import ModelFiles, resolve_model
 from onecall.llm import LLM
-from onecall.model.checkpoint import ModelFiles, resolve_model
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.helpers.tiny_engine import tiny_engine, tiny_model
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from onecall.errors import ModelNotFoundError, UnsupportedModelError
-from onecall.model.checkpoint import (
+from onecall.formats.checkpoint import (
     iter_weights,
     load_hf_config_dict,
     read_generation_config,
     resolve_model,
     safetensors_shards,
 )
-from onecall.model.hf_config import model_config_from_hf
+from onecall.formats.hf_config import model_config_from_hf
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf, write_tiny_hf_folder
 
 

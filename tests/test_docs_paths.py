@@ -18,7 +18,7 @@ or bare, so that a rename can rewrite it with sed):
    resolved from the repository root (`tests/test_engine.py`, `docs/lab/`).
 3. Module-relative: a token whose first component is a folder of onecall/ (engine, model, server,
    ...) and that ends in "/" or a source file's extension (_EXTENSION: .py, .c, .html, .md, ...),
-   such as `engine/scheduler.py`, `model/csrc/gemm.c` or `server/`, and any other token ending in
+   such as `engine/scheduler.py`, `kernels/cpu/csrc/gemm.c` or `server/`, and any other token ending in
    `.py`, `.c` or `.h`, is resolved under onecall/. So a stale module path fails even once its
    folder is gone.
 4. Anything else (`path/to/model.gguf`, `text/event-stream`, `tokens/s`, `Q8_0/Q6_K`) is prose.
@@ -229,7 +229,7 @@ def test_named_paths_exist(page: Path) -> None:
         ("onecall/engine/engine.py", "onecall/engine/engine.py"),
         ("tests/test_engine.py.", "tests/test_engine.py"),
         ("engine/scheduler.py", "onecall/engine/scheduler.py"),
-        ("model/csrc/gemm.c", "onecall/model/csrc/gemm.c"),
+        ("kernels/cpu/csrc/gemm.c", "onecall/kernels/cpu/csrc/gemm.c"),
         ("server/", "onecall/server/"),
         ("csrc/gemm.c", "onecall/csrc/gemm.c"),  # a sloppy relative path is checked, and fails
         ("path/to/model.gguf", None),

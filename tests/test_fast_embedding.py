@@ -1,4 +1,4 @@
-"""StoredEmbedding (model/fast_embedding.py): a token embedding kept as the checkpoint's int8 or 4-bit
+"""StoredEmbedding (kernels/cpu/fast_embedding.py): a token embedding kept as the checkpoint's int8 or 4-bit
 groups, its rows dequantized on lookup in C. Every row must equal the GGUF dequantization of the same
 bytes bit for bit (the float32 table it replaces); an id outside the table is an IndexError."""
 
@@ -13,14 +13,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from onecall.model import native, packing, weights
-from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+from onecall.formats.hf_config import model_config_from_hf
+from onecall.formats.quants import Int8Groups, StoredGroups, dequantize, int4_groups, int8_groups
+from onecall.kernels.cpu import native
+from onecall.kernels.cpu.fast_embedding import StoredEmbedding
+from onecall.kernels.cpu.fast_linear import compact_scales
+from onecall.model import packing, weights
 from onecall.model.decoder import DecoderLM
-from onecall.model.fast_embedding import StoredEmbedding
-from onecall.model.fast_linear import compact_scales
-from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.quants import Int8Groups, StoredGroups, dequantize, int4_groups, int8_groups
 from onecall.model.weights import load_weights
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
 from tests.test_fast_linear import _q6_k_blocks, _random_blocks
@@ -155,7 +156,7 @@ def test_groups_no_stored_embedding_takes_are_a_clear_error(tmp_path: Path, monk
 def test_a_meta_output_weight_needs_groups_the_kernels_run() -> None:
     """FastLMHead over a weight the loader never made (meta) must take the stored groups as they are;
     groups it cannot run are a clear error, not a failure deep inside a meta tensor."""
-    from onecall.model.fast_linear import FastLMHead
+    from onecall.kernels.cpu.fast_linear import FastLMHead
 
     w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     head = FastLMHead(torch.empty(64, 64, device="meta"), _int8(w, 32))

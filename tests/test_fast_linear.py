@@ -1,4 +1,4 @@
-"""The fast CPU kernels (model/fast_linear.py) against the reference nn.Linear / dequantize path.
+"""The fast CPU kernels (kernels/cpu/fast_linear.py) against the reference nn.Linear / dequantize path.
 
 Tolerances, written down:
 * int4 groups: Int4Groups.dequantize() equals quants.dequantize() of the same blocks to float32
@@ -29,10 +29,10 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from onecall.engine.engine import Engine
-from onecall.model import native
-from onecall.model.fast_embedding import StoredEmbedding
-from onecall.model.fast_linear import INT4_MAX_ROWS, FastLinear, FastLMHead, onednn_available
-from onecall.model.quants import Int4Groups, StoredGroups, dequantize, int4_groups, int8_groups
+from onecall.formats.quants import Int4Groups, StoredGroups, dequantize, int4_groups, int8_groups
+from onecall.kernels.cpu import native
+from onecall.kernels.cpu.fast_embedding import StoredEmbedding
+from onecall.kernels.cpu.fast_linear import INT4_MAX_ROWS, FastLinear, FastLMHead, onednn_available
 from onecall.sampling_params import SamplingParams
 from tests.helpers.int4 import int4_engine, quantize_int4
 from tests.helpers.tiny_engine import run_all
@@ -147,9 +147,9 @@ def test_a_q8_0_gguf_decodes_on_its_own_int8_groups(tmp_path: Path) -> None:
     """A whole Q8_0 GGUF (Llama: q/k rows permuted in the file): the streaming load stores every
     projection's int8 groups (un-permuted with the rows), decode rows run them, and each projection
     gives the reference model's float32 product within the int16 activation rounding."""
-    from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+    from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+    from onecall.formats.hf_config import model_config_from_hf
     from onecall.model.decoder import DecoderLM
-    from onecall.model.hf_config import model_config_from_hf
     from onecall.model.weights import load_weights
     from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
 
@@ -318,8 +318,8 @@ def test_gguf_4bit_tensors_need_no_float32_copy() -> None:
     """With expand_stored=False the GGUF loader yields each 4-bit or int8 tensor as a meta tensor (no
     float32 expansion) with its groups stored; the engine's load packs the projections from those
     groups alone and expands anything else (here: the embedding, stored as Q8_0)."""
-    from onecall.model.checkpoint import iter_weights, resolve_model
-    from onecall.model.quants import Int4Groups
+    from onecall.formats.checkpoint import iter_weights, resolve_model
+    from onecall.formats.quants import Int4Groups
 
     stored: dict[str, object] = {}
     tensors = dict(iter_weights(resolve_model(None), torch.float32, stored, expand_stored=False))  # type: ignore[arg-type]

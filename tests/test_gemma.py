@@ -35,7 +35,8 @@ import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, Gemma2TextScaledWordEmbedding
 
-from onecall.model import native
+from onecall.formats.hf_config import model_config_from_hf
+from onecall.kernels.cpu import native
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.config import GLOBAL, SLIDING, GemmaSpec, ModelConfig, RopeScaling
 from onecall.model.decoder import DecoderLM
@@ -48,7 +49,6 @@ from onecall.model.gemma import (
     embed_scale,
     soft_cap,
 )
-from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, RMSNorm
 from tests.helpers.make_models import hf_and_ours

@@ -1,6 +1,6 @@
 """GGUF reading: dequantization per type, metadata, names, llama's Q/K un-permutation.
 
-References, independent of onecall/model/gguf.py:
+References, independent of onecall/formats/gguf.py:
   * blocks packed here from logical values (scales, mins, small ints) following ggml's
     block layouts (ggml-common.h / ggml-quants.c), with the expected floats computed from
     the logical values, not by decoding bytes; checked exactly (same float32 operation order);
@@ -23,9 +23,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from onecall.errors import UnsupportedModelError
-from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
-from onecall.model.gguf import SUPPORTED_QUANT_TYPES, GGUFFile, hf_tensor_name
-from onecall.model.hf_config import model_config_from_hf
+from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+from onecall.formats.gguf import SUPPORTED_QUANT_TYPES, GGUFFile, hf_tensor_name
+from onecall.formats.hf_config import model_config_from_hf
 from tests.helpers.make_models import gguf_tensor_name, random_state_dict, tiny_hf_config, write_tiny_gguf
 
 T = GGMLQuantizationType
@@ -350,11 +350,11 @@ def test_embedded_smollm2_matches_gguf_reader() -> None:
 
 
 def test_our_ggml_tables_agree_with_the_gguf_package() -> None:
-    """onecall.model.ggml_types restates the spec's tags so loading need not import `gguf`."""
+    """onecall.formats.ggml_types restates the spec's tags so loading need not import `gguf`."""
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.constants import GGUFValueType as TheirValueType
 
-    from onecall.model.ggml_types import (
+    from onecall.formats.ggml_types import (
         GGML_BLOCK_SIZES,
         GGML_TYPE_SIZES,
         GGMLType,

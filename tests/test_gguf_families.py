@@ -48,16 +48,16 @@ from transformers import (
 )
 
 from onecall.errors import UnsupportedModelError
-from onecall.model import native
-from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+from onecall.formats.gguf import GGUFFile
+from onecall.formats.gguf_layout import gguf_config_dict
+from onecall.formats.hf_config import model_config_from_hf
+from onecall.formats.quants import StoredGroups
+from onecall.kernels.cpu import native
+from onecall.kernels.cpu.fast_linear import FastLinear
 from onecall.model.config import GLOBAL, SLIDING, ModelConfig
 from onecall.model.decoder import DecoderLM
-from onecall.model.fast_linear import FastLinear
-from onecall.model.gguf import GGUFFile
-from onecall.model.gguf_layout import gguf_config_dict
-from onecall.model.hf_config import model_config_from_hf
 from onecall.model.moe import Experts
-from onecall.model.quants import StoredGroups
 from onecall.model.weights import load_weights
 from tests.helpers.make_models import write_converted_gguf, write_tiny_hf_folder
 from tests.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt
@@ -388,7 +388,7 @@ def test_tensor_names_invert_the_converters_table(family: str) -> None:
     parameter that is not a stacked expert."""
     from gguf import MODEL_ARCH, get_tensor_name_map
 
-    from onecall.model.gguf_layout import hf_tensor_name
+    from onecall.formats.gguf_layout import hf_tensor_name
 
     hf = random_hf(family)
     arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(family, family)

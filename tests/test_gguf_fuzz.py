@@ -3,7 +3,7 @@
 Two fuzzers, both deterministic:
 
   * a seeded mutation loop over files the test writer (tests/helpers/make_models.py, llama.cpp's
-    layout) produces: a spec-following walker, written here independently of onecall/model/gguf.py,
+    layout) produces: a spec-following walker, written here independently of onecall/formats/gguf.py,
     lists every numeric header field (counts, lengths, type tags, dimensions, offsets); each mutant
     sets one to three of them to a boundary value (0, 1, 2**31, 2**63 - 1, 2**64 - 1, the file's
     size, ...), or overwrites header bytes, cuts the file short, or drops or repeats a span of the
@@ -34,9 +34,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onecall.errors import ModelFileError, UnsupportedModelError
-from onecall.model.gguf import GGUFFile
-from onecall.model.gguf_layout import gguf_config_dict
-from onecall.model.hf_config import model_config_from_hf
+from onecall.formats.gguf import GGUFFile
+from onecall.formats.gguf_layout import gguf_config_dict
+from onecall.formats.hf_config import model_config_from_hf
 from tests.helpers.make_models import llama3_rope_freqs, random_state_dict, tiny_hf_config, write_tiny_gguf
 
 NUM_MUTANTS = 5000

@@ -17,9 +17,9 @@ import torch
 from transformers import Qwen2Config, Qwen3Config
 
 from onecall.errors import UnsupportedModelError
+from onecall.formats.hf_config import model_config_from_hf
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
-from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.weights import load_weights
 

@@ -102,8 +102,8 @@ def test_a_token_reads_only_its_own_experts() -> None:
 # prefill, paged decode and a prefix hit. Tolerance: test_model_numerics' ATOL on logits.
 from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
+from onecall.formats.hf_config import model_config_from_hf  # noqa: E402
 from onecall.model.decoder import DecoderLM  # noqa: E402
-from onecall.model.hf_config import model_config_from_hf  # noqa: E402
 from onecall.model.weights import load_weights  # noqa: E402
 from tests.helpers.make_models import hf_and_ours  # noqa: E402
 from tests.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt  # noqa: E402
@@ -205,9 +205,9 @@ def test_stored_experts_run_on_their_own_groups(kind: str) -> None:
     and 4-bit groups alike run every row, decode and prompt, on their native kernel, and their float32
     copy is freed. The float32 weights were the groups' own values, so every row matches the reference
     to the int16 activation rounding; poisoning the stored groups then shows every row reads them."""
-    from onecall.model import native
-    from onecall.model.fast_linear import decode_rows
-    from onecall.model.quants import Int4Groups, Int8Groups
+    from onecall.formats.quants import Int4Groups, Int8Groups
+    from onecall.kernels.cpu import native
+    from onecall.kernels.cpu.fast_linear import decode_rows
     from tests.helpers.int4 import quantize_int4, quantize_int8
 
     if native.load() is None:
@@ -268,7 +268,7 @@ def test_the_bandwidth_figure_counts_the_experts_a_step_reaches() -> None:
     assert weight_bytes_read(ours, 1) == dense() - sum(b * 4 // 6 for b in float_experts)
     assert weight_bytes_read(ours, 3) == dense()
 
-    from onecall.model import native
+    from onecall.kernels.cpu import native
     from tests.helpers.int4 import quantize_int4
 
     if native.load() is None:

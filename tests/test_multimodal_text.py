@@ -1,6 +1,6 @@
 """A multimodal checkpoint's language model alone: Gemma3ForConditionalGeneration (Gemma 3 4B/12B/27B
-on the hub) loads as its Gemma 3 text model (model/hf_config.py text_model_config; the weights'
-`language_model.` prefixes renamed and the vision tower skipped, model/checkpoint.py
+on the hub) loads as its Gemma 3 text model (formats/hf_config.py text_model_config; the weights'
+`language_model.` prefixes renamed and the vision tower skipped, formats/checkpoint.py
 language_model_tensor).
 
 Oracle: transformers' own Gemma3ForConditionalGeneration on text-only input ids, a tiny random one
@@ -22,7 +22,7 @@ from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Tex
 
 from onecall import LLM, SamplingParams
 from onecall.errors import UnsupportedModelError
-from onecall.model.checkpoint import language_model_tensor
+from onecall.formats.checkpoint import language_model_tensor
 
 VOCAB = 300
 PROMPT = [5, 9, 17, 33, 2, 8, 100, 7, 9, 11, 12, 13]

@@ -1,4 +1,4 @@
-"""The native CPU kernels (model/native.py, csrc/*.c) against float64 references.
+"""The native CPU kernels (kernels/cpu/native.py, csrc/*.c) against float64 references.
 
 Tolerances, written down:
 * q4 GEMM (int16 activations): each activation is rounded to a multiple of its group's step
@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onecall.model import native, native_build
-from onecall.model.fast_linear import FastLMHead
-from onecall.model.quants import Int4Groups
+from onecall.formats.quants import Int4Groups
+from onecall.kernels.cpu import native, native_build
+from onecall.kernels.cpu.fast_linear import FastLMHead
 
 LIB = native.load()
 pytestmark = pytest.mark.skipif(

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onecall.model import native
+from onecall.kernels.cpu import native
 from onecall.model.attention import paged_attention
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.kv_cache import PagedKVCache

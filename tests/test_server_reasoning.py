@@ -29,8 +29,8 @@ import torch
 from onecall.config import EngineConfig
 from onecall.engine.engine import Engine
 from onecall.engine.engine_parts import LoadedEngineParts
-from onecall.model.checkpoint import resolve_model
-from onecall.model.gguf import open_gguf
+from onecall.formats.checkpoint import resolve_model
+from onecall.formats.gguf import open_gguf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.server.app import create_app
 from onecall.server.async_engine import AsyncEngine

@@ -25,10 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from onecall.engine.engine_parts import shard_weights
 from onecall.errors import UnsupportedModelError
+from onecall.formats.hf_config import model_config_from_hf
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
-from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel
 from onecall.model.weights import load_weights
@@ -52,7 +53,7 @@ def _run(arch: str, tp: TensorParallel | None) -> torch.Tensor:
     config = model_config_from_hf(hf)
     model = DecoderLM(config, tp=tp)
     weights = iter(state.items())
-    load_weights(model, weights if tp is None else tp.shard_weights(weights, config))
+    load_weights(model, weights if tp is None else shard_weights(tp, weights, config))
     local = model.config  # this rank's heads
     cache = PagedKVCache(
         local.num_hidden_layers,
@@ -141,7 +142,7 @@ def test_each_rank_holds_its_slice() -> None:
     o_bias = state["model.layers.0.self_attn.o_proj.bias"]
     for rank in range(2):
         tp = TensorParallel(rank, 2)
-        got = dict(tp.shard_weights(iter(state.items()), config))
+        got = dict(shard_weights(tp, iter(state.items()), config))
         assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"], q[rank * 16 : (rank + 1) * 16])
         down = state["model.layers.0.mlp.down_proj.weight"]
         assert torch.equal(got["model.layers.0.mlp.down_proj.weight"], down[:, rank * 32 : (rank + 1) * 32])
@@ -159,7 +160,7 @@ def test_each_rank_reads_only_its_slice_from_safetensors(
     """engine_parts.iter_rank_weights gives what shard_weights gives over the whole tensors, and reads
     every split tensor through get_slice: get_tensor only for replicated ones and fused projections."""
     from onecall.engine import engine_parts
-    from onecall.model.checkpoint import resolve_model
+    from onecall.formats.checkpoint import resolve_model
     from onecall.model.parallel import is_fused
     from tests.helpers.make_models import write_tiny_hf_folder
 
@@ -195,7 +196,7 @@ def test_each_rank_reads_only_its_slice_from_safetensors(
         tp = TensorParallel(rank, 2)
         whole.clear()
         got = dict(engine_parts.iter_rank_weights(files, torch.float32, tp, config))
-        want = dict(tp.shard_weights(iter(state.items()), config))
+        want = dict(shard_weights(tp, iter(state.items()), config))
         assert got.keys() == want.keys()
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), (rank, name)

@@ -41,7 +41,7 @@ CORPUS = [
 
 
 def smollm2_metadata() -> dict[str, Any]:
-    from onecall.model.gguf import GGUFFile
+    from onecall.formats.gguf import GGUFFile
 
     return GGUFFile(SMOLLM2_GGUF).metadata
 

@@ -33,7 +33,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import normalizers
 
 from onecall.errors import UnsupportedModelError
-from onecall.model.gguf import GGUFFile
+from onecall.formats.gguf import GGUFFile
 from onecall.text.chat_template import render_chat
 from onecall.text.detokenizer import IncrementalDetokenizer
 from onecall.text.sentencepiece import SPACE

@@ -1,4 +1,4 @@
-"""The Triton paged attention kernel (model/triton_attention.py) against the reference backend.
+"""The Triton paged attention kernel (kernels/cuda/triton_attention.py) against the reference backend.
 
 Runs on CPU under TRITON_INTERPRET=1 (set for the session in conftest.py; Triton's interpreter
 executes the kernel with numpy), so the CUDA path's numerics are checked here without a GPU;
@@ -115,7 +115,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 if "nvidia" not in triton.backends.backends:
     sys.exit(77)
-from onecall.model.triton_attention import _paged_attention_kernel as kernel, tile_sizes
+from onecall.kernels.cuda.triton_attention import _paged_attention_kernel as kernel, tile_sizes
 ints = "stride_q_tok stride_q_head stride_k_slot stride_k_head stride_o_tok stride_o_head max_blocks window"
 consts = "HAS_SOFTCAP GROUP HEAD_DIM BLOCK_D BLOCK_SIZE BLOCK_M BLOCK_N PRECISION"
 size = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -118,7 +118,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from onecall.config import EngineConfig
     from onecall.engine.engine import Engine
-    from onecall.model.checkpoint import resolve_model
+    from onecall.formats.checkpoint import resolve_model
     from onecall.server.app import create_app
     from onecall.server.async_engine import AsyncEngine
     from onecall.server.metrics import Metrics

@@ -51,7 +51,7 @@ from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from onecall.engine.sequence import FinishReason, Sequence
 from onecall.engine.trace import StepRecord
 from onecall.errors import EngineDeadError, EngineStepError, InvalidParameterError, RequestFaultError
-from onecall.model import native
+from onecall.kernels.cpu import native
 from onecall.model.attention_metadata import default_backend
 from onecall.sampling.mask_prefetch import MaskPrefetcher
 from onecall.sampling.sampler import sample

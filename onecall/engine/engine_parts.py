@@ -27,8 +27,7 @@ from safetensors import safe_open
 from onecall.config import DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
 from onecall.engine.step_inputs import StepGroup
 from onecall.errors import InvalidParameterError, UnsupportedModelError
-from onecall.model import native
-from onecall.model.checkpoint import (
+from onecall.formats.checkpoint import (
     ModelFiles,
     is_multimodal,
     iter_weights,
@@ -37,13 +36,15 @@ from onecall.model.checkpoint import (
     resolve_model,
     safetensors_shards,
 )
+from onecall.formats.fused import split_fused_weights
+from onecall.formats.gguf import open_gguf
+from onecall.formats.hf_config import model_config_from_hf
+from onecall.formats.quants import StoredGroups
+from onecall.kernels.cpu import native
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
-from onecall.model.gguf import open_gguf
-from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel, is_fused
-from onecall.model.quants import StoredGroups
 from onecall.model.weights import load_weights
 from onecall.text.tokenizer import Tokenizer
 
@@ -179,15 +180,25 @@ def load_model(
     elif files.kind == "hf":
         weights = iter_rank_weights(files, dtype, model.tp, model_config)
     else:  # a GGUF's tensors are read (and dequantized) whole, then sliced
-        weights = model.tp.shard_weights(iter_weights(files, dtype), model_config)
+        weights = shard_weights(model.tp, iter_weights(files, dtype), model_config)
     load_weights(model, weights, stored)
     return model.eval()
+
+
+def shard_weights(
+    tp: TensorParallel, weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) -> (name, this rank's slice). `config` is the full model's.
+    Fused checkpoint projections (Phi-3's qkv_proj, gate_up_proj) are split into their parts first,
+    at the full model's sizes (load_weights would split them at this rank's)."""
+    for name, tensor in split_fused_weights(weights, config):
+        yield name, tp.shard(name, tensor, config)
 
 
 def iter_rank_weights(
     files: ModelFiles, dtype: torch.dtype, tp: TensorParallel, config: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A safetensors checkpoint's tensors as `tp.shard_weights` gives them, reading from disk only
+    """A safetensors checkpoint's tensors as `shard_weights` gives them, reading from disk only
     this rank's part of each split tensor (safetensors' get_slice); replicated tensors and fused
     projections (split first, at the full model's sizes) are read whole. `config`: the full model's."""
     multimodal = is_multimodal(files)
@@ -200,9 +211,7 @@ def iter_rank_weights(
                 if name is None:
                     continue
                 if is_fused(name):
-                    yield from tp.shard_weights(
-                        iter([(name, _cast(f.get_tensor(stored_name), dtype))]), config
-                    )
+                    yield from shard_weights(tp, iter([(name, _cast(f.get_tensor(stored_name), dtype))]), config)
                     continue
                 part = tp.shard_slice(name, config)
                 if part is None:

@@ -33,9 +33,9 @@ from onecall.engine.block_manager import BlockManager
 from onecall.engine.decode_graphs import DecodeGraphs
 from onecall.engine.scheduler import ScheduledSeq
 from onecall.engine.step_inputs import PromptLogitsFn, StepGroup, StepInputs
+from onecall.kernels.cpu.fast_linear import decode_rows
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
-from onecall.model.fast_linear import decode_rows
 from onecall.model.kv_cache import PagedKVCache
 
 _PROMPT_LOGPROBS_ROWS = 256  # positions per logits slice when collecting prompt logprobs

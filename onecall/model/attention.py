@@ -16,12 +16,12 @@ Backends (one switch, `AttentionMetadata.backend`), all computing the same thing
 
 "reference" is the oracle the tests hold the others against. "paged" is the CPU default: on
 a CPU, SDPA over a view of the cache reads each KV byte once (measured against the other
-choices in the README's attention table). Where the native kernels load (model/native.py), "paged"
+choices in the README's attention table). Where the native kernels load (kernels/cpu/native.py), "paged"
 runs decode rows through the paged decode kernel and each prefill chunk through the native causal
 prefill kernel (csrc/prefill_attention.c: tiled, online softmax, GQA and the window options in the
 kernel; measured faster than SDPA's flash kernel in the README's kernel table); SDPA stays the path
 for what the kernels do not take (other dtypes, head sizes) and the reference they are tested
-against. "triton" (model/triton_attention.py) is the CUDA path; its numerics run on CPU under
+against. "triton" (kernels/cuda/triton_attention.py) is the CUDA path; its numerics run on CPU under
 TRITON_INTERPRET=1 in the tests.
 
 Per-layer options, on every backend: a sliding window (Mistral, Gemma's local layers) and logit
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from onecall.model import native
+from onecall.kernels.cpu import native
 from onecall.model.attention_metadata import AttentionMetadata, SeqSpan
 from onecall.model.kv_cache import PagedKVCache
 
@@ -79,7 +79,7 @@ def paged_attention(
         k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
     if meta.backend == "triton":
-        from onecall.model.triton_attention import triton_paged_attention
+        from onecall.kernels.cuda.triton_attention import triton_paged_attention
 
         return triton_paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
 

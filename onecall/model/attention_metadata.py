@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from onecall.model import native
+from onecall.kernels.cpu import native
 
 ATTENTION_BACKENDS = ("reference", "paged", "triton")
 
@@ -54,7 +54,7 @@ class SeqSpan:
 @dataclass
 class DecodeRows:
     """ "paged" on CPU: the step's one-query sequences, for one native kernel call per layer that reads
-    their KV in place through the block tables (model/native.py)."""
+    their KV in place through the block tables (kernels/cpu/native.py)."""
 
     seq_index: list[int]  # which of meta.seqs
     rows: torch.Tensor  # (n,) int64: their rows in the flat batch

@@ -1,7 +1,7 @@
 """ModelConfig: the hyperparameters of a decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3,
 Qwen3-MoE, Mixtral).
 
-Built from a Hugging Face config.json dict by `model_config_from_hf` (model/hf_config.py), which refuses (UnsupportedModelError) anything our model code would run
+Built from a Hugging Face config.json dict by `model_config_from_hf` (formats/hf_config.py), which refuses (UnsupportedModelError) anything our model code would run
 silently wrong: other architectures, RoPE scalings we do not implement, per-layer sliding windows
 (Qwen2's use_sliding_window), other activations, MLP biases. Every dataclass here validates itself
 when built, whatever built it (a dict round trip, a test). Names follow Hugging Face

@@ -15,23 +15,37 @@ attention metadata is built once per step by the caller.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from onecall.kernels.cpu.fast_embedding import StoredEmbedding
+from onecall.kernels.cpu.fast_linear import FastLMHead, fast_kernels_supported
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig
-from onecall.model.fast_embedding import StoredEmbedding
-from onecall.model.fast_linear import FastLMHead, fast_kernels_supported
 from onecall.model.gemma import GemmaDecoderModel, GemmaRotary, soft_cap
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
 from onecall.model.moe import SparseMoE
 from onecall.model.parallel import TensorParallel
 
-if TYPE_CHECKING:
-    from onecall.model.native_step import NativeDecodeStep
+
+class WholeStep(Protocol):
+    """A whole decode step run as one call (model/native_step.py's NativeDecodeStep): the forward
+    hands it a step it accepts instead of running the layers."""
+
+    def accepts(self, meta: AttentionMetadata, kv_cache: PagedKVCache, num_rows: int) -> bool: ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
 
 # Our projections and the checkpoint tensors each is made of, in row order.
 PROJECTION_PARTS = {
@@ -119,7 +133,7 @@ class DecoderLM(nn.Module):
         """`pack_on_load`: where the fast kernels exist (float32 CPU), weights.load_weights packs each
         projection for them as it arrives and no dense projection weight is ever allocated.
         `tp`: this rank's slice of a tensor-parallel model (model/parallel.py): the modules are built
-        from tp.shard_config(config) (self.config is that), loaded from tp.shard_weights; the reference
+        from tp.shard_config(config) (self.config is that), loaded through engine_parts.shard_weights; the reference
         kernels only (the fast path's one-call step cannot stop for a collective).
         `int8_activations`: the fast kernels' 4-bit projections quantize activations to int8, not int16
         (EngineConfig.int8_activations); packing reads it."""
@@ -144,13 +158,13 @@ class DecoderLM(nn.Module):
             )
         # Set by model/packing.py when the fast kernels are installed:
         self.fast_lm_head: FastLMHead | None = None
-        self.native_step: NativeDecodeStep | None = None  # all-decode steps as one native call
+        self.native_step: WholeStep | None = None  # all-decode steps as one native call
         self.kernels = "reference"  # what the projections run on, for logs and traces
         self.int8_activations = int8_activations
         self.pack_on_load = pack_on_load and fast_kernels_supported(device, dtype)
         # Packed on load, projection weights stay on "meta" (no memory) until their FastLinear replaces
         # them; so do the embedding table and an untied lm_head, until the loader knows whether they stay
-        # the checkpoint's groups (model/fast_embedding.py, FastLMHead) or are filled in float32
+        # the checkpoint's groups (kernels/cpu/fast_embedding.py, FastLMHead) or are filled in float32
         # (weights.load_weights, packing.stays_stored).
         skip = (
             {id(getattr(owner, attr)) for _, _, owner, attr in self.projections()}
@@ -221,7 +235,7 @@ class DecoderLM(nn.Module):
         embed = self.model.embed_tokens
         if isinstance(embed, StoredEmbedding):  # installed only beside a native logits head on its groups
             raise RuntimeError(
-                "the tied embedding is kept as the checkpoint's groups (model/fast_embedding.py): there is "
+                "the tied embedding is kept as the checkpoint's groups (kernels/cpu/fast_embedding.py): there is "
                 "no float32 matrix; the logits run on the native head over the same groups"
             )
         return embed.weight

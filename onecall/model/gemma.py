@@ -22,9 +22,9 @@ soft-capped, cap * tanh(logits / cap) (final_logit_softcapping; Gemma 3 configs 
 
 The (1 + weight) norms: the `+ 1` is folded into the weight when it is loaded, so every Gemma norm
 is our plain RMSNorm computing norm(x) * weight, and the native add_rms_norm and the native q/k norm
-in rope_store (model/native.py) run it unchanged. The loader MUST store checkpoint_norm_weight(w) =
+in rope_store (kernels/cpu/native.py) run it unchanged. The loader MUST store checkpoint_norm_weight(w) =
 1 + w (in float32) for every `*norm.weight` of a Hugging Face Gemma checkpoint. llama.cpp's GGUF
-converter stores 1 + w itself; model/gguf.py hands the loader w back (in float64, exactly), so a GGUF
+converter stores 1 + w itself; formats/gguf.py hands the loader w back (in float64, exactly), so a GGUF
 loads the same way and its norms are not shifted twice. The folded weight is held in float32 whatever
 the model dtype: 1 + w computed and kept in float32 is exactly transformers'
 `1.0 + self.weight.float()`, where a bfloat16 copy would round every channel's scale once more.

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecall.model import native, rope
+from onecall.kernels.cpu import native
+from onecall.model import rope
 from onecall.model.attention import paged_attention
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig, RopeScaling

@@ -18,8 +18,8 @@ received a row run: at batch 1 that is top_k of num_experts. Reading the per-exp
 CUDA graph capture (a grouped-GEMM kernel would remove it).
 
 A quantized GGUF's experts keep their own groups on the fast path (Experts.use_stored, called by
-model/weights.py) and run on the native kernels FastLinear uses (model/native.py), as projections do
-(model/fast_linear.py):
+model/weights.py) and run on the native kernels FastLinear uses (kernels/cpu/native.py), as projections do
+(kernels/cpu/fast_linear.py):
 
 | stored as             | every row (decode and prompt) | float32 weight kept                       |
 |-----------------------|-------------------------------|-------------------------------------------|
@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecall.model import native
+from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
+from onecall.kernels.cpu import native
 from onecall.model.layers import Linear
-from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 
 ExpertGroups = native.Q4Packed | native.Q8Blocked  # one expert weight in the form its decode kernel reads
 

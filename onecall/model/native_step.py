@@ -27,11 +27,11 @@ from typing import cast
 import torch
 from torch import nn
 
-from onecall.model import native
+from onecall.kernels.cpu import native
+from onecall.kernels.cpu.fast_embedding import StoredEmbedding
+from onecall.kernels.cpu.fast_linear import FastLinear, num_decode_rows
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.decoder import DecoderLayer, DecoderModel
-from onecall.model.fast_embedding import StoredEmbedding
-from onecall.model.fast_linear import FastLinear, num_decode_rows
 from onecall.model.gemma import GemmaDecoderModel
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP

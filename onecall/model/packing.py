@@ -1,9 +1,9 @@
 """The fast kernels' side of a DecoderLM: which projections to pack, packing them, swapping them in.
 
 A DecoderLM is the forward (model/decoder.py). On the fast path (float32 CPU, EngineConfig.kernels
-"fast"), every projection becomes a FastLinear (model/fast_linear.py: the checkpoint's own 4-bit
+"fast"), every projection becomes a FastLinear (kernels/cpu/fast_linear.py: the checkpoint's own 4-bit
 groups for every row, else oneDNN-prepacked float32 for prompt rows and stored int8 groups for decode
-rows), the logits a FastLMHead, and the small ops between them native passes (model/native.py).
+rows), the logits a FastLMHead, and the small ops between them native passes (kernels/cpu/native.py).
 Either while the checkpoint streams in (a StreamingPacker from `new_packer`, fed by
 weights.load_weights, then `install`) or after a dense load (`enable_fast_kernels`).
 `weight_bytes_read` counts what a step then streams from memory.
@@ -18,20 +18,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from onecall.model import native
-from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
-from onecall.model.fast_embedding import StoredEmbedding
-from onecall.model.fast_linear import (
+from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
+from onecall.kernels.cpu import native
+from onecall.kernels.cpu.fast_embedding import StoredEmbedding
+from onecall.kernels.cpu.fast_linear import (
     FastLinear,
     FastLMHead,
     fast_kernels_supported,
     pack_q4_groups,
     runs_stored_only,
 )
+from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.layers import MLP, Attention, RMSNorm
 from onecall.model.moe import SparseMoE
 from onecall.model.native_step import NativeDecodeStep
-from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 
 
 @dataclass
@@ -162,7 +162,7 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
     and record what the model now runs on (DecoderLM.kernels)."""
     model.fast_lm_head, modules = packer.finish(model.output_weight(), model.output_weight_name())
     lib = native.load()
-    if lib is not None:  # small ops fused into native passes (model/native.py)
+    if lib is not None:  # small ops fused into native passes (kernels/cpu/native.py)
         for module in model.modules():
             if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.native = lib

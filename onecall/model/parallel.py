@@ -15,7 +15,7 @@ holds 1/N of every layer (Megatron's split, as vLLM and SGLang do it):
     | norms, q_norm/k_norm            | replicated              |                                   |
 
 So each rank's model is an ordinary DecoderLM built from `shard_config` (H/N query heads, KVH/N KV
-heads, I/N intermediate, ceil(V/N) vocabulary rows), loaded from `shard_weights` over the checkpoint's
+heads, I/N intermediate, ceil(V/N) vocabulary rows), loaded from `shard_weights` (engine/engine_parts.py) over the checkpoint's
 tensors (or, from safetensors, by reading only `shard_slice` of each: engine_parts.iter_rank_weights),
 and its forward adds three collectives per layer pair at most: after o_proj, after down_proj,
 and once for the embedding; compute_logits gathers the vocabulary shards. Each rank's KV cache holds
@@ -26,7 +26,6 @@ its own KV heads. Models whose heads or intermediate size do not divide by N are
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from onecall.errors import UnsupportedModelError
 from onecall.model.config import ModelConfig
 
-_FUSED = (".self_attn.qkv_proj.", ".mlp.gate_up_proj.")  # weights.split_fused_weights splits these
+_FUSED = (".self_attn.qkv_proj.", ".mlp.gate_up_proj.")  # formats/fused.py splits these
 
 
 def is_fused(name: str) -> bool:
@@ -129,18 +128,6 @@ class TensorParallel:
             intermediate_size=config.intermediate_size // n,
             vocab_size=self.vocab_shard(config.vocab_size)[1],
         )
-
-    def shard_weights(
-        self, weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, full tensor) -> (name, this rank's slice). `config` is the full model's.
-        Fused checkpoint projections (Phi-3's qkv_proj, gate_up_proj) are split into their parts first,
-        at the full model's sizes (load_weights would split them at this rank's)."""
-        # imported here: weights.py imports the layers, which import this module
-        from onecall.model.weights import split_fused_weights
-
-        for name, tensor in split_fused_weights(weights, config):
-            yield name, self.shard(name, tensor, config)
 
     def shard(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         """This rank's slice of one checkpoint tensor, by its Hugging Face name."""

@@ -1,6 +1,6 @@
 """Checkpoint tensors (Hugging Face names) -> a DecoderLM's parameters.
 
-The loaders (model/checkpoint.py: GGUF, safetensors) yield (name, tensor) pairs named like Hugging
+The loaders (formats/checkpoint.py: GGUF, safetensors) yield (name, tensor) pairs named like Hugging
 Face's checkpoints; `load_weights` copies each into our parameters, stacking the separate q/k/v and
 gate/up tensors into the fused projections (DecoderLM.PROJECTION_PARTS, part_rows). On the fast path
 (DecoderLM built with pack_on_load) projections go to model/packing.py's packer instead, as they
@@ -23,14 +23,15 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 import torch
 
 from onecall.errors import UnsupportedModelError
-from onecall.model import native
+from onecall.formats.fused import split_fused_weights, stored_rows
+from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
+from onecall.kernels.cpu import native
+from onecall.kernels.cpu.fast_linear import runs_stored_only
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weight
-from onecall.model.fast_linear import runs_stored_only
 from onecall.model.gemma import checkpoint_norm_weight
 from onecall.model.moe import SparseMoE, pack_int4
 from onecall.model.packing import EMBEDDING, LM_HEAD, install, new_packer, stays_stored
-from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 from onecall.model.rope import partial_rotary_permutation
 
 
@@ -292,50 +293,6 @@ def _use_stored_experts(
     return f"native {'+'.join(sorted(kinds))} ({used} of {moe_layers} MoE layers)" if used else ""
 
 
-def split_fused_weights(
-    weights: Iterable[tuple[str, torch.Tensor]],
-    config: ModelConfig,
-    stored_weights: MutableMapping[str, StoredGroups] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint that stores fused projections (Phi-3: `self_attn.qkv_proj` rows [q; k; v],
-    `mlp.gate_up_proj` rows [gate; up], as ours) yields each part under its separate Hugging Face name
-    (row views, no copy); every other tensor passes through. Sizes from `config` (the full model's:
-    tensor parallel shards after this). A fused tensor's stored groups (a quantized Phi-3 GGUF's
-    attn_qkv / ffn_up) are split the same way, each part's rows stored under its name before it is
-    yielded, so the fast kernels find them as they find separately stored parts."""
-    c = config
-    q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
-    sizes = {
-        "self_attn.qkv_proj": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
-        "mlp.gate_up_proj": (("mlp.gate_proj", inter), ("mlp.up_proj", inter)),
-    }
-    for name, tensor in weights:
-        fused = next((f for f in sizes if f".{f}." in name), None)
-        if fused is None:
-            yield name, tensor
-            continue
-        total = sum(rows for _, rows in sizes[fused])
-        if tensor.shape[0] != total:
-            raise UnsupportedModelError(
-                f"tensor {name!r} has {tensor.shape[0]} rows, expected {total} ({' + '.join(p for p, _ in sizes[fused])})"
-            )
-        groups = stored_weights.get(name) if stored_weights is not None else None
-        start = 0
-        for part, rows in sizes[fused]:
-            part_name = name.replace(fused, part)
-            if groups is not None and stored_weights is not None:
-                stored_weights[part_name] = _stored_rows(groups, torch.arange(start, start + rows))
-            yield part_name, tensor[start : start + rows]
-            start += rows
-
-
-def _stored_rows(groups: StoredGroups, index: torch.Tensor) -> StoredGroups:
-    """The given rows of a stored weight (groups run along a row, so rows split and permute freely)."""
-    if isinstance(groups, Int4Groups):
-        return groups.select_rows(index)
-    return Int8Groups(groups.q[index], groups.scale[index], groups.group_size)
-
-
 _ROTATED = (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.q_norm.", ".self_attn.k_norm.")
 
 
@@ -358,7 +315,7 @@ def _partial_rotary_layout(
             tensor = heads[:, perm].reshape(tensor.shape)
             if stored_weights is not None and name in stored_weights:
                 rows = torch.arange(tensor.shape[0]).reshape(-1, config.head_dim)[:, perm].flatten()
-                stored_weights[name] = _stored_rows(stored_weights[name], rows)
+                stored_weights[name] = stored_rows(stored_weights[name], rows)
         yield name, tensor
 
 

@@ -9,7 +9,7 @@ use it and skipped when none does (a batch of plain greedy rows costs one argmax
      allowed token, or whose grammar raised, is reported in SampleResult.failed, never sampled
   4. logprobs = log_softmax of these *processed* logits
   5. greedy rows (temperature 0) take the argmax (torch's, or the caller's `argmax`: the engine
-     passes model/native.py's, the same indices from a vectorized C pass)
+     passes kernels/cpu/native.py's, the same indices from a vectorized C pass)
   6. sampled rows: temperature -> top_k -> top_p -> min_p -> draw
 
 Logprobs (stage 4) see penalties, bias and masks but not temperature, top-k,

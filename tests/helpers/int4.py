@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from onecall.engine.engine import Engine
+from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
 from onecall.model.packing import enable_fast_kernels
-from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
 from tests.helpers.tiny_engine import tiny_engine, tiny_model
 
 

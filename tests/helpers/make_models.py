@@ -272,8 +272,8 @@ def hf_and_ours(hf_config: Any, model_cls: Any, *, weight_scale: float, seed: in
     """A transformers model with every parameter random (norms ~1 + 0.2 N, biases 0.2 N, the rest
     weight_scale * N: transformers initialises norms to 1 and biases to 0, which would hide them),
     and our DecoderLM loaded from its state dict."""
+    from onecall.formats.hf_config import model_config_from_hf
     from onecall.model.decoder import DecoderLM
-    from onecall.model.hf_config import model_config_from_hf
     from onecall.model.weights import load_weights
 
     torch.manual_seed(seed)

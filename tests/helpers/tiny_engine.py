@@ -15,10 +15,10 @@ import torch
 from onecall.config import EngineConfig
 from onecall.engine.engine import Engine
 from onecall.engine.engine_parts import LoadedEngineParts
-from onecall.model.checkpoint import ModelFiles, resolve_model
+from onecall.formats.checkpoint import ModelFiles, resolve_model
+from onecall.formats.gguf import open_gguf
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
-from onecall.model.gguf import open_gguf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.text.tokenizer import Tokenizer
 

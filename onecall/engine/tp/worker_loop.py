@@ -33,9 +33,9 @@ from onecall.config import EngineConfig
 from onecall.engine.engine_parts import install_fused_ops, kv_blocks_in_budget, load_model
 from onecall.engine.model_runner import ModelRunner
 from onecall.engine.tp.messages import GROUP_TIMEOUT, backend_for, control_group, receive_step
+from onecall.formats.checkpoint import load_hf_config_dict, resolve_model
+from onecall.formats.hf_config import model_config_from_hf
 from onecall.model.attention_metadata import default_backend
-from onecall.model.checkpoint import load_hf_config_dict, resolve_model
-from onecall.model.hf_config import model_config_from_hf
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel
 

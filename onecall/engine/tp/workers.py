@@ -64,8 +64,8 @@ from onecall.engine.tp.worker_loop import (
     set_cpu_threads,
 )
 from onecall.errors import EngineDeadError, InvalidParameterError
-from onecall.model.checkpoint import load_hf_config_dict, resolve_model
-from onecall.model.hf_config import model_config_from_hf
+from onecall.formats.checkpoint import load_hf_config_dict, resolve_model
+from onecall.formats.hf_config import model_config_from_hf
 from onecall.model.parallel import TensorParallel
 
 _CLOSE_TIMEOUT_S = 10.0  # for the workers to leave after SHUTDOWN, before they are terminated

@@ -1,5 +1,5 @@
 """A GGUF's RoPE scaling, read back into the rope_scaling dict of the config.json it was converted
-from (model/gguf_layout.py's gguf_config_dict puts it there; model_config_from_hf checks it).
+from (formats/gguf_layout.py's gguf_config_dict puts it there; model_config_from_hf checks it).
 
 llama.cpp's converter writes a RoPE scaling two ways: as `{arch}.rope.scaling.*` metadata keys
 (linear, yarn), or as small float tensors beside the weights (Llama 3.1+'s rope_freqs, Phi-3's
@@ -11,17 +11,13 @@ type llama.cpp would run differently from the HF config we derive is refused by 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from onecall.errors import UnsupportedModelError
-from onecall.model.ggml_types import GGMLType, checked_value, ggml_type_name
-from onecall.model.quants import SUPPORTED_QUANT_TYPES, dequantize
-
-if TYPE_CHECKING:
-    from onecall.model.gguf import GGUFFile
-
+from onecall.formats.ggml_types import GGMLType, GGUFView, checked_value, ggml_type_name
+from onecall.formats.quants import SUPPORTED_QUANT_TYPES, dequantize
 
 # {arch}.rope.scaling.* keys that only llama.cpp's own yarn variants set, with the value at which they
 # change nothing: any other value is refused rather than ignored.
@@ -32,7 +28,7 @@ _SCALING_KINDS = {"type": "string", "factor": "number", "original_context_length
                   **dict.fromkeys(_NEUTRAL_YARN_KEYS, "number")}  # fmt: skip
 
 
-def rope_scaling_dict(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
+def rope_scaling_dict(gguf: GGUFView, arch: str) -> dict[str, Any] | None:
     """The RoPE scaling the converter wrote -> an HF-style rope_scaling dict (ModelConfig checks it).
 
     | GGUF                                                | rope_scaling                                  |
@@ -90,7 +86,7 @@ def rope_scaling_dict(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
     return {k: v for k, v in rope.items() if v is not None} if rope is not None else None
 
 
-def _phi3_longrope(gguf: GGUFFile, scaling: dict[str, Any]) -> dict[str, Any] | None:
+def _phi3_longrope(gguf: GGUFView, scaling: dict[str, Any]) -> dict[str, Any] | None:
     """Phi-3's longrope as Phi3MiniModel writes it: the two factor sets as tensors, the original context
     as rope.scaling.original_context_length, and the cos/sin multiplier it derived, as attn_factor
     (sqrt(1 + ln(factor) / ln(original)), factor = context_length / original: transformers' default,
@@ -120,7 +116,7 @@ def _phi3_longrope(gguf: GGUFFile, scaling: dict[str, Any]) -> dict[str, Any] | 
     return rope
 
 
-def _float_tensor(gguf: GGUFFile, name: str) -> list[float] | None:
+def _float_tensor(gguf: GGUFView, name: str) -> list[float] | None:
     """A small 1-D tensor of the file (RoPE factors) as Python floats, or None if absent."""
     info = next((t for t in gguf.tensors if t.name == name), None)
     if info is None:

@@ -6,7 +6,7 @@ float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection
 * a weight the checkpoint stored in 4-bit groups of 32 (GGUF Q4_0/Q4_1/Q4_K, see quants.Int4Groups)
   or int8 groups (Q8_0, groups of 32; Q6_K, groups of 16: quants.Int8Groups), or in parts of those
   (Q4_K_M files keep v in Q6_K beside q/k in Q4_K): every row, decode and prompt alike, runs the
-  native kernels on the file's own weights (model/native.py, csrc/gemm.c: int16 activations
+  native kernels on the file's own weights (kernels/cpu/native.py, csrc/gemm.c: int16 activations
   per group of 32, exact integer dot products; int8 ones with int8_activations for 4-bit groups), at
   an eighth (4-bit) or a quarter (int8) of float32's bytes. At a prompt's many rows the kernels are
   compute-bound: the 4-bit one's int16 multiply-adds ran 1.0-1.2x oneDNN's float32 GEMM on this
@@ -42,8 +42,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from onecall.model import native
-from onecall.model.quants import Int4Groups, Int8Groups, StoredGroups
+from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
+from onecall.kernels.cpu import native
 
 # Outside a decode_rows() scope, calls with at most this many rows use the 4-bit kernel.
 INT4_MAX_ROWS = 16

@@ -1,5 +1,5 @@
 /* Rows of a token embedding kept as the checkpoint stored it, dequantized on lookup, so no float32 copy
- * of the table is kept (model/fast_embedding.py):
+ * of the table is kept (kernels/cpu/fast_embedding.py):
  *
  *   onecall_q8b_rows  int8 groups (Q8_0, Q6_K) in the q8b layout (gemm.c): the same bytes the logits
  *                     kernel reads when the embedding is tied

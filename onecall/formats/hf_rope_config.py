@@ -1,5 +1,5 @@
 """The RoPE part of a Hugging Face config.json -> RopeScaling and the partial rotary factor, for
-model/hf_config.py (which reads rope_theta itself, with the other scalars).
+formats/hf_config.py (which reads rope_theta itself, with the other scalars).
 
 Where a file keeps its RoPE parameters, and which wins (transformers' convert_rope_params_to_dict):
 
@@ -135,7 +135,7 @@ def rope_scaling_from_hf(
     if rope_type in ("linear", "dynamic"):
         return RopeScaling(rope_type, factor=required("factor"))
     if rope_type == "llama3":
-        if "freq_factors" in rope:  # a GGUF's rope_freqs tensor (model/checkpoint.py)
+        if "freq_factors" in rope:  # a GGUF's rope_freqs tensor (formats/checkpoint.py)
             return RopeScaling(rope_type, freq_factors=factors("freq_factors"))
         low, high = required("low_freq_factor"), required("high_freq_factor")
         if high <= low:

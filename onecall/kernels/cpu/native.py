@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 # the library's entry points, re-exported: callers take them from here
-from onecall.model.native_build import cpu_flags as cpu_flags
-from onecall.model.native_build import load as load
-from onecall.model.native_build import unavailable_reason as unavailable_reason
+from onecall.kernels.cpu.native_build import cpu_flags as cpu_flags
+from onecall.kernels.cpu.native_build import load as load
+from onecall.kernels.cpu.native_build import unavailable_reason as unavailable_reason
 
 # K/V cache dtypes the native decode attention and cache writes read and write directly.
 KV_DTYPES = (torch.float32, torch.float16)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from onecall.model.ggml_types import GGML_BLOCK_SIZES, GGMLType
+from onecall.formats.ggml_types import GGML_BLOCK_SIZES, GGMLType
 
 T = GGMLType
 
@@ -112,7 +112,7 @@ class Int4Groups:
     """A 4-bit weight as ggml stores it, before expansion: w[r, c] = q[r, c] * scale[r, g] + offset[r, g]
     with g = c // group_size. Q4_0, Q4_1 and Q4_K all have this form with groups of 32 (Q4_K's
     super-block scales are folded into per-group scale/offset in float32), so a kernel that
-    multiplies by int4 groups directly (model/fast_linear.py) runs these files' own weights.
+    multiplies by int4 groups directly (kernels/cpu/fast_linear.py) runs these files' own weights.
     """
 
     q: torch.Tensor  # (rows, cols) uint8 in [0, 15]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from onecall.model import native
+from onecall.kernels.cpu import native
 
 
 class StoredEmbedding(nn.Module):

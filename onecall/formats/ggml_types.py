@@ -11,10 +11,15 @@ one metadata value of an expected kind (a positive integer, a finite number, ...
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from onecall.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GGMLType(IntEnum):
@@ -113,3 +118,26 @@ def checked_value(meta: dict[str, Any], key: str, default: Any, kind: str) -> An
     if not ok:
         raise UnsupportedModelError(f"GGUF key {key} must be {_KIND_NAMES[kind]}, got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of a GGUF's tensor directory."""
+
+    name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
+    shape: tuple[int, ...]  # torch order (out_features, in_features): GGUF dims reversed
+    ggml_type: int
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class GGUFView(Protocol):
+    """What the layout readers (gguf_layout.py, gguf_rope_scaling.py) need of an open GGUF file
+    (gguf.py's GGUFFile), so that they do not import the reader that imports them."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+    architecture: str
+
+    def raw_data(self, info: TensorInfo) -> torch.Tensor: ...

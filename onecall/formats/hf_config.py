@@ -1,7 +1,7 @@
 """A Hugging Face config.json dict -> ModelConfig: each family's keys, transformers' defaults where a
 file leaves keys out, and a refusal (UnsupportedModelError, naming the key) for anything our model
 code would run wrong. model/config.py holds the validated dataclasses this fills; the RoPE keys
-(scaling types, partial rotary, Gemma 3's per-layer-type parameters) are read by model/hf_rope_config.py.
+(scaling types, partial rotary, Gemma 3's per-layer-type parameters) are read by formats/hf_rope_config.py.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from onecall.errors import UnsupportedModelError
+from onecall.formats.hf_rope_config import gemma3_rope_as_one, partial_rotary_from_hf, rope_scaling_from_hf
 from onecall.model.config import (
     ARCHITECTURES,
     GEMMA,
@@ -20,7 +21,6 @@ from onecall.model.config import (
     ModelConfig,
     MoESpec,
 )
-from onecall.model.hf_rope_config import gemma3_rope_as_one, partial_rotary_from_hf, rope_scaling_from_hf
 
 # Classes of the families users bring that onecall does not run, named for what they are.
 _REFUSED_CLASSES = {

@@ -22,14 +22,35 @@ Triton is imported only when this backend is used; nothing else in onecall needs
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sized
+from typing import Any, Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from onecall.model.attention_metadata import AttentionMetadata
+
+class PagedBatch(Protocol):
+    """What the kernel reads of a step's attention metadata (model/attention_metadata.py's
+    AttentionMetadata, as tensors): per sequence its block table, KV length and first query row."""
+
+    @property
+    def block_tables(self) -> torch.Tensor | None: ...  # (num_seqs, max_blocks) int32
+
+    @property
+    def seq_lens_t(self) -> torch.Tensor | None: ...  # (num_seqs,) int32
+
+    @property
+    def query_starts_t(self) -> torch.Tensor | None: ...  # (num_seqs + 1,) int32
+
+    @property
+    def max_query_len(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def seqs(self) -> Sized: ...  # one entry per sequence
 
 
 @triton.jit
@@ -140,7 +161,7 @@ def triton_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: PagedBatch,
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,

@@ -3,7 +3,7 @@
  * The library: gemm.c (the quantized GEMMs), decode_attention.c (paged decode attention),
  * decode_step.c (the small fused ops and the whole decode step), prefill_attention.c (causal prefill
  * attention), embedding.c (rows of a quantized table), argmax.c (the greedy pick over logits), with
- * simd.h's shared helpers. Built at first use by model/native_build.py (gcc -O3 -mavx2 -mfma -mf16c
+ * simd.h's shared helpers. Built at first use by kernels/cpu/native_build.py (gcc -O3 -mavx2 -mfma -mf16c
  * -fopenmp -ffp-contract=off, every source compiled at once, then linked into one shared library),
  * cached on disk, loaded with ctypes; native_build.py's _declare lists every exported function's
  * arguments. The OpenMP runtime here is the libgomp torch has already loaded (same soname), so these

@@ -3,7 +3,7 @@ names -> Hugging Face parameter names, and `{arch}.*` metadata -> the config.jso
 
 | GGUF arch            | HF class                | tensors beyond Llama's                      | restored from llama.cpp's rules          |
 |----------------------|-------------------------|---------------------------------------------|------------------------------------------|
-| llama                | LlamaForCausalLM        | rope_freqs (llama3 RoPE)                    | Q/K rows interleaved (model/gguf.py)     |
+| llama                | LlamaForCausalLM        | rope_freqs (llama3 RoPE)                    | Q/K rows interleaved (formats/gguf.py)     |
 | llama + expert_count | MixtralForCausalLM      | ffn_gate_inp, ffn_{gate,up,down}_exps (or   | top-k renormalised; Q/K interleaved      |
 |                      |                         | ffn_gate_up_exps; or, in older files,       |                                          |
 |                      |                         | ffn_{gate,up,down}.E per expert)            |                                          |
@@ -18,24 +18,21 @@ names -> Hugging Face parameter names, and `{arch}.*` metadata -> the config.jso
 |                      |                         |                                             | _gemma_keys                              |
 
 A stacked expert tensor (num_experts, rows, cols) maps to a name with "*" for the expert index;
-model/gguf.py yields it as one tensor per expert (the per-expert names model/weights.py stacks).
+formats/gguf.py yields it as one tensor per expert (the per-expert names model/weights.py stacks).
 Everything the table does not cover is refused by name: other architectures (REFUSED_ARCHITECTURES
 says what the common ones are), unknown tensors, RoPE and MoE keys we would run differently. The
-RoPE scaling (metadata keys and factor tensors) is read by model/gguf_rope_scaling.py.
+RoPE scaling (metadata keys and factor tensors) is read by formats/gguf_rope_scaling.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from onecall.errors import UnsupportedModelError
+from onecall.formats.ggml_types import GGUFView, checked_value
+from onecall.formats.gguf_rope_scaling import rope_scaling_dict
 from onecall.model.config import GLOBAL, SLIDING
-from onecall.model.ggml_types import checked_value
-from onecall.model.gguf_rope_scaling import rope_scaling_dict
-
-if TYPE_CHECKING:
-    from onecall.model.gguf import GGUFFile
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3"})
 GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
@@ -98,7 +95,7 @@ _GEMMA_NORMS = {
 # fused in ffn_up (rows [gate; up]: llama.cpp's phi3 has no ffn_gate); model/weights.py splits both.
 _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # MoE blocks: the router and the stacked experts (num_experts, rows, cols). ffn_gate_up_exps (the
-# converter's --fuse-gate-up-exps) holds each expert's [gate; up] rows; model/gguf.py yields the halves.
+# converter's --fuse-gate-up-exps) holds each expert's [gate; up] rows; formats/gguf.py yields the halves.
 _MOE_NAMES = {
     "ffn_gate_inp": "mlp.gate", "ffn_gate_up_exps": "mlp.experts.*.gate_up_proj",
     "ffn_gate_exps": "mlp.experts.*.gate_proj", "ffn_up_exps": "mlp.experts.*.up_proj",
@@ -153,7 +150,7 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama", has_experts: boo
 # ---------------------------------------------------------------- metadata -> config.json
 
 
-def gguf_config_dict(gguf: GGUFFile) -> dict[str, Any]:
+def gguf_config_dict(gguf: GGUFView) -> dict[str, Any]:
     """The Hugging Face config.json dict a GGUF was converted from (model_config_from_hf checks it).
     Phases: 1. architecture, 2. shapes, 3. RoPE, 4. the family's own keys, 5. token ids."""
     meta, arch = gguf.metadata, gguf.architecture

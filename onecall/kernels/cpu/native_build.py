@@ -1,5 +1,5 @@
 """Building and loading the native CPU kernels (csrc/*.c): one shared library, built with the
-system C compiler at first use, cached on disk; model/native.py calls them on tensors.
+system C compiler at first use, cached on disk; kernels/cpu/native.py calls them on tensors.
 
 - `cc -O3 -mavx2 -mfma -mf16c -fopenmp -ffp-contract=off -c` on every source at once (a compiler
   process each, so the cores share the build: ~1.9 s here, ~3.2 s one after another), then one

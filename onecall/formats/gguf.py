@@ -25,7 +25,6 @@ import mmap
 import os
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +32,15 @@ import numpy as np
 import torch
 
 from onecall.errors import ModelFileError, UnsupportedModelError
-from onecall.model.ggml_types import GGML_TYPE_SIZES, GGMLType, GGUFValueType, ggml_type_name
-from onecall.model.gguf_layout import (
+from onecall.formats.ggml_types import GGML_TYPE_SIZES, GGMLType, GGUFValueType, TensorInfo, ggml_type_name
+from onecall.formats.gguf_layout import (
     GEMMA_ARCHITECTURES,
     SKIPPED_TENSORS,
     check_loadable,
     hf_tensor_name,
     key_reader,
 )
-from onecall.model.quants import (
+from onecall.formats.quants import (
     SUPPORTED_QUANT_TYPES,
     Int4Groups,
     Int8Groups,
@@ -94,17 +93,6 @@ class _Malformed(Exception):
 
 
 # ---------------------------------------------------------------- file parsing
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One entry of the tensor directory."""
-
-    name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
-    shape: tuple[int, ...]  # torch order (out_features, in_features): GGUF dims reversed
-    ggml_type: int
-    offset: int  # absolute byte offset in the file
-    nbytes: int
 
 
 class _Cursor:

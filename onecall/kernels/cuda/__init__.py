@@ -1,0 +1,1 @@
+"""CUDA kernels in Triton (loaded only with the triton backend on a CUDA device)."""
