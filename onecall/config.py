@@ -50,7 +50,7 @@ class EngineConfig:
     kernels: str = "fast"
     # With the fast kernels on CPU: 4-bit projections quantize their activations to int8 per group of
     # 32 (llama.cpp's arithmetic) instead of int16: faster prompts and batches. Each projection's
-    # outputs move by up to ~1% of their largest (tests/test_native_kernels.py), more through many
+    # outputs move by up to ~1% of their largest (tests/kernels/test_native_kernels.py), more through many
     # layers, so greedy text can differ from the float32 reference's. No effect where the native 4-bit
     # kernel does not run (CUDA, tensor parallel, other weight types): LLM.info.kernels says what ran.
     int8_activations: bool = False

@@ -2,7 +2,7 @@
 
 Triton's interpreter (TRITON_INTERPRET=1) must be chosen before triton is first imported, by any
 module: transformers and torch can import it on their own. Without a CUDA device it is the only
-way Triton kernels run, so the whole session uses it (tests/test_triton_attention.py,
+way Triton kernels run, so the whole session uses it (tests/kernels/test_triton_attention.py,
 tests/test_gpu_check.py); with one, kernels run compiled on the device.
 
 Also here: the fixtures many files share (the embedded model's tokenizer, a grammar backend, the

@@ -15,7 +15,7 @@ or bare, so that a rename can rewrite it with sed):
    not read as repository paths). Trailing dots are dropped (the end of a sentence). Markdown link
    targets are not tokens (they are links, below); link texts are.
 2. Rooted: a token whose first component is `onecall`, `tests`, `benchmarks`, `docs` or `.ci` is
-   resolved from the repository root (`tests/test_engine.py`, `docs/lab/`).
+   resolved from the repository root (`tests/engine/test_engine.py`, `docs/lab/`).
 3. Module-relative: a token whose first component is a folder of onecall/ (engine, model, server,
    ...) and that ends in "/" or a source file's extension (_EXTENSION: .py, .c, .html, .md, ...),
    such as `engine/scheduler.py`, `kernels/cpu/csrc/gemm.c` or `server/`, and any other token ending in
@@ -227,7 +227,7 @@ def test_named_paths_exist(page: Path) -> None:
     ("token", "path"),
     [
         ("onecall/engine/engine.py", "onecall/engine/engine.py"),
-        ("tests/test_engine.py.", "tests/test_engine.py"),
+        ("tests/engine/test_engine.py.", "tests/engine/test_engine.py"),
         ("engine/scheduler.py", "onecall/engine/scheduler.py"),
         ("kernels/cpu/csrc/gemm.c", "onecall/kernels/cpu/csrc/gemm.c"),
         ("server/", "onecall/server/"),

@@ -4,7 +4,7 @@ These are fixed by the GGUF specification; the `gguf` package defines them too, 
 runs its whole package (writer, vocab, yaml, ...: about 90 ms of cold start) for two tables.
 GGMLType lists the types onecall can load; GGML_TYPE_SIZES lists every type ggml defines, so the
 reader can size (and bounds-check) a tensor of any of them and name the ones it will not load.
-tests/test_gguf.py checks both tables against `gguf.constants`. Also here: `checked_value`, which reads
+tests/formats/test_gguf.py checks both tables against `gguf.constants`. Also here: `checked_value`, which reads
 one metadata value of an expected kind (a positive integer, a finite number, ...) or refuses it by name.
 """
 

@@ -2,7 +2,7 @@
 
 Written from ggml's block layouts (ggml-quants.c's dequantize_row_* operation
 order, so results are bit-exact). The `gguf` package's numpy
-`gguf.quants.dequantize` is the oracle in tests/test_gguf.py; we do not call it at
+`gguf.quants.dequantize` is the oracle in tests/formats/test_gguf.py; we do not call it at
 load time because it is ~6x slower here (4.2 s vs 0.65 s for SmolLM2-135M on
 one core), which alone would break the 5 s cold-start goal. Torch ops also run
 on the model's device.

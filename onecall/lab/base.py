@@ -7,7 +7,7 @@ An experiment is a module in onecall/lab/experiments/ with a `NAME`, a `TITLE`
 and `run(ctx: LabContext) -> ExperimentResult`. It drives the engine only
 through the public Python API (the names in `onecall.__all__`: LLM and its `info`,
 SamplingParams, RequestOutput and its trace); it never reaches into the engine
-(tests/test_lab_public_api.py checks). It writes its
+(tests/lab/test_lab_public_api.py checks). It writes its
 plots into `ctx.out_dir` and returns their paths; the report embeds them.
 
 Every experiment sets `seed_rows`: the seed's figure beside ours (the seed

@@ -7,7 +7,7 @@ runs a native kernel (4-bit, or int8 groups), `csrc/decode_step.c: onecall_decod
 the same order over the same values from C, so:
 
 - a decode row's bits do not depend on which path ran it (a mixed step takes the per-op path, a
-  pure decode step this one): batch invariance holds across both, and tests/test_native_step.py
+  pure decode step this one): batch invariance holds across both, and tests/kernels/test_native_step.py
   checks the two paths bitwise;
 - the step's Python cost is one ctypes call: the embedding rows and the RoPE tables' rows are
   gathered in C (token ids and positions are checked against the tables' sizes there first).

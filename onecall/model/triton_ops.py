@@ -15,7 +15,7 @@ Numerics follow the torch path of model/layers.py, in the same order of rounding
 RMSNorm normalises in float32, then for bfloat16/float16 rounds to the model dtype before the weight
 product (transformers' order); float32 is F.rms_norm. RoPE is computed in float32 from the stored
 values and rounded once (the torch path rounds each product in the model dtype: results differ by an
-ulp or so in bfloat16, exactly nothing in float32 beyond summation order). tests/test_triton_ops.py
+ulp or so in bfloat16, exactly nothing in float32 beyond summation order). tests/kernels/test_triton_ops.py
 holds each kernel against the torch ops under TRITON_INTERPRET=1 on CPU.
 
 `install(model)` (called by the engine with the Triton attention backend, i.e. on CUDA) sets the

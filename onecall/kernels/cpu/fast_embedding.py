@@ -8,7 +8,7 @@ SmolLM2-135M's ~750 MB resident, 2.5 GB for a 151,936 x 4,096 vocabulary. When t
 the q8b layout for int8 groups, the q4 layout for 4-bit ones), so the table costs nothing beyond what
 the logits already hold; an untied one is packed once in the same layouts (int8: under a third of float32's
 bytes; 4-bit: under a fifth). A looked-up row is the float32 value the GGUF dequantization gives, to the
-bit (float(q) * scale, or float(q) * scale + offset): tests/test_fast_embedding.py checks it against
+bit (float(q) * scale, or float(q) * scale + offset): tests/kernels/test_fast_embedding.py checks it against
 the dequantized table.
 
 packing.install puts one in place of the model's nn.Embedding on CPU with the native kernels when the

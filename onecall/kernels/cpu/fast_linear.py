@@ -25,7 +25,7 @@ float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection
 Which rows are "decode" is the step's, not the call's: the engine runs each forward inside
 `decode_rows(n)` (the batch's first n rows are decode tokens, the rest prompt tokens), so a
 request's tokens go through the same kernels whatever else shares its batch (batch invariance;
-tests/test_batch_invariance.py). Outside such a scope (tests, the attention probe) a call of at
+tests/engine/test_batch_invariance.py). Outside such a scope (tests, the attention probe) a call of at
 most INT4_MAX_ROWS rows counts as decode. The logits (FastLMHead) of a weight stored as Q8_0 or Q6_K
 run the same native int8 kernel, of one stored as Q4_0/Q4_1/Q4_K the 4-bit one.
 
@@ -340,7 +340,7 @@ class FastLMHead(nn.Module):
     without them, a Q8_0 weight is found by re-quantizing the weight), the native 4-bit kernel for 4-bit
     groups of 32 (Q4_0/Q4_1/Q4_K: a quarter of int8's bytes, 1/7 of float32's), else a oneDNN-prepacked
     float32 copy. Both native kernels round activations to int16 steps per group of 32, as the
-    projections' 4-bit kernel does (its tolerance: tests/test_native_kernels.py)."""
+    projections' 4-bit kernel does (its tolerance: tests/kernels/test_native_kernels.py)."""
 
     def __init__(self, weight: torch.Tensor, stored: StoredGroups | None = None) -> None:
         super().__init__()

@@ -12,7 +12,7 @@ at position t sees keys 0..t), which covers a prefill chunk after a cached prefi
 
 Numerics: float32 queries use IEEE float32 dot products (no TF32); bfloat16/float16 ones accumulate
 in float32. A cache stored in another dtype than the queries (kv_cache_dtype) is converted to the
-queries' dtype as it is loaded, as the reference backend converts it. tests/test_triton_attention.py
+queries' dtype as it is loaded, as the reference backend converts it. tests/kernels/test_triton_attention.py
 holds the kernel against the reference backend under TRITON_INTERPRET=1 on CPU (the interpreter runs
 it with numpy; bfloat16 dot products excepted, which it gets wrong), and benchmarks/gpu_check.py
 against transformers on a GPU, bfloat16 included.

@@ -23,7 +23,7 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.weights import load_weights
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # What SmolLM2-135M-Instruct's config.json says (the fields that matter).
 SMOLLM2: dict[str, Any] = {

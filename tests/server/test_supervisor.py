@@ -26,10 +26,7 @@ from onecall.errors import EngineDeadError, EngineStepError, InvalidParameterErr
 from onecall.sampling_params import SamplingParams
 from onecall.server.async_engine import AsyncEngine, EngineRestartingError, RequestStream
 from onecall.server.metrics import Metrics
-from tests.helpers.server_process import assert_error, metric
-from tests.helpers.tiny_engine import run_all, tiny_engine
-from tests.test_async_engine import _FakeGroup
-from tests.test_faults import (
+from tests.engine.test_faults import (
     IDS,
     LONG,
     PROMPTS,
@@ -44,6 +41,9 @@ from tests.test_faults import (
     run,
     streamed,
 )
+from tests.helpers.server_process import assert_error, metric
+from tests.helpers.tiny_engine import run_all, tiny_engine
+from tests.server.test_async_engine import _FakeGroup
 
 
 async def outcome(stream: RequestStream) -> list[int] | EngineStepError | EngineDeadError:

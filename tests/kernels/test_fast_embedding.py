@@ -24,8 +24,8 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.weights import load_weights
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
-from tests.test_fast_linear import _q6_k_blocks, _random_blocks
-from tests.test_native_step import BLOCK, PROMPT_LENS, _decode, _prefill, _scrambled_tables
+from tests.kernels.test_fast_linear import _q6_k_blocks, _random_blocks
+from tests.kernels.test_native_step import BLOCK, PROMPT_LENS, _decode, _prefill, _scrambled_tables
 
 pytestmark = pytest.mark.skipif(
     native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"

@@ -11,7 +11,7 @@ fault leaves garbage in the KV it wrote: none of it entered the prefix cache), a
 drains to all-free. Then what does stop the engine: a fault in the step right after a recovery,
 books found inconsistent, a BaseException on the engine thread (each: EngineDeadError, 503, and
 /health saying why, when restarts are off or, for the BaseException, always; the in-place restart
-is tests/test_supervisor.py's); and an n > 1 request counts as n against the waiting-queue limit.
+is tests/server/test_supervisor.py's); and an n > 1 request counts as n against the waiting-queue limit.
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ from onecall.model.gemma import (
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, RMSNorm
 from tests.helpers.make_models import hf_and_ours
-from tests.test_model_numerics import VOCAB as NUMERICS_VOCAB
-from tests.test_model_numerics import Harness, Seq, assert_close, hf_logits, prompt
+from tests.model.test_model_numerics import VOCAB as NUMERICS_VOCAB
+from tests.model.test_model_numerics import Harness, Seq, assert_close, hf_logits, prompt
 
 LAYER_ATOL = 2e-5
 LOGITS_ATOL = 1e-4

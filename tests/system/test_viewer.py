@@ -28,7 +28,7 @@ pytestmark = pytest.mark.server  # every test here takes the `onecall serve` sub
 KEY = "sk-viewer-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).parent / "artifacts"
+ARTIFACTS = Path(__file__).parents[1] / "artifacts"
 TIMEOUT_MS = 60_000
 
 

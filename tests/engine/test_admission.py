@@ -22,7 +22,7 @@ from onecall.engine.scheduler import Scheduler
 from onecall.engine.sequence import FinishReason, Sequence
 from onecall.engine.trace import RequestTrace
 from onecall.sampling_params import SamplingParams
-from tests.test_block_manager import KVSim
+from tests.engine.test_block_manager import KVSim
 
 
 class CountingBlockManager(BlockManager):

@@ -60,7 +60,7 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.moe import Experts
 from onecall.model.weights import load_weights
 from tests.helpers.make_models import write_converted_gguf, write_tiny_hf_folder
-from tests.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt
+from tests.model.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt
 
 Q8_0, Q4_0 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0
 _TINY: dict[str, Any] = dict(

@@ -11,7 +11,7 @@ from types import ModuleType
 
 
 def _bench() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fleet.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fleet.py"
     spec = importlib.util.spec_from_file_location("bench_fleet", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

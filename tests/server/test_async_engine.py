@@ -5,7 +5,7 @@ at add time (and leave nothing queued); the waiting-queue limit; aborts (explici
 plus break, a cancelled consumer) free every KV block; the event loop keeps ticking through a
 slow step; with restarts off, a step that raises kills the engine cleanly (streams and new
 requests get EngineDeadError, the traceback is logged; the restarts themselves are
-tests/test_supervisor.py's); shutdown ends open streams; the metrics add up; an idle engine
+tests/server/test_supervisor.py's); shutdown ends open streams; the metrics add up; an idle engine
 thread sleeps, and so does one whose waiting requests cannot be scheduled.
 Each test runs its own event loop with asyncio.run (no pytest plugin needed).
 """

@@ -8,7 +8,7 @@
 2. Models: tiny random-weight Llama (llama3, linear), Qwen2 (yarn), Phi-3 (longrope + partial rotary,
    fused checkpoint tensors) and Mistral, loaded into DecoderLM; prefill, decode through the paged
    cache and a prefix-cache hit, with sequences longer than original_max_position_embeddings (16)
-   so the scaling changes the answer. Tolerance: tests/test_model_numerics.py's ATOL (1e-4).
+   so the scaling changes the answer. Tolerance: tests/model/test_model_numerics.py's ATOL (1e-4).
 3. A GGUF round trip of a llama3-scaled model (rope_freqs.weight, as llama.cpp's converter writes it)
    and the yarn metadata keys.
 """
@@ -43,7 +43,7 @@ from onecall.model.decoder import DecoderLM
 from onecall.model.layers import RotaryEmbedding
 from onecall.model.weights import load_weights
 from tests.helpers.make_models import hf_and_ours, llama3_rope_freqs, write_tiny_gguf
-from tests.test_model_numerics import Harness, Seq, assert_close, hf_logits, prompt
+from tests.model.test_model_numerics import Harness, Seq, assert_close, hf_logits, prompt
 
 ORIGINAL = 16  # original_max_position_embeddings of the tiny models: every test runs past it
 

@@ -32,7 +32,7 @@ from onecall.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow  # every test runs the embedded model (`llm`, tests/conftest.py)
 
-BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench-glaiveai2k.jsonl"
+BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench-glaiveai2k.jsonl"
 NUM_SCHEMAS = 200
 
 

@@ -1,6 +1,6 @@
 """The fused Triton ops of the CUDA path (model/triton_ops.py) against the torch ops they replace.
 
-Runs on CPU under TRITON_INTERPRET=1 (conftest.py), as tests/test_triton_attention.py does.
+Runs on CPU under TRITON_INTERPRET=1 (conftest.py), as tests/kernels/test_triton_attention.py does.
 Tolerances: float32, the same formulas in float32 (summation order only): 1e-5 relative to the
 values' scale. No bfloat16 here: Triton's interpreter converts float32 to bfloat16 by truncation (a GPU
 rounds to nearest even), so its bfloat16 results differ from torch's by an interpreter artefact;
@@ -170,6 +170,6 @@ build(_silu_mul_kernel, {"BLOCK": 1024})
 
 
 def test_the_kernels_compile_for_an_h200() -> None:
-    from tests.test_triton_attention import compile_for_sm90
+    from tests.kernels.test_triton_attention import compile_for_sm90
 
     compile_for_sm90(_COMPILE_OPS)

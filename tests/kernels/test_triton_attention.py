@@ -141,7 +141,7 @@ for q, kv, head_dim, max_query_len, softcap, cc, limit in [
 def compile_for_sm90(code: str) -> None:
     """Run `code` in a Python without TRITON_INTERPRET (skip when Triton has no CUDA backend)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600
     )

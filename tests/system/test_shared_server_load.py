@@ -7,7 +7,7 @@ the vocabulary, a grammar with min_tokens that ends it early, a wrong key) and a
 A caches. Bounded: about 70 requests of at most 8 tokens, one concurrent burst, a 120 s budget.
 
 What must hold: every good request succeeds with exactly the text it got alone (greedy, and the
-default path is batch invariant: tests/test_batch_invariance.py); every hostile one gets its 4xx
+default path is batch invariant: tests/engine/test_batch_invariance.py); every hostile one gets its 4xx
 (or its defined finish), never a 5xx; the server is healthy afterwards with no restart; and nothing
 of A's secret reaches B: no cached tokens, no divergence, no secret text in B's responses.
 """

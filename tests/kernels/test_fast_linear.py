@@ -10,7 +10,7 @@ Tolerances, written down:
   + 1e-5, a bound with a 2x margin over the three rounding terms.
 * int4 path, the native kernel: activations rounded to int16 steps of absmax/32767 per group of 32, so
   |fast - ref| <= sum_g (step_g / 2) * sum_{j in g} |w_j| + 1e-5 * (|x| @ |W|^T) + 1e-6
-  (tests/test_native_kernels.py checks the kernel itself against the same bound).
+  (tests/kernels/test_native_kernels.py checks the kernel itself against the same bound).
 * int8 groups (Q8_0, Q6_K: projections' decode rows, the logits), the native q8b kernel: the same
   int16 activation steps, so the same bound (`_int16_bound`).
 * engine level, tiny model with int4-representable weights: greedy tokens equal to the reference

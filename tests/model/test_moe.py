@@ -106,7 +106,7 @@ from onecall.formats.hf_config import model_config_from_hf  # noqa: E402
 from onecall.model.decoder import DecoderLM  # noqa: E402
 from onecall.model.weights import load_weights  # noqa: E402
 from tests.helpers.make_models import hf_and_ours  # noqa: E402
-from tests.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt  # noqa: E402
+from tests.model.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt  # noqa: E402
 
 _TINY = dict(
     vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,

@@ -1,0 +1,1 @@
+"""Tests of GGUF and safetensors reading, hostile files (fuzzed)."""

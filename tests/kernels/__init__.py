@@ -1,0 +1,1 @@
+"""Tests of native CPU and Triton kernels against their references."""

@@ -1,0 +1,1 @@
+"""Tests of `onecall lab` and its experiments."""

@@ -1,0 +1,1 @@
+"""Tests of the network against transformers (float32, tolerances written down), configs, RoPE, tensor parallel."""

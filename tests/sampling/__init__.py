@@ -1,0 +1,1 @@
+"""Tests of the sampler, penalties, grammar masks, provenance."""

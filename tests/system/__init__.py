@@ -1,0 +1,1 @@
+"""Tests of a real `onecall serve` subprocess, the official clients, a real browser."""

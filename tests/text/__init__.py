@@ -1,0 +1,1 @@
+"""Tests of tokenizers against transformers, detokenizer, chat templates and their limits, reasoning."""

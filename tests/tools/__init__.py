@@ -1,0 +1,1 @@
+"""Tests of tool calling: parsing, specs, LLM.chat with tools."""
