@@ -1,7 +1,7 @@
 """The GGUF format's numeric tags: tensor (ggml) types with their block sizes, and metadata value types.
 
 These are fixed by the GGUF specification; the `gguf` package defines them too, but importing it
-runs its whole package (writer, vocab, yaml, ...: about 90 ms of cold start) for two tables.
+runs its whole package (writer, vocab, yaml, ...) at cold start for two tables.
 GGMLType lists the types onecall can load; GGML_TYPE_SIZES lists every type ggml defines, so the
 reader can size (and bounds-check) a tensor of any of them and name the ones it will not load.
 tests/formats/test_gguf.py checks both tables against `gguf.constants`. Also here: `checked_value`, which reads

@@ -28,7 +28,8 @@ from onecall.model.parallel import TensorParallel
 
 class Linear(nn.Linear):
     """nn.Linear without its random initialisation: every weight is loaded from a checkpoint, and
-    kaiming_uniform_ on the meta device still costs ~1 ms a module (0.15 s of cold start here)."""
+    kaiming_uniform_ costs time even on the meta device (docs/benchmarks.md, "Measurements behind
+    the code")."""
 
     def reset_parameters(self) -> None:
         pass

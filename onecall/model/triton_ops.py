@@ -1,10 +1,10 @@
 """The small per-layer ops of the CUDA path fused into three Triton kernels.
 
-On a GPU a batch-1 decode step should cost one read of the weights. Measured on an H200 (Qwen3-8B
-shape, bfloat16, the step replayed as a CUDA graph): the four matmuls of a layer took ~100 us, and
-about thirty small elementwise kernels around them (residual add and RMSNorm in float32 then cast and
-scaled, Qwen3's q/k norms, RoPE as slices, products and a concat, the two K/V cache writes, SiLU then
-the product) took ~2 us each: 1.5-2 ms of a 6.6 ms step. Here each group is one kernel:
+On a GPU a batch-1 decode step should cost one read of the weights, but around a layer's four
+matmuls about thirty small elementwise kernels ran (residual add and RMSNorm in float32 then cast
+and scaled, Qwen3's q/k norms, RoPE as slices, products and a concat, the two K/V cache writes, SiLU
+then the product), each a launch of its own: a large share of the step (the H200 profile is in
+docs/benchmarks.md, "Measurements behind the code"). Here each group is one kernel:
 
     add_rms_norm   h += residual (in place), y = norm(h) * weight          2 launches -> 1 (x2 a layer)
     rope_store     Qwen3's q/k RMSNorm, RoPE on q and k in place, K and V  ~18 launches -> 1

@@ -7,7 +7,7 @@
 The llguidance tokenizer (every id's bytes, the special ids, EOS) is built once
 per model, on first use (about 0.6 s for a 49,152-token vocabulary). `compile`
 is thread-safe, so a server can warm the cache off the engine thread; the
-engine's add_request then only pays a cache hit and a deep copy (~2 us).
+engine's add_request then only pays a cache hit and a deep copy of the matcher.
 
 Compilation is bounded, so no request can stall or crash the process:
   1. the grammar text is capped (max_grammar_bytes) before llguidance sees it;

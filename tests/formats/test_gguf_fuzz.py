@@ -159,6 +159,7 @@ def mutate(data: bytes, fields: list[tuple[int, int]], rng: random.Random) -> by
     return bytes(out)
 
 
+@pytest.mark.slow
 def test_mutated_files_fail_cleanly(tmp_path: Path) -> None:
     seeds = seed_files(tmp_path)
     fields = [header_fields(data) for data in seeds]
@@ -254,6 +255,7 @@ def _gguf_bytes(draw: st.DrawFn) -> bytes:
     return header + bytes(-len(header) % 32) + bytes(data_size)
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None, derandomize=True, database=None)
 @given(data=_gguf_bytes())
 def test_files_built_from_scratch_fail_cleanly(data: bytes) -> None:

@@ -150,5 +150,6 @@ def compile_for_sm90(code: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_kernel_compiles_for_an_h200() -> None:
     compile_for_sm90(_COMPILE_ATTENTION)

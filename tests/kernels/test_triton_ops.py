@@ -104,6 +104,7 @@ def test_silu_mul_matches_the_mlp_activation() -> None:
     assert MLP  # the module whose forward calls it (model/layers.py)
 
 
+@pytest.mark.slow
 def test_engine_greedy_tokens_equal_with_the_fused_ops() -> None:
     """A tiny Qwen3 (q/k norms) through the Triton backend on static decode buffers, as on CUDA:
     with the fused ops installed, the same greedy tokens as the torch ops (float32)."""
@@ -169,6 +170,7 @@ build(_silu_mul_kernel, {"BLOCK": 1024})
 """
 
 
+@pytest.mark.slow
 def test_the_kernels_compile_for_an_h200() -> None:
     from tests.kernels.test_triton_attention import compile_for_sm90
 

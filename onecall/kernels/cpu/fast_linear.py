@@ -9,8 +9,7 @@ float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection
   native kernels on the file's own weights (kernels/cpu/native.py, csrc/gemm.c: int16 activations
   per group of 32, exact integer dot products; int8 ones with int8_activations for 4-bit groups), at
   an eighth (4-bit) or a quarter (int8) of float32's bytes. At a prompt's many rows the kernels are
-  compute-bound: the 4-bit one's int16 multiply-adds ran 1.0-1.2x oneDNN's float32 GEMM on this
-  AVX2 machine (one thread, benchmarks/bench_kernels.py), the int8 one 0.73-0.83x (512 rows, 2 threads);
+  compute-bound, near oneDNN's float32 GEMM (benchmarks/bench_kernels.py; docs/benchmarks.md);
   one kernel for every row makes a row's result independent of the batch by construction, and no
   float32 copy is ever made for such a weight (cold start, and memory: a Q8_0 file's float32 copy
   would be four times its size). A projection in parts runs one call per part and takes the per-op
@@ -48,7 +47,7 @@ from onecall.kernels.cpu import native
 # Outside a decode_rows() scope, calls with at most this many rows use the 4-bit kernel.
 INT4_MAX_ROWS = 16
 # oneDNN packs a weight for an expected batch size; any batch works with any packing, but packing for
-# 16 rows ran batch-16 decode 1.3x faster than packing for 1 (67 vs 87 ms) at no cost for 1 row.
+# 16 rows ran batch-16 decode faster than packing for 1, at no cost for 1 row (docs/benchmarks.md).
 _ONEDNN_PACK_ROWS = 16
 _INT4_INNER_K_TILES = 2  # packing parameter of torch's CPU int4 layout
 # A logits weight counts as stored in int8 groups when re-quantizing it reproduces it to this
