@@ -36,7 +36,7 @@ from onecall.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from tests.helpers.tiny_engine import embedded_tokenizer, run_all, tiny_engine
+from tests.helpers.tiny_engine import drain, embedded_tokenizer, run_all, tiny_engine
 
 PROMPTS = {"a": "The capital of France is", "b": "One, two, three,", "c": "def fib(n):"}
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -63,17 +63,6 @@ class AllowsNothing:
         return False
 
 
-def _drain(engine: Any) -> dict[str, Any]:
-    final: dict[str, Any] = {}
-    for _ in range(1000):
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            return final
-    raise AssertionError("the engine stopped making progress")
-
-
 # ---- rows with no legal token: their request ends alone ---------------------------------------------------
 def test_rows_with_no_token_end_alone_in_consecutive_steps_and_innocents_are_untouched() -> None:
     alone = {rid: out.token_ids for rid, out in run_all(tiny_engine(), PROMPTS, GREEDY).items()}
@@ -84,7 +73,7 @@ def test_rows_with_no_token_end_alone_in_consecutive_steps_and_innocents_are_unt
     offenders = {"x0": AllowsNothing(0), "x1": AllowsNothing(1), "x2": AllowsNothing(2), "xr": AllowsNothing(1, raises=True)}  # fmt: skip
     for rid, constraint in offenders.items():
         engine.add_request(rid, "Hello there", GREEDY, constraint=constraint)
-    final = _drain(engine)
+    final = drain(engine)
     assert engine.dead_reason is None
     assert {rid: final[rid].token_ids for rid in PROMPTS} == alone
     for rid in offenders:
@@ -193,7 +182,7 @@ def test_a_step_that_fails_in_postprocess_commits_no_prompt(monkeypatch: pytest.
         monkeypatch.setattr(engine_module, "postprocess_token", real)
         if fail:
             assert all(isinstance(o.error, EngineStepError) for o in outs) and len(outs) == 2
-        _drain(engine)
+        drain(engine)
         again = run_all(engine, {"again": prompts["a"]}, GREEDY)["again"]
         # without the fault the first prompt is cached (the check can fail); with it, nothing is
         assert (again.num_cached_tokens == 0) == fail

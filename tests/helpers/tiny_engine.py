@@ -102,12 +102,18 @@ def run_all(engine: Engine, prompts: dict[str, Any], params: Any) -> dict[str, A
     """Add every prompt at once, step until all finish; returns the final outputs by id."""
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params if not isinstance(params, dict) else params[rid])
+    final = drain(engine)
+    assert set(final) == set(prompts), "engine stopped stepping before every request finished"
+    return final
+
+
+def drain(engine: Engine, max_steps: int = 10_000) -> dict[str, Any]:
+    """Step until nothing is unfinished; the final output of every request that finished, by id."""
     final: dict[str, Any] = {}
-    for _ in range(10_000):
+    for _ in range(max_steps):
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
         if not engine.has_unfinished_requests():
-            break
-    assert set(final) == set(prompts), "engine stopped stepping before every request finished"
-    return final
+            return final
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
