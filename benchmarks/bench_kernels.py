@@ -110,12 +110,18 @@ def bench_q4(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[s
     return out
 
 
+_CSRC_PATHS = ("onecall/kernels/cpu/csrc", "onecall/model/csrc")  # where the sources are, newest first
+
+
 def other_revision(rev: str, tmp: Path) -> Any:
-    """REV's kernel sources, built and loaded (native_build.load_from)."""
+    """REV's kernel sources (where that revision keeps them), built and loaded (native_build.load_from)."""
     repo = Path(__file__).resolve().parent.parent
-    tar = subprocess.run(["git", "-C", str(repo), "archive", rev, "onecall/kernels/cpu/csrc"], capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(tmp)], input=tar.stdout, check=True)
-    return native_build.load_from(tmp / "onecall" / "model" / "csrc", tmp)
+    for path in _CSRC_PATHS:
+        tar = subprocess.run(["git", "-C", str(repo), "archive", rev, path], capture_output=True)
+        if tar.returncode == 0:
+            subprocess.run(["tar", "-x", "-C", str(tmp)], input=tar.stdout, check=True)
+            return native_build.load_from(tmp / path, tmp)
+    raise SystemExit(f"{rev} has no kernel sources at {' or '.join(_CSRC_PATHS)}")
 
 
 def ab_gemms(model: Any, rows: list[int], repeats: int, lib: Any, other: Any, rev: str) -> list[dict[str, Any]]:

@@ -37,42 +37,9 @@ from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP
 
 
-class _Q4Weight(ctypes.Structure):
-    """csrc's Q4Weight: one projection, in the q4 layout or in int8 groups (q8_group 32 or 16)."""
-
-    _fields_ = [
-        ("qs", ctypes.c_void_p),
-        ("scale", ctypes.c_void_p),
-        ("offset", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-        ("f16", ctypes.c_int64),
-        ("q8_group", ctypes.c_int64),
-        ("act8", ctypes.c_int64),
-    ]
-
-
-class _DecodeLayer(ctypes.Structure):
-    """csrc's DecodeLayer: a layer's two norm weights, its q/k norm weights (or NULL), its attention
-    options (sliding window, logit soft-cap; 0 = none) and four projections."""
-
-    _fields_ = [
-        ("input_norm", ctypes.c_void_p),
-        ("post_norm", ctypes.c_void_p),
-        ("q_norm", ctypes.c_void_p),
-        ("k_norm", ctypes.c_void_p),
-        ("window", ctypes.c_int64),
-        ("softcap", ctypes.c_float),
-        ("qkv", _Q4Weight),
-        ("o", _Q4Weight),
-        ("gate_up", _Q4Weight),
-        ("down", _Q4Weight),
-    ]
-
-
-def _q4_weight(linear: nn.Module) -> _Q4Weight | None:
-    """The projection's native decode weight: its q4 copy, or its int8 groups when one part covers
+def _q4_weight(linear: nn.Module) -> native.Q4Weight | None:
+    """The projection's native decode weight (kernels.h's Q4Weight, mirrored in native_abi.py and
+    checked against the header at load): its q4 copy, or its int8 groups when one part covers
     every row (a projection stored in mixed types has none: the per-op path runs it part by part)."""
     if not isinstance(linear, FastLinear):
         return None
@@ -81,18 +48,18 @@ def _q4_weight(linear: nn.Module) -> _Q4Weight | None:
     if linear.q4 is not None:
         w = linear.q4
         f16 = int(w.scale.dtype == torch.float16)
-        return _Q4Weight(
+        return native.Q4Weight(
             w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias, n, k, f16, 0, int(w.act8)
         )
     if len(linear.parts) == 1 and isinstance(g := linear.parts[0][2], native.Q8Blocked):
-        return _Q4Weight(g.qs.data_ptr(), g.scale.data_ptr(), 0, bias, n, k, 0, g.group_size, 0)
+        return native.Q4Weight(g.qs.data_ptr(), g.scale.data_ptr(), 0, bias, n, k, 0, g.group_size, 0)
     return None
 
 
 class NativeDecodeStep:
     """Runs DecoderModel's layers and final norm for an all-decode step in one native call."""
 
-    def __init__(self, lib: ctypes.CDLL, layers: Array[_DecodeLayer], model: DecoderModel) -> None:
+    def __init__(self, lib: ctypes.CDLL, layers: Array[native.DecodeLayer], model: DecoderModel) -> None:
         first = cast(DecoderLayer, model.layers[0])
         attn = first.self_attn
         self._lib = lib
@@ -142,8 +109,8 @@ class NativeDecodeStep:
             q_norm, k_norm = (qk_norm[0].data_ptr(), qk_norm[1].data_ptr()) if qk_norm else (None, None)
             window, softcap = attn.sliding_window or 0, attn.logit_softcap or 0.0
             norm_ptrs = (norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), q_norm, k_norm)
-            structs.append(_DecodeLayer(*norm_ptrs, window, softcap, *weights))
-        return cls(lib, (_DecodeLayer * len(structs))(*structs), model)
+            structs.append(native.DecodeLayer(*norm_ptrs, window, softcap, *weights))
+        return cls(lib, (native.DecodeLayer * len(structs))(*structs), model)
 
     def accepts(self, meta: AttentionMetadata, kv_cache: PagedKVCache, num_rows: int) -> bool:
         """Whether this step is one it runs exactly like the per-op path: every row a one-query sequence

@@ -6,8 +6,10 @@ Tolerances, written down:
   most sum_g (dx_g / 2) * sum_{j in g} |w_nj| (the activation rounding) + 1e-5 * (|x| @ |W|^T) + 1e-6
   (float32 scaling and summation).
 * q4 GEMM with int8 activations (int8_activations): the same bound with dx = absmax / 127; against
-  the int8 rounding emulated in float64 (the same quantized activations, exact integer dots), 1e-6
-  relative to the largest output (float32 scaling and summation only).
+  the int8 rounding emulated as the kernel rounds (step absmax / 127 and x * (1 / step) in float32,
+  ties to even: the same quantized activations; a float64 x / step rounds ~1% of inputs one step
+  apart), exact integer dots in float64, 1e-6 relative to the largest output (float32 scaling and
+  summation only).
 * q8b GEMM (int8 weights, Q8_0/Q6_K projections and logits; int16 activations): the q4 bound (the
   activation rounding, then 1e-5 relative for float32 scaling and summation; a group's int32 dot may
   round once on its way to float32, relative 6e-8).
@@ -179,8 +181,9 @@ def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_second_copy_of_the_sources_loads_beside_the_first(tmp_path: Path) -> None:
-    """load_from (bench_kernels.py --against): the same sources built apart give the same bits; a
-    source that does not compile, or one without the GEMMs, is a RuntimeError saying so."""
+    """load_from (bench_kernels.py --against): the same sources built apart give the same bits; sources
+    without a kernels.h, whose header lacks a GEMM or declares one that takes other arguments, or that
+    do not compile, are a RuntimeError saying so."""
     assert LIB is not None
     csrc = Path(native_build.__file__).parent / "csrc"
     other = native_build.load_from(csrc, tmp_path)
@@ -191,11 +194,24 @@ def test_a_second_copy_of_the_sources_loads_beside_the_first(tmp_path: Path) -> 
     assert torch.equal(native.q4_gemm(other, x, w, None, 2), native.q4_gemm(LIB, x, w, None, 2))
     broken = tmp_path / "broken"
     broken.mkdir()
+    (broken / "k.c").write_text("int f(void) { return 1; }")
+    with pytest.raises(RuntimeError, match="has no kernels.h"):
+        native_build.load_from(broken, broken)
+    header = (csrc / "kernels.h").read_text()
+    gemm = "int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *scale, int64_t N,"
+    assert gemm in header
+    (broken / "kernels.h").write_text(header.replace(gemm, gemm.replace("int64_t N,", "int N,")))
+    with pytest.raises(RuntimeError, match="onecall_q8b_gemm.*int N.*not comparable"):
+        native_build.load_from(broken, broken)
+    (broken / "kernels.h").write_text(header.replace("onecall_q8b_gemm", "onecall_q8b_gemm_v2"))
+    with pytest.raises(RuntimeError, match="lacks a GEMM this version calls: onecall_q8b_gemm"):
+        native_build.load_from(broken, broken)
+    (broken / "kernels.h").write_text(header)
     (broken / "k.c").write_text("int f( {")
     with pytest.raises(RuntimeError, match="building the kernels failed"):
         native_build.load_from(broken, broken)
     (broken / "k.c").write_text("int f(void) { return 1; }")
-    with pytest.raises(RuntimeError, match="lacks a GEMM"):
+    with pytest.raises(RuntimeError, match="declares onecall_q4_gemm, but .* does not export it"):
         native_build.load_from(broken, broken)
 
 
@@ -296,11 +312,13 @@ def test_q4_int8_activations_equal_their_emulation_and_stay_within_the_rounding_
     x = torch.randn(rows, 192) * 2
     x[:, 7] = 30.0  # an outlier feature: its group's step is coarse
     got = _q4a8(x, w, bias).double()
-    # emulated: each group of 32 rounded to int8 steps of absmax / 127 (to nearest, ties to even)
-    # multiplies q * scale; the offset multiplies the group's sum of the unrounded activations
+    # emulated: each group of 32 rounded to int8 steps of absmax / 127 as the kernel rounds it (float32
+    # step and reciprocal, to nearest, ties to even) multiplies q * scale; the offset multiplies the
+    # group's sum of the unrounded activations
+    step32 = x.view(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(x.view(rows, -1, 32) * (1.0 / step32)).double() * step32.double()
     groups = x.view(rows, -1, 32).double()
     step = groups.abs().amax(-1, keepdim=True) / 127
-    xq = torch.round(groups / step) * step
     wd = w.dequantize().double()
     scaled = (w.q.double().view(85, -1, 32) * w.scale.double()[..., None]).view(85, -1)
     emulated = xq.view(rows, -1) @ scaled.T + groups.sum(-1) @ w.offset.double().T + bias.double()

@@ -1,1 +1,3 @@
-"""The native CPU kernels: C sources in csrc/, built and bound in native_build.py and native.py."""
+"""The native CPU kernels: C sources in csrc/ (csrc/kernels.h declares every export and struct),
+built by native_build.py, bound from the header by native_abi.py (struct layouts checked against the
+compiler's at load: csrc/layout.c), called through native.py."""

@@ -8,7 +8,8 @@ steps with int8_activations), and read the paged KV cache in place for decode at
 causal prefill attention (a flash-style tiled kernel, prefill_attention.c).
 
 Every function here takes the library (`load()`: None where it cannot run, with the reason in
-`unavailable_reason()`) and contiguous CPU tensors, and checks the shapes it relies on.
+`unavailable_reason()`) and contiguous CPU tensors, and checks the shapes it relies on. The library's
+functions and the structs it reads are declared once, in csrc/kernels.h (native_abi.py binds them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-# the library's entry points, re-exported: callers take them from here
+# the library's entry points and the ctypes mirrors of kernels.h's structs, re-exported: callers take
+# them from here
+from onecall.kernels.cpu.native_abi import DecodeLayer as DecodeLayer
+from onecall.kernels.cpu.native_abi import KernelLibrary as KernelLibrary
+from onecall.kernels.cpu.native_abi import Q4Weight as Q4Weight
 from onecall.kernels.cpu.native_build import cpu_flags as cpu_flags
 from onecall.kernels.cpu.native_build import load as load
 from onecall.kernels.cpu.native_build import unavailable_reason as unavailable_reason

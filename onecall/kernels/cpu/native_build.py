@@ -1,22 +1,27 @@
 """Building and loading the native CPU kernels (csrc/*.c): one shared library, built with the
-system C compiler at first use, cached on disk; kernels/cpu/native.py calls them on tensors.
+system C compiler at first use, cached on disk, bound from its header; kernels/cpu/native.py calls
+them on tensors.
 
 - `cc -O3 -mavx2 -mfma -mf16c -fopenmp -ffp-contract=off -c` on every source at once (a compiler
   process each, so the cores share the build: ~1.9 s here, ~3.2 s one after another), then one
   `-shared` link into one library, into a cache folder keyed by a hash of the sources, the headers, the flags and
   the compiler's version: the next start loads the cached library. The folder is
   $ONECALL_CACHE_DIR/kernels, else $XDG_CACHE_HOME/onecall/kernels, else ~/.cache/onecall/kernels
-  (read in onecall/envs.py).
+  (read in onecall/envs.py). The build passes -Werror=missing-prototypes: every function the
+  library exports is declared in kernels.h.
 - loaded with ctypes after torch, so the library's libgomp is the one torch already loaded (the
   same soname): one OpenMP thread pool, not two competing for the cores.
+- bound from csrc/kernels.h, the interface's one declaration (native_abi.py): the functions'
+  ctypes signatures are derived from its prototypes and the ctypes mirrors of its structs are
+  checked against it and against the compiled layout. A header or mirror that disagrees is a
+  RuntimeError from `load()`: a bug to fix, not a reason to fall back.
 - not available (no AVX2/FMA/F16C, no compiler, a failed build, ONECALL_NATIVE_KERNELS=0): `load()`
   returns None, says why in `unavailable_reason()`, and the fast path falls back to torch's own
-  kernels. Nothing raises. `load()` decides once per process (thread-safe).
+  kernels; none of these raises. `load()` decides once per process (thread-safe).
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import shutil
@@ -24,11 +29,11 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from onecall import envs
+from onecall.kernels.cpu import native_abi
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (  # one library, one cache key
@@ -38,16 +43,22 @@ _SOURCES = (  # one library, one cache key
     _CSRC / "prefill_attention.c",  # causal prefill attention
     _CSRC / "embedding.c",  # rows of a quantized table (a token embedding kept as stored)
     _CSRC / "argmax.c",  # the greedy pick over a step's logits
+    _CSRC / "layout.c",  # the structs' sizes and offsets, for the load-time check of their mirrors
 )
+_HEADER = _CSRC / "kernels.h"  # everything the library exports, and the structs Python fills
 # included by the sources: part of the cache key, not compiled alone
-_HEADERS = (_CSRC / "kernels.h", _CSRC / "simd.h")
+_HEADERS = (_HEADER, _CSRC / "simd.h")
 # -ffp-contract=off: float arithmetic runs as written (FMAs only where the code asks for one), so two
 # paths that should give the same bits (float16 vs float32 scales, a row alone vs in a batch) do.
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c11", "-ffp-contract=off")
 _LINK_FLAGS = ("-shared", "-fopenmp")
+# this tree's sources only (not load_from's: an older revision's header declared less): a non-static
+# function without a prototype in kernels.h is an error, not a silent export Python cannot see
+_CHECKS = ("-Werror=missing-prototypes",)
+_GEMMS = ("onecall_q4_gemm", "onecall_q4a8_gemm", "onecall_q8b_gemm")  # what load_from's caller A/Bs
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_lib: native_abi.KernelLibrary | None = None
 _reason: str | None = None  # why the kernels are unavailable; None until load() decided
 _loaded = False
 
@@ -63,7 +74,7 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def load() -> ctypes.CDLL | None:
+def load() -> native_abi.KernelLibrary | None:
     """The kernel library, building it on first use; None where it cannot run here (see the docstring)."""
     global _lib, _reason, _loaded
     if _loaded:  # decided already (the hot path: no lock)
@@ -78,27 +89,32 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
-def load_from(csrc: Path, out_dir: Path) -> ctypes.CDLL:
+def load_from(csrc: Path, out_dir: Path) -> native_abi.KernelLibrary:
     """Another copy of the kernel sources (every .c file in `csrc`, e.g. an older revision's) built
     with the same compiler and flags into `out_dir` and loaded beside this one, for an A/B of the
-    GEMMs in one process (benchmarks/bench_kernels.py --against). Only the three GEMMs are declared,
-    with this version's argument lists: a revision whose GEMMs take other arguments is not comparable.
-    Not cached; raises RuntimeError if it cannot be built or lacks a GEMM."""
+    GEMMs in one process (benchmarks/bench_kernels.py --against). Bound from its own kernels.h, whose
+    three GEMM prototypes must take what this version's do (this version's native.py calls them).
+    Not cached; raises RuntimeError if its header is missing, unreadable or declares other GEMMs, or
+    if it cannot be built."""
+    if not (csrc / "kernels.h").is_file():
+        raise RuntimeError(f"{csrc} has no kernels.h: nothing declares what its functions take")
+    theirs, ours = native_abi.read_header(csrc / "kernels.h"), native_abi.read_header(_HEADER)
+    for name in _GEMMS:
+        if name not in theirs.functions:
+            raise RuntimeError(f"{csrc} lacks a GEMM this version calls: {name}")
+        there, here = theirs.functions[name], ours.functions[name]
+        if there.abi() != here.abi():
+            raise RuntimeError(f"{csrc} declares {there}, this version {here}: not comparable")
     compiler = _compiler()
     sources = sorted(csrc.glob("*.c"))
     # a name of its own per build: dlopen hands back an already-loaded path's old handle
     out = out_dir / f"onecall-kernels-other-{_key(sorted(f for f in csrc.iterdir() if f.is_file()))}.so"
     try:
-        _compile(compiler, sources, out)
+        _compile(compiler, sources, out, checks=())
     except _Unavailable as e:
         raise RuntimeError(str(e)) from e
     torch.ones(1).add_(1)  # torch's libgomp first, as load() does
-    lib = ctypes.CDLL(str(out))
-    try:
-        _declare_gemms(lib)
-    except AttributeError as e:
-        raise RuntimeError(f"{csrc} lacks a GEMM this version calls: {e}") from e
-    return lib
+    return native_abi.KernelLibrary(out, theirs)
 
 
 def unavailable_reason() -> str | None:
@@ -110,20 +126,21 @@ class _Unavailable(Exception):
     pass
 
 
-def _build_and_load() -> ctypes.CDLL:
+def _build_and_load() -> native_abi.KernelLibrary:
     if envs.disable_native_kernels():
         raise _Unavailable("disabled by ONECALL_NATIVE_KERNELS=0")
     missing = [f for f in _REQUIRED_CPU_FLAGS if f not in cpu_flags()]
     if missing:
         raise _Unavailable(f"this CPU lacks {', '.join(missing)}")
     compiler = _compiler()
+    header = native_abi.read_header(_HEADER)  # a HeaderError (a RuntimeError) before any build
     path = _cached_library(compiler)
     torch.ones(1).add_(1)  # torch's libgomp is loaded (it is, once torch is imported); reuse it
     try:
-        lib = ctypes.CDLL(str(path))
+        lib = native_abi.KernelLibrary(path, header)
     except OSError as e:
         raise _Unavailable(f"could not load {path}: {e}") from e
-    _declare(lib)
+    native_abi.check_structs(lib, header, native_abi.MIRRORS)
     return lib
 
 
@@ -134,14 +151,15 @@ def _compiler() -> str:
     return compiler
 
 
-def _compile(compiler: str, sources: list[Path], out: Path) -> None:
+def _compile(compiler: str, sources: list[Path], out: Path, checks: tuple[str, ...] = _CHECKS) -> None:
     """Each source to an object file, all at once (one compiler process each: the build is the part
-    of a first start that the cores can share), then one link into `out`."""
+    of a first start that the cores can share), then one link into `out`. `checks`: warnings made
+    errors (they change no code, so they are not part of the cache key)."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objects = [Path(tmp) / f"{i}-{s.stem}.o" for i, s in enumerate(sources)]
         try:
             jobs = [
-                subprocess.Popen([compiler, *_FLAGS, "-c", "-o", str(o), str(s)], stdout=subprocess.PIPE,
+                subprocess.Popen([compiler, *_FLAGS, *checks, "-c", "-o", str(o), str(s)], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
                 for s, o in zip(sources, objects, strict=True)
             ]
@@ -197,50 +215,3 @@ def _cached_library(compiler: str) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise _Unavailable(f"building the kernels failed: {e}") from e
     return path
-
-
-def _declare_gemms(lib: ctypes.CDLL) -> None:
-    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.onecall_q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int, c_int]
-    lib.onecall_q4_gemm.restype = c_int
-    lib.onecall_q4a8_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, p, c_int, c_int]
-    lib.onecall_q4a8_gemm.restype = c_int
-    lib.onecall_q8b_gemm.argtypes = [p, i64, i64, p, p, i64, p, p, c_int, c_int]
-    lib.onecall_q8b_gemm.restype = c_int
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    _declare_gemms(lib)
-    # q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D, block_size,
-    # scale, window, softcap, out, num_threads, kv_f16
-    f32 = ctypes.c_float
-    attention_args: list[Any] = [p, i64, p, p, p, i64, p, i64, i64, i64, i64, i64, f32, i64, f32, p, c_int, c_int]  # fmt: skip
-    lib.onecall_paged_decode_attention.argtypes = attention_args
-    lib.onecall_paged_decode_attention.restype = c_int
-    # q, q_stride, k_cache, v_cache, blocks, kv_start, block_size, query_len, seq_len, H, KVH, D, scale,
-    # window, softcap, out, num_threads, kv_f16
-    prefill_args: list[Any] = [p, i64, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i64, f32, p, c_int, c_int]  # fmt: skip
-    lib.onecall_prefill_attention.argtypes = prefill_args
-    lib.onecall_prefill_attention.restype = c_int
-    lib.onecall_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p]
-    lib.onecall_add_rms_norm.restype = None
-    lib.onecall_silu_mul.argtypes = [p, i64, i64, p]
-    lib.onecall_silu_mul.restype = None
-    lib.onecall_argmax_rows.argtypes = [p, i64, i64, p, c_int]
-    lib.onecall_argmax_rows.restype = c_int
-    lib.onecall_rope_store.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_float, p, p, p, p, p, c_int]
-    lib.onecall_rope_store.restype = None
-    # layers, num_layers, ids, embed (float32 or NULL), embed_qs, embed_scale, embed_offset, embed_group_or_f16,
-    # vocab, M, hidden, H, KVH, D, I, eps, attn_scale, positions,
-    # cos_table, sin_table, max_positions, slot_mapping, k_cache, v_cache, layer_stride, kv_f16,
-    # block_tables, max_blocks, seq_lens, block_size, final_norm, out, num_threads (model/native_step.py)
-    step_args: list[Any] = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, p, i64, p, p, p, i64, c_int]
-    lib.onecall_decode_layers.argtypes = [*step_args, p, i64, p, i64, p, p, c_int]
-    lib.onecall_decode_layers.restype = c_int
-    # qs, scale, N, K, group_size, ids, M, out
-    lib.onecall_q8b_rows.argtypes = [p, p, i64, i64, i64, p, i64, p]
-    lib.onecall_q8b_rows.restype = c_int
-    # qs, scale, offset, N, K, f16, ids, M, out
-    lib.onecall_q4_rows.argtypes = [p, p, p, i64, i64, c_int, p, i64, p]
-    lib.onecall_q4_rows.restype = c_int

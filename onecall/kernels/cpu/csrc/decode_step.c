@@ -124,8 +124,8 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  * The per-op path (model/layers.py) calls the kernels (gemm.c, decode_attention.c, the ops above) one
  * by one from Python, about twenty calls a layer. For a step where every row is a decode row on the
  * 4-bit kernel, this runs the same kernels in the same order on the same values, from C: a decode row
- * gets the same bits either way (tests/test_native_step.py checks it bitwise), and the step costs one
- * call into C instead of hundreds of Python-level dispatches.
+ * gets the same bits either way (tests/kernels/test_native_step.py checks it bitwise), and the step
+ * costs one call into C instead of hundreds of Python-level dispatches.
  *
  * Per layer, as DecoderLayer.forward does it: x = norm(h += r); qkv = x W_qkv (+b); q/k norms (Qwen3),
  * RoPE + K/V store; a = attention(q); h += a W_o and x = norm(h); r = silu(x W_gate) * (x W_up) W_down. After
@@ -135,24 +135,10 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  * scales IEEE half when embed_group_or_f16 is 1, else int8 groups in the q8b layout with groups of
  * embed_group_or_f16), each row's cos/sin from the RoPE tables, as DecoderLM.forward's lookups do
  * (the same values).
+ *
+ * Q4Weight and DecodeLayer, the structs Python fills (native_abi.py mirrors them), are declared in
+ * kernels.h.
  */
-typedef struct {         /* one projection: 4-bit (q8_group == 0) or int8 groups */
-    const uint8_t *qs;   /* q4: the q4 (or q4a8) layout; int8: the q8b layout */
-    const void *scale;   /* q4: float32, or IEEE half when f16; int8: float32 (q8b's layout) */
-    const void *offset;  /* q4 only */
-    const float *bias;   /* (n,) or NULL */
-    int64_t n, k, f16;
-    int64_t q8_group;    /* 0: the q4 kernel; 32 or 16: onecall_q8b_gemm with that group size */
-    int64_t act8;        /* q4 only: the q4a8 layout, run with int8 activations (onecall_q4a8_gemm) */
-} Q4Weight;
-
-typedef struct {
-    const float *input_norm, *post_norm; /* (hidden,) */
-    const float *q_norm, *k_norm;        /* (D,), or NULL: no per-head q/k norm */
-    int64_t window;                      /* sliding window, 0: none */
-    float softcap;                       /* attention logit soft-cap, 0: none */
-    Q4Weight qkv, o, gate_up, down;
-} DecodeLayer;
 
 static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int num_threads) {
     if (w->q8_group)
@@ -163,8 +149,7 @@ static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int 
     return onecall_q4_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
 }
 
-/* Returns 0 on success, -1 out of memory for the activation buffers, -3 a token id outside 0..vocab-1,
- * -4 a position outside the RoPE tables (for -3 and -4 nothing was written). */
+/* Its contract (shapes, return codes) is kernels.h's. */
 int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, const int64_t *ids, const float *embed,
                           const void *embed_qs, const void *embed_scale, const void *embed_offset,
                           int64_t embed_group_or_f16, int64_t vocab, int64_t M, int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t I,

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 /* Tile sizes (-DPF_BK=.. -DPF_ROWS=.. to try others; native.py builds with these). A row's bits depend
