@@ -48,7 +48,7 @@ from onecall.engine.model_runner import ModelRunner, PromptLogprobs
 from onecall.engine.outputs import EngineStats, RequestOutput, make_output
 from onecall.engine.postprocess import postprocess_token
 from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from onecall.engine.sequence import FinishReason, Sequence
+from onecall.engine.sequence import FinishReason, Sequence, SequenceStatus
 from onecall.engine.trace import StepRecord
 from onecall.errors import EngineDeadError, EngineStepError, InvalidParameterError, RequestFaultError
 from onecall.kernels.cpu import native
@@ -158,7 +158,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         for seq in self._seqs.values():
             seq.trace.record_finish(FinishReason.ERROR.value, now)
-            seq.finish_reason = FinishReason.ERROR
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ERROR
             outputs.append(make_output(seq, "", [], EngineStepError("engine restart", cause)))
         self._seqs.clear()
         self._masks.wait()

@@ -22,8 +22,9 @@ Compilation is bounded, so no request can stall or crash the process:
      finishes in the background; a caller is never kept waiting longer), and
      the refusal is cached like any compile error, so sending the same grammar
      again starts no second thread;
-  5. at most max_background_compiles such threads may still run: past that every
-     compile is refused (GrammarBusyError, a 429) until one ends.
+  5. at most max_compile_threads compile threads exist at once, running or timed out
+     (each holds a slot until its thread ends): a compile waits up to compile_timeout_s
+     for a slot, then is refused (GrammarBusyError, a 429).
 Every refusal but the last is an InvalidParameterError naming "structured_outputs.<kind>".
 
 Compiling never has to happen on the engine thread. The server compiles off it and holds
@@ -68,7 +69,7 @@ class GrammarLimits:
     compile_timeout_s: float = 10.0
     compile_stack_bytes: int = 256 * 1024 * 1024
     cache_size: int = 256
-    max_background_compiles: int = 2  # timed-out compiles still running; past it, compiles wait
+    max_compile_threads: int = 4  # compile threads alive at once, timed-out ones included
     # llguidance.LLParserLimits, at llguidance's defaults
     max_items_in_row: int = 2000
     initial_lexer_fuel: int = 1_000_000
@@ -137,7 +138,8 @@ class GrammarBackend:
         self._cache: OrderedDict[str, CompiledGrammar | str] = OrderedDict()  # text -> grammar or error
         # text -> a compiled grammar someone still holds (the server, until the request is queued)
         self._pinned: weakref.WeakValueDictionary[str, CompiledGrammar] = weakref.WeakValueDictionary()
-        self._background: list[threading.Thread] = []  # timed-out compiles still running
+        self._slots = threading.BoundedSemaphore(self.limits.max_compile_threads)  # one per compile thread
+        self.num_compile_threads = 0  # alive now (running, or timed out and still running)
         self.num_compiles = 0  # compiles actually run (cache misses that reached llguidance)
 
     @property
@@ -174,8 +176,10 @@ class GrammarBackend:
         tokenizer = self.ll_tokenizer
         cached = self._lookup(text)
         if cached is None:
-            cached = self._compile_bounded(kind, text, tokenizer, param)
+            compiled = self._compile_bounded(kind, text, tokenizer, param)
             with self._lock:
+                # a grammar compiled meanwhile by another thread wins: its holders keep finding it
+                cached = self._pinned.get(text) or compiled
                 self._cache[text] = cached
                 if isinstance(cached, CompiledGrammar):
                     self._pinned[text] = cached
@@ -227,7 +231,8 @@ class GrammarBackend:
     ) -> CompiledGrammar | str:
         """Compile in a big-stack thread under a timeout. Returns the grammar, or llguidance's error text
         (cached like a grammar: the same bad schema is refused again without recompiling)."""
-        self._check_background()
+        if not self._slots.acquire(timeout=self.limits.compile_timeout_s):
+            raise GrammarBusyError(self.limits.max_compile_threads)
         box: dict[str, Any] = {}
 
         def work() -> None:
@@ -238,21 +243,31 @@ class GrammarBackend:
                 )
             except Exception as e:  # llguidance reports grammar errors on the matcher; this is the API's
                 box["error"] = f"{kind} could not be compiled: {e}"
-            box["seconds"] = time.perf_counter() - t0
+            finally:
+                box["seconds"] = time.perf_counter() - t0
+                with self._lock:
+                    self.num_compile_threads -= 1
+                self._slots.release()  # the slot goes with the thread, however late it ends
 
         # stack_size() applies to threads started after it: set, start, restore.
+        with self._lock:
+            self.num_compile_threads += 1
         with _STACK_SIZE_LOCK:
             previous = threading.stack_size(self.limits.compile_stack_bytes)
             try:
                 thread = threading.Thread(target=work, name="onecall-grammar-compile", daemon=True)
                 thread.start()
+            except BaseException:
+                with self._lock:
+                    self.num_compile_threads -= 1
+                self._slots.release()
+                raise
             finally:
                 threading.stack_size(previous)
         thread.join(self.limits.compile_timeout_s)
         with self._lock:
             self.num_compiles += 1
-            if thread.is_alive():
-                self._background.append(thread)
+            if thread.is_alive():  # it runs on in the background, holding its slot
                 return f"{kind} took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it"
         matcher = box.get("matcher")
         if matcher is None:
@@ -262,23 +277,13 @@ class GrammarBackend:
         return CompiledGrammar(kind, text, matcher, box["seconds"])
 
 
-    def _check_background(self) -> None:
-        """Refuse to start a compile while max_background_compiles timed-out ones still run."""
-        with self._lock:
-            self._background = [t for t in self._background if t.is_alive()]
-            running = len(self._background)
-        if running >= self.limits.max_background_compiles:
-            raise GrammarBusyError(running)
-
-
 class GrammarBusyError(QueueFullError):
-    """Too many timed-out grammar compiles still run in the background: retry later (a 429)."""
+    """Every compile slot stayed taken (compiles running, or timed out and still running): retry later
+    (a 429)."""
 
-    def __init__(self, num_running: int) -> None:
-        super().__init__(num_running, num_running)
-        self.args = (
-            f"the grammar compiler is busy: {num_running} compiles that timed out still run; retry later",
-        )
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots, num_slots)
+        self.args = (f"the grammar compiler is busy: all {num_slots} compile slots are taken; retry later",)
 
 
 _STACK_SIZE_LOCK = threading.Lock()

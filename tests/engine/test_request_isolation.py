@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -88,6 +89,20 @@ def test_rows_with_no_token_end_alone_in_consecutive_steps_and_innocents_are_unt
     engine.block_manager.check_invariants()
     again = run_all(engine, {f"again-{rid}": p for rid, p in PROMPTS.items()}, GREEDY)
     assert {rid: again[f"again-{rid}"].token_ids for rid in PROMPTS} == alone
+
+
+def test_restart_ends_every_known_request_as_finished_and_serves_the_same_tokens() -> None:
+    alone = {rid: out.token_ids for rid, out in run_all(tiny_engine(), PROMPTS, GREEDY).items()}
+    engine = tiny_engine(max_num_seqs=1)  # one runs, the others wait: a restart must end them all
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, GREEDY)
+    engine.step()
+    outs = engine.restart()
+    assert sorted(o.request_id for o in outs) == sorted(PROMPTS)
+    assert all(o.finished and o.finish_reason == "error" and o.error is not None for o in outs)
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_used_blocks == 0
+    again = run_all(engine, PROMPTS, GREEDY)
+    assert {rid: out.token_ids for rid, out in again.items()} == alone
 
 
 # ---- refused at intake, naming the field ------------------------------------------------------------------
@@ -207,38 +222,106 @@ def test_a_held_grammar_is_found_after_eviction_without_compiling() -> None:
     assert backend.num_compiles == compiles and held_schema is not None
 
 
+class SlowMatcher:
+    """llguidance.LLMatcher, whose construction (the compile) waits for `release`."""
+
+    def __init__(self, real: Any, release: threading.Event) -> None:
+        self.real, self.release = real, release
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.release.wait(30)
+        return self.real(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def _wait_for_threads(backend: GrammarBackend) -> None:
+    for _ in range(300):
+        if backend.num_compile_threads == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("compile threads still alive")
+
+
 def test_timed_out_compiles_are_refused_again_at_once_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
-    real = grammar_module.llguidance.LLMatcher
-
-    class SlowMatcher:
-        """LLMatcher, whose construction (the compile) takes far longer than the timeout."""
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            release.wait(30)
-            return real(*args, **kwargs)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(real, name)
-
-    backend = GrammarBackend(embedded_tokenizer(), GrammarLimits(compile_timeout_s=0.05, max_background_compiles=2))
+    backend = GrammarBackend(embedded_tokenizer(), GrammarLimits(compile_timeout_s=0.05, max_compile_threads=2))
     backend.ll_tokenizer  # noqa: B018  (built outside the patch)
-    monkeypatch.setattr(grammar_module.llguidance, "LLMatcher", SlowMatcher())
+    monkeypatch.setattr(grammar_module.llguidance, "LLMatcher", SlowMatcher(grammar_module.llguidance.LLMatcher, release))
     try:
         for i in range(2):
             with pytest.raises(InvalidParameterError, match="took longer than"):
                 backend.compile(StructuredOutputsParams(regex=f"a{{{i + 1}}}"))
         with pytest.raises(InvalidParameterError, match="took longer than"):  # cached: no new thread
             backend.compile(StructuredOutputsParams(regex="a{1}"))
-        assert backend.num_compiles == 2
-        with pytest.raises(GrammarBusyError):  # two still run: a third compile is not started
+        assert backend.num_compiles == 2 and backend.num_compile_threads == 2
+        with pytest.raises(GrammarBusyError):  # both slots held by running threads: no third one
             backend.compile(StructuredOutputsParams(regex="b+"))
+        assert backend.num_compile_threads == 2
     finally:
         release.set()
-    monkeypatch.setattr(grammar_module.llguidance, "LLMatcher", real)
-    for t in backend._background:
-        t.join(30)
+    monkeypatch.undo()
+    _wait_for_threads(backend)
     backend.compile(StructuredOutputsParams(regex="b+"))  # they ended: compiles run again
+
+
+def test_concurrent_compiles_never_pass_the_thread_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight callers at once (the server compiles in worker threads): at most two compile threads
+    ever exist; the others wait for a slot, then are refused."""
+    release = threading.Event()
+    backend = GrammarBackend(embedded_tokenizer(), GrammarLimits(compile_timeout_s=0.2, max_compile_threads=2))
+    backend.ll_tokenizer  # noqa: B018
+    monkeypatch.setattr(grammar_module.llguidance, "LLMatcher", SlowMatcher(grammar_module.llguidance.LLMatcher, release))
+    peak, outcomes = [0], []
+
+    def one(i: int) -> None:
+        try:
+            backend.compile(StructuredOutputsParams(regex=f"c{{{i + 1}}}"))
+            outcomes.append("ok")
+        except GrammarBusyError:
+            outcomes.append("busy")
+        except InvalidParameterError:
+            outcomes.append("timeout")
+        peak[0] = max(peak[0], backend.num_compile_threads)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        release.set()
+    monkeypatch.undo()
+    _wait_for_threads(backend)
+    assert peak[0] <= 2 and sorted(outcomes) == ["busy"] * 6 + ["timeout"] * 2
+
+
+def test_two_callers_compiling_one_grammar_get_the_one_that_stays_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = GrammarBackend(embedded_tokenizer(), GrammarLimits(cache_size=1))
+    barrier = threading.Barrier(2)
+    real = backend._compile_bounded
+
+    def both_compile(*args: Any) -> Any:
+        out = real(*args)
+        barrier.wait(10)  # neither stores its result before both compiled
+        return out
+
+    monkeypatch.setattr(backend, "_compile_bounded", both_compile)
+    so = StructuredOutputsParams(regex="[a-c]{5}")
+    got: list[Any] = []
+    threads = [threading.Thread(target=lambda: got.append(backend.compile(so)[0])) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    monkeypatch.undo()
+    assert len(got) == 2 and got[0] is got[1]  # one object, which the pin keeps findable
+    compiles = backend.num_compiles
+    backend.compile(StructuredOutputsParams(regex="z+"))  # evicts it from the LRU
+    backend.new_constraint(so)  # a holder's add_request: found pinned, not compiled again
+    assert backend.num_compiles == compiles + 1
 
 
 # ---- the context window fits the pool that static decode steps leave -------------------------------------
