@@ -20,8 +20,9 @@ Compilation is bounded, so no request can stall or crash the process:
      chains of 30,000 rules, more than max_grammar_bytes allows;
   4. a compile that outlives compile_timeout_s is refused at once (its thread
      finishes in the background; a caller is never kept waiting longer), and
-     the refusal is cached like any compile error, so sending the same grammar
-     again starts no second thread;
+     the refusal is remembered for timeout_memory_s, so the same grammar sent
+     again meanwhile starts no second thread; after that it is tried again (it
+     may only have been slow on a busy machine);
   5. at most max_compile_threads compile threads exist at once, running or timed out
      (each holds a slot until its thread ends): a compile waits up to compile_timeout_s
      for a slot, then is refused (GrammarBusyError, a 429).
@@ -70,6 +71,7 @@ class GrammarLimits:
     compile_stack_bytes: int = 256 * 1024 * 1024
     cache_size: int = 256
     max_compile_threads: int = 4  # compile threads alive at once, timed-out ones included
+    timeout_memory_s: float = 60.0  # how long a timed-out grammar is refused without a new compile
     # llguidance.LLParserLimits, at llguidance's defaults
     max_items_in_row: int = 2000
     initial_lexer_fuel: int = 1_000_000
@@ -140,6 +142,7 @@ class GrammarBackend:
         self._pinned: weakref.WeakValueDictionary[str, CompiledGrammar] = weakref.WeakValueDictionary()
         self._slots = threading.BoundedSemaphore(self.limits.max_compile_threads)  # one per compile thread
         self.num_compile_threads = 0  # alive now (running, or timed out and still running)
+        self._timed_out: dict[str, tuple[str, float]] = {}  # text -> (refusal, monotonic time it expires)
         self.num_compiles = 0  # compiles actually run (cache misses that reached llguidance)
 
     @property
@@ -177,6 +180,10 @@ class GrammarBackend:
         cached = self._lookup(text)
         if cached is None:
             compiled = self._compile_bounded(kind, text, tokenizer, param)
+            if isinstance(compiled, _TimedOut):
+                with self._lock:
+                    self._timed_out[text] = (compiled.message, time.monotonic() + self.limits.timeout_memory_s)
+                raise InvalidParameterError(param, compiled.message)
             with self._lock:
                 # a grammar compiled meanwhile by another thread wins: its holders keep finding it
                 cached = self._pinned.get(text) or compiled
@@ -199,6 +206,11 @@ class GrammarBackend:
             if cached is not None:
                 self._cache.move_to_end(text)
                 return cached
+            refused = self._timed_out.get(text)
+            if refused is not None:
+                if time.monotonic() < refused[1]:
+                    return refused[0]
+                del self._timed_out[text]
             return self._pinned.get(text)
 
     def new_constraint(self, so: StructuredOutputsParams) -> GrammarConstraint:
@@ -228,9 +240,9 @@ class GrammarBackend:
 
     def _compile_bounded(
         self, kind: str, text: str, tokenizer: llguidance.LLTokenizer, param: str
-    ) -> CompiledGrammar | str:
+    ) -> CompiledGrammar | str | _TimedOut:
         """Compile in a big-stack thread under a timeout. Returns the grammar, or llguidance's error text
-        (cached like a grammar: the same bad schema is refused again without recompiling)."""
+        (cached like a grammar: the same bad schema is refused again without recompiling), or _TimedOut."""
         if not self._slots.acquire(timeout=self.limits.compile_timeout_s):
             raise GrammarBusyError(self.limits.max_compile_threads)
         box: dict[str, Any] = {}
@@ -268,13 +280,18 @@ class GrammarBackend:
         with self._lock:
             self.num_compiles += 1
             if thread.is_alive():  # it runs on in the background, holding its slot
-                return f"{kind} took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it"
+                return _TimedOut(f"{kind} took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it")
         matcher = box.get("matcher")
         if matcher is None:
             return _short(box["error"])
         if matcher.is_error():
             return _short(matcher.get_error())
         return CompiledGrammar(kind, text, matcher, box["seconds"])
+
+
+@dataclass(frozen=True)
+class _TimedOut:
+    message: str
 
 
 class GrammarBusyError(QueueFullError):

@@ -246,7 +246,8 @@ def _wait_for_threads(backend: GrammarBackend) -> None:
 
 def test_timed_out_compiles_are_refused_again_at_once_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
-    backend = GrammarBackend(embedded_tokenizer(), GrammarLimits(compile_timeout_s=0.05, max_compile_threads=2))
+    limits = GrammarLimits(compile_timeout_s=0.05, max_compile_threads=2, timeout_memory_s=1.0)
+    backend = GrammarBackend(embedded_tokenizer(), limits)
     backend.ll_tokenizer  # noqa: B018  (built outside the patch)
     monkeypatch.setattr(grammar_module.llguidance, "LLMatcher", SlowMatcher(grammar_module.llguidance.LLMatcher, release))
     try:
@@ -264,6 +265,10 @@ def test_timed_out_compiles_are_refused_again_at_once_and_bounded(monkeypatch: p
     monkeypatch.undo()
     _wait_for_threads(backend)
     backend.compile(StructuredOutputsParams(regex="b+"))  # they ended: compiles run again
+    with pytest.raises(InvalidParameterError, match="took longer than"):  # still remembered
+        backend.compile(StructuredOutputsParams(regex="a{1}"))
+    time.sleep(1.05)  # past timeout_memory_s: a grammar that was only slow on a busy machine compiles
+    backend.compile(StructuredOutputsParams(regex="a{1}"))
 
 
 def test_concurrent_compiles_never_pass_the_thread_bound(monkeypatch: pytest.MonkeyPatch) -> None:
