@@ -164,7 +164,7 @@ class Engine:
         self._masks.wait()
         listener = self.block_manager.tree.listener  # KV events (server/kv_events.py) go on after it
         backend = self.runner.attention_backend
-        if getattr(self.runner, "decode_graphs", None) is not None:
+        if self.runner.decode_graphs is not None:
             self.enable_static_decode(capture=self.device.type == "cuda", backend=backend)
         else:
             self._build_runner(backend, self.parts.num_blocks)

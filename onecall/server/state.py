@@ -148,7 +148,11 @@ class ServerState:
     # ---- per-request checks --------------------------------------------------------------------
     def authenticate(self, request: Request) -> Tenant | None:
         """The tenant whose key the request's `Authorization: Bearer` header carries (None on an
-        open server); a 401 when it carries none of the keys."""
+        open server); a 401 when it carries none of the keys. Checked once a request: the answer is
+        kept on the request (parse_body asks again for the cache namespace)."""
+        if "onecall.tenant" in request.scope:
+            tenant: Tenant | None = request.scope["onecall.tenant"]
+            return tenant
         auth = self.config.auth
         if auth.is_open:
             return None
@@ -161,6 +165,7 @@ class ServerState:
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        request.scope["onecall.tenant"] = tenant
         return tenant
 
     def check_model(self, name: str | None) -> None:
