@@ -16,7 +16,7 @@ figure that repeats; each kernel called the way the engine calls it), and the by
                   (float32 and float16 cache) against SDPA's flash kernel over a view of the cache,
                   called in turn (interleaved) so both see the same machine; GMAC/s of useful
                   causal work (the two products, the masked half not counted)
-  decode step     the whole native decode forward (model/native_step.py: every layer, one call) and
+  decode step     the whole native decode forward (loading/native_step.py: every layer, one call) and
                   the per-op path (the same kernels called from Python), M rows, context 12
   copy            a 512 MiB float32 copy (read + write), the machine's bandwidth yardstick
 
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from onecall import LLM
 from onecall.kernels.cpu import native, native_build
-from onecall.kernels.cpu.fast_linear import FastLinear, decode_rows
+from onecall.kernels.cpu.fast_linear import FastLinear
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.kv_cache import PagedKVCache
 
@@ -124,7 +124,9 @@ def other_revision(rev: str, tmp: Path) -> Any:
     raise SystemExit(f"{rev} has no kernel sources at {' or '.join(_CSRC_PATHS)}")
 
 
-def ab_gemms(model: Any, rows: list[int], repeats: int, lib: Any, other: Any, rev: str) -> list[dict[str, Any]]:
+def ab_gemms(
+    model: Any, rows: list[int], repeats: int, lib: Any, other: Any, rev: str
+) -> list[dict[str, Any]]:
     """This tree's q4 and q8 GEMMs against REV's, interleaved, on the same weights and inputs."""
     out = []
     layers = list(model.model.layers)
@@ -137,7 +139,13 @@ def ab_gemms(model: Any, rows: list[int], repeats: int, lib: Any, other: Any, re
         def q4(lib: Any, x: torch.Tensor, q4s: list[Any] = q4s, mods: list[FastLinear] = mods) -> Any:
             return [native.q4_gemm(lib, x, q, m.bias, torch.get_num_threads()) for q, m in zip(q4s, mods)]
 
-        cases.append((f"q4 {name} {mods[0].out_features}x{mods[0].in_features} (x{len(mods)})", q4, mods[0].in_features))
+        cases.append(
+            (
+                f"q4 {name} {mods[0].out_features}x{mods[0].in_features} (x{len(mods)})",
+                q4,
+                mods[0].in_features,
+            )
+        )
     head = model.fast_lm_head
     if head is not None and head.q8 is not None:
         w = head.q8
@@ -150,7 +158,9 @@ def ab_gemms(model: Any, rows: list[int], repeats: int, lib: Any, other: Any, re
         for m in rows:
             x = torch.randn(m, k)
             same = all(torch.equal(a, b) for a, b in zip(fn(lib, x), fn(other, x)))
-            ours, theirs = timed_pair([functools.partial(fn, lib, x), functools.partial(fn, other, x)], repeats)
+            ours, theirs = timed_pair(
+                [functools.partial(fn, lib, x), functools.partial(fn, other, x)], repeats
+            )
             out.append({"kernel": label, "rows": m, "us": ours * 1e6, f"us_{rev}": theirs * 1e6,
                         "speedup": theirs / ours, "same_bits": same})  # fmt: skip
     return out
@@ -164,7 +174,9 @@ def bench_q8(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[s
     out = []
     for m in rows:
         x = torch.randn(m, w.in_features)
-        s = timed(functools.partial(native.q8_blocked_gemm, lib, x, w, None, torch.get_num_threads()), repeats)
+        s = timed(
+            functools.partial(native.q8_blocked_gemm, lib, x, w, None, torch.get_num_threads()), repeats
+        )
         out.append({"kernel": f"q8 logits {w.out_features}x{w.in_features}", "rows": m, "us": s * 1e6,
                     "gb_per_s": w.nbytes / s / 1e9})  # fmt: skip
     return out
@@ -248,7 +260,8 @@ def bench_prefill_attention(model: Any, repeats: int, lib: Any) -> list[dict[str
 
 
 def _forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, cache: PagedKVCache, meta: Any) -> None:
-    with torch.inference_mode(), decode_rows(ids.shape[0]):
+    meta.num_decode = ids.shape[0]  # every row a decode row
+    with torch.inference_mode():
         model(ids, pos, cache, meta)
 
 
@@ -294,7 +307,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             other = other_revision(args.against, Path(tmp))
             ab = ab_gemms(model, rows, args.repeats, lib, other, args.against)
-        print(f"{'kernel':44} {'rows':>5} {'this tree us':>13} {args.against + ' us':>14} {'speedup':>8}  bits")
+        print(
+            f"{'kernel':44} {'rows':>5} {'this tree us':>13} {args.against + ' us':>14} {'speedup':>8}  bits"
+        )
         for r in ab:
             same = "same" if r["same_bits"] else "DIFFER"
             print(f"{r['kernel']:44} {r['rows']:>5} {r['us']:>13.1f} {r[f'us_{args.against}']:>14.1f} "

@@ -93,11 +93,11 @@ try:
     from onecall.engine.engine_parts import LoadedEngineParts
     from onecall.formats.checkpoint import ModelFiles
     from onecall.formats.hf_config import model_config_from_hf
+    from onecall.loading.packing import weight_bytes_read
+    from onecall.loading.weights import load_weights
     from onecall.model.config import ModelConfig
     from onecall.model.decoder import DecoderLM
     from onecall.model.kv_cache import PagedKVCache
-    from onecall.model.packing import weight_bytes_read
-    from onecall.model.weights import load_weights
     from onecall.sampling_params import SamplingParams
     from onecall.text.tokenizer import Tokenizer
 except Exception as e:  # a tree that does not import still ends in one JSON line saying what broke

@@ -269,7 +269,7 @@ class LLM:
     def weight_bytes_read(self, rows: int = 1) -> int:
         """Bytes of weights one forward over `rows` tokens (and their logits) streams from memory, in
         the form the loaded kernels read them: what a decode step's bandwidth divides by."""
-        from onecall.model.packing import weight_bytes_read
+        from onecall.loading.packing import weight_bytes_read
 
         return weight_bytes_read(self.engine.parts.model, rows)
 

@@ -7,10 +7,12 @@ hold in their head. What must hold:
 1. no import circle among onecall's modules, within a package or across packages;
 2. formats/ (files -> tensors and a config) imports nothing of kernels/, engine/, sampling/, text/,
    tools/, server/ or lab/, and of model/ only model/config.py (the ModelConfig it builds);
-3. kernels/ (how an op runs) imports nothing of model/, formats/ (but the quant containers
+3. kernels/ (how an op runs) imports nothing of model/, loading/, formats/ (but the quant containers
    formats/quants.py it packs), engine/, server/;
-4. model/ (the network) imports nothing of engine/, sampling/, text/, tools/, server/ or lab/;
-5. text/ imports nothing of engine/, tools/, server/ or lab/; tools/ nothing of server/ or lab/;
+4. model/ (the network) imports nothing of engine/, sampling/, text/, tools/, server/ or lab/, nothing
+   of formats/ or loading/, and of kernels/ only the interface (kernels/ops.py, kernels/select.py);
+5. loading/ (where formats, model and kernels meet) imports nothing of engine/ and above;
+6. text/ imports nothing of engine/, tools/, server/ or lab/; tools/ nothing of server/ or lab/;
    engine/ nothing of server/, lab/ or cli/.
 """
 
@@ -137,8 +139,25 @@ def test_formats_know_nothing_of_kernels_or_the_network() -> None:
 
 
 def test_kernels_know_no_model() -> None:
-    forbidden = ("model", "engine", "server", "formats", "sampling", "text")
+    forbidden = ("model", "loading", "engine", "server", "formats", "sampling", "text")
     assert _violations("kernels", forbidden, allowed=("formats.quants",)) == []
+
+
+def test_the_network_asks_kernels_through_their_interface_only() -> None:
+    """model/ reaches kernels through kernels/ops.py and kernels/select.py, never their internals
+    (kernels/cpu/native.py, fast_linear.py, cuda/...), and knows no file format."""
+    kernels = [m for m in MODULES if m.startswith("onecall.kernels.")]
+    internals = tuple(m.removeprefix("onecall.") for m in kernels if m not in _KERNEL_INTERFACE)
+    assert "kernels.cpu.native" in internals and "kernels.ops" not in internals  # the split is real
+    assert _violations("model", (*internals, "formats", "loading")) == []
+
+
+_KERNEL_INTERFACE = {"onecall.kernels.ops", "onecall.kernels.select"}
+
+
+def test_loading_sits_below_the_engine() -> None:
+    forbidden = ("engine", "sampling", "text", "tools", "server", "lab", "cli")
+    assert _violations("loading", forbidden) == []
 
 
 def test_the_layers_flow_one_way() -> None:

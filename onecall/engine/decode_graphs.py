@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from onecall.kernels.select import attention_kernels
 from onecall.model.attention_metadata import AttentionMetadata, SeqSpan, padded_block_list
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
@@ -268,6 +269,8 @@ class DecodeGraphs:
             seq_lens_t=self.seq_lens[: layout.num_seqs],
             query_starts_t=self.query_starts[: layout.num_seqs + 1],
             max_query_len=max(layout.chunk, 1),
+            kernels=attention_kernels(self.backend, self.device),
+            num_decode=layout.decode,
         )
 
     def _forward(self, layout: Layout) -> torch.Tensor:

@@ -42,7 +42,7 @@ import torch
 from onecall.config import EngineConfig
 from onecall.engine.block_manager import BlockManager
 from onecall.engine.decode_graphs import BUCKETS, DecodeGraphs
-from onecall.engine.engine_parts import LoadedEngineParts, install_fused_ops, load_engine_parts
+from onecall.engine.engine_parts import LoadedEngineParts, load_engine_parts
 from onecall.engine.intake import Prompt, RequestIntake
 from onecall.engine.model_runner import ModelRunner, PromptLogprobs
 from onecall.engine.outputs import EngineStats, RequestOutput, make_output
@@ -117,7 +117,6 @@ class Engine:
         self.runner = ModelRunner(
             p.model, p.kv_cache, self.block_manager, self.device, backend, tp_group=p.tp_group
         )
-        install_fused_ops(p.model, backend, self.config.kernels, self.device)
 
     def enable_static_decode(self, capture: bool, backend: str | None = None) -> None:
         """Run decode steps, and steps with one short prompt chunk beside decode rows, on static,
@@ -153,7 +152,9 @@ class Engine:
         own state, which one rank cannot rebuild."""
         if self.parts.tp_group is not None:
             raise EngineDeadError(f"a tensor-parallel engine cannot restart in place: {self.dead_reason}")
-        cause = EngineDeadError(f"the engine restarted after a fault ({self.dead_reason or 'on request'}); retry")
+        cause = EngineDeadError(
+            f"the engine restarted after a fault ({self.dead_reason or 'on request'}); retry"
+        )
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
         for seq in self._seqs.values():

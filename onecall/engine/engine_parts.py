@@ -41,11 +41,11 @@ from onecall.formats.gguf import open_gguf
 from onecall.formats.hf_config import model_config_from_hf
 from onecall.formats.quants import StoredGroups
 from onecall.kernels.cpu import native
+from onecall.loading.weights import load_weights
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel, is_fused
-from onecall.model.weights import load_weights
 from onecall.text.tokenizer import Tokenizer
 
 
@@ -168,7 +168,7 @@ def load_model(
     if config.max_model_len is not None and config.max_model_len < model_config.max_position_embeddings:
         model_config = dataclasses.replace(model_config, max_position_embeddings=config.max_model_len)
     model = DecoderLM(
-        model_config, dtype=dtype, device=device, pack_on_load=config.kernels == "fast", tp=tp,
+        model_config, dtype=dtype, device=device, kernels=config.kernels, tp=tp,
         int8_activations=config.int8_activations,
     )  # fmt: skip
     stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
@@ -211,7 +211,9 @@ def iter_rank_weights(
                 if name is None:
                     continue
                 if is_fused(name):
-                    yield from shard_weights(tp, iter([(name, _cast(f.get_tensor(stored_name), dtype))]), config)
+                    yield from shard_weights(
+                        tp, iter([(name, _cast(f.get_tensor(stored_name), dtype))]), config
+                    )
                     continue
                 part = tp.shard_slice(name, config)
                 if part is None:
@@ -271,13 +273,3 @@ def _check_kv(config: EngineConfig, mc: ModelConfig, num_blocks: int, dtype: tor
             )
         return config.max_model_len
     return min(mc.max_position_embeddings, capacity)
-
-
-def install_fused_ops(model: torch.nn.Module, backend: str, kernels: str, device: torch.device) -> None:
-    """With the Triton attention backend and the fast kernels on CUDA, fuse the model's small ops
-    (norms, RoPE + K/V writes, SiLU: one kernel each, model/triton_ops.py); else leave it as it is.
-    Every rank's model runs this: the Engine's, and each tensor-parallel worker's (engine/tp/worker_loop.py)."""
-    if backend == "triton" and kernels == "fast" and device.type == "cuda":
-        from onecall.model import triton_ops  # Triton loads only with its backend (CUDA)
-
-        triton_ops.install(model)

@@ -33,13 +33,11 @@ from onecall.engine.block_manager import BlockManager
 from onecall.engine.decode_graphs import DecodeGraphs
 from onecall.engine.scheduler import ScheduledSeq
 from onecall.engine.step_inputs import PromptLogitsFn, StepGroup, StepInputs
-from onecall.kernels.cpu.fast_linear import decode_rows
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 
 _PROMPT_LOGPROBS_ROWS = 256  # positions per logits slice when collecting prompt logprobs
-
 
 
 @dataclass
@@ -78,7 +76,9 @@ class ModelRunner:
         assert size is not None, "a worker's runner needs the block size"
         self.block_size: int = size
         self.device = device
-        self.attention_backend = attention_backend  # model/attention_metadata.py: "paged", "triton" or "reference"
+        self.attention_backend = (
+            attention_backend  # model/attention_metadata.py: "paged", "triton" or "reference"
+        )
         self.decode_graphs: DecodeGraphs | None = None  # static-shape decode steps (CUDA graphs)
         self.tp_group = tp_group
 
@@ -110,8 +110,7 @@ class ModelRunner:
         nothing ran). Prompt logprobs are not collected here: execute() sends such steps to run()."""
         if self.decode_graphs is None:
             return None
-        with decode_rows(step.num_decode):
-            logits = self.decode_graphs.run(step, self.block_size)  # (num_seqs, vocab): last tokens
+        logits = self.decode_graphs.run(step, self.block_size)  # (num_seqs, vocab): last tokens
         if logits is None:
             return None
         seq_of_row: dict[int, int] = {}  # packed row of a sequence's last token -> the sequence
@@ -130,7 +129,7 @@ class ModelRunner:
         assert self.block_manager is not None, "only rank 0 packs steps"
         bm = self.block_manager
         # decode rows first: the fast kernels run a request's decode tokens and its prompt tokens on
-        # fixed kernels whatever else is in the batch (fast_linear.decode_rows)
+        # fixed kernels whatever else is in the batch (AttentionMetadata.num_decode)
         order = sorted(range(len(batch)), key=lambda i: batch[i].seq.is_prefilling)  # stable
         num_decode = sum(not batch[i].seq.is_prefilling for i in order)
         input_ids: list[int] = []
@@ -194,12 +193,12 @@ class ModelRunner:
             self.device,
             backend=self.attention_backend,
             run_lengths=step.run_lengths,
+            num_decode=step.num_decode,
         )
         ids_t = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         # 3. one forward over the packed batch
-        with decode_rows(step.num_decode):
-            hidden = self.model(ids_t, pos_t, self.kv_cache, meta)  # (num_tokens, hidden_size)
+        hidden = self.model(ids_t, pos_t, self.kv_cache, meta)  # (num_tokens, hidden_size)
         # 4. prompt logprobs' logits, slice by slice
         for k, (row, count) in enumerate(step.prompt_rows):
             for lo in range(0, count, _PROMPT_LOGPROBS_ROWS):

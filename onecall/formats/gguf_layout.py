@@ -18,7 +18,7 @@ names -> Hugging Face parameter names, and `{arch}.*` metadata -> the config.jso
 |                      |                         |                                             | _gemma_keys                              |
 
 A stacked expert tensor (num_experts, rows, cols) maps to a name with "*" for the expert index;
-formats/gguf.py yields it as one tensor per expert (the per-expert names model/weights.py stacks).
+formats/gguf.py yields it as one tensor per expert (the per-expert names loading/weights.py stacks).
 Everything the table does not cover is refused by name: other architectures (REFUSED_ARCHITECTURES
 says what the common ones are), unknown tensors, RoPE and MoE keys we would run differently. The
 RoPE scaling (metadata keys and factor tensors) is read by formats/gguf_rope_scaling.py.
@@ -92,7 +92,7 @@ _GEMMA_NORMS = {
     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }  # fmt: skip
 # Phi-3 as stored: q/k/v fused in attn_qkv (separate attn_q/k/v load too, as in llama.cpp), gate and up
-# fused in ffn_up (rows [gate; up]: llama.cpp's phi3 has no ffn_gate); model/weights.py splits both.
+# fused in ffn_up (rows [gate; up]: llama.cpp's phi3 has no ffn_gate); loading/weights.py splits both.
 _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # MoE blocks: the router and the stacked experts (num_experts, rows, cols). ffn_gate_up_exps (the
 # converter's --fuse-gate-up-exps) holds each expert's [gate; up] rows; formats/gguf.py yields the halves.

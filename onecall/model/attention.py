@@ -16,8 +16,8 @@ Backends (one switch, `AttentionMetadata.backend`), all computing the same thing
 
 "reference" is the oracle the tests hold the others against. "paged" is the CPU default: on
 a CPU, SDPA over a view of the cache reads each KV byte once (measured against the other
-choices in the README's attention table). Where the native kernels load (kernels/cpu/native.py), "paged"
-runs decode rows through the paged decode kernel and each prefill chunk through the native causal
+choices in docs/benchmarks.md). Where the native kernels load (the step's AttentionKernels,
+kernels/cpu/ops.py: kernels/select.py picks them with the backend), "paged" runs decode rows through the paged decode kernel and each prefill chunk through the native causal
 prefill kernel (csrc/prefill_attention.c: tiled, online softmax, GQA and the window options in the
 kernel; measured faster than SDPA's flash kernel in the README's kernel table); SDPA stays the path
 for what the kernels do not take (other dtypes, head sizes) and the reference they are tested
@@ -38,14 +38,13 @@ only on its query, position and KV, so a prompt chunked at any boundary gives th
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from onecall.kernels.cpu import native
+from onecall.kernels.ops import TORCH_ATTENTION, AttentionKernels
 from onecall.model.attention_metadata import AttentionMetadata, SeqSpan
 from onecall.model.kv_cache import PagedKVCache
 
@@ -65,7 +64,7 @@ def paged_attention(
     """Write k_new/v_new into the cache, then attend each sequence causally over its whole KV.
 
     q: (num_tokens, num_heads, head_dim); k_new, v_new: (num_tokens, num_kv_heads, head_dim), or both
-    None when the caller has already stored them at meta.slot_mapping (native.rope_store).
+    None when the caller has already stored them at meta.slot_mapping (LayerOps.rope_store).
     Returns (num_tokens, num_heads, head_dim). GQA: head h reads KV head h // (num_heads // num_kv_heads).
 
     Per-layer options (transformers' definitions): `sliding_window` W, a query at position t sees
@@ -78,40 +77,37 @@ def paged_attention(
     if k_new is not None and v_new is not None:
         k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
-    if meta.backend == "triton":
-        from onecall.kernels.cuda.triton_attention import triton_paged_attention
-
-        return triton_paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
-
-    d = meta.decode if native.decode_attention_fits(q, k_cache) else None
+    kernels = meta.kernels
+    o = kernels.whole_batch(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
+    if o is not None:
+        return o
+    d = meta.decode
+    o_dec = None
+    if d is not None:
+        q_dec = q[: len(d.seq_index)] if d.rows_are_prefix else q.index_select(0, d.rows)
+        o_dec = kernels.decode(
+            q_dec, k_cache, v_cache, d.block_tables, d.seq_lens, meta.block_size, scale,
+            sliding_window, logit_softcap,
+        )  # fmt: skip
     done: set[int] = set()
     out: torch.Tensor | None = None
-    if d is not None:
-        lib = native.load()
-        assert lib is not None
-        n = len(d.seq_index)
-        q_dec = q[:n] if d.rows_are_prefix else q.index_select(0, d.rows)
-        o_dec = native.paged_decode_attention(
-            lib, q_dec, k_cache, v_cache, d.block_tables, d.seq_lens, meta.block_size, scale,
-            torch.get_num_threads(), sliding_window, logit_softcap,
-        )  # fmt: skip
-        if n == len(meta.seqs):
+    if d is not None and o_dec is not None:
+        if len(d.seq_index) == len(meta.seqs):
             return o_dec
         out = torch.empty_like(q)
         if d.rows_are_prefix:
-            out[:n] = o_dec
+            out[: len(d.seq_index)] = o_dec
         else:
             out.index_copy_(0, d.rows, o_dec)
         done = set(d.seq_index)
-    prefill_lib = native.load() if meta.native_prefill and native.prefill_attention_fits(q, k_cache) else None
-    if d is None and len(meta.seqs) == 1:  # the whole batch is one sequence: no scatter into `out`
-        return _attend(q, k_cache, v_cache, meta.seqs[0], meta.block_size, scale, window, prefill_lib)
+    if not done and len(meta.seqs) == 1:  # the whole batch is one sequence: no scatter into `out`
+        return _attend(q, k_cache, v_cache, meta.seqs[0], meta.block_size, scale, window, kernels)
     if out is None:
         out = torch.empty_like(q)
     for i, s in enumerate(meta.seqs):
         if i not in done:
             out[s.q_start : s.q_end] = _attend(
-                q[s.q_start : s.q_end], k_cache, v_cache, s, meta.block_size, scale, window, prefill_lib
+                q[s.q_start : s.q_end], k_cache, v_cache, s, meta.block_size, scale, window, kernels
             )
     return out
 
@@ -174,17 +170,19 @@ def _attend(
     block_size: int,
     scale: float,
     window: Window,
-    prefill_lib: ctypes.CDLL | None = None,
+    kernels: AttentionKernels = TORCH_ATTENTION,
 ) -> torch.Tensor:
     """One sequence: q (query_len, num_heads, head_dim) over its KV -> (query_len, num_heads, head_dim).
-    `prefill_lib`: the native kernels, when they take these shapes; a chunk of more than one row then
-    runs through the native prefill kernel, window options included, reading the cache in place."""
+    A chunk of more than one row runs on the step's prefill kernel where it takes the chunk (window
+    options included, the cache read in place), else through SDPA here."""
     query_len, num_heads, head_dim = q.shape
-    if prefill_lib is not None and query_len > 1 and s.slots is None:
-        return native.prefill_attention(
-            prefill_lib, q, k_cache, v_cache, s.seq_len, s.kv_start, s.blocks, block_size, scale,
-            torch.get_num_threads(), window.sliding_window, window.logit_softcap,
+    if kernels.reads_prefill_chunks and query_len > 1 and s.slots is None:
+        o = kernels.prefill(
+            q, k_cache, v_cache, s.seq_len, s.kv_start, s.blocks, block_size, scale,
+            window.sliding_window, window.logit_softcap,
         )  # fmt: skip
+        if o is not None:
+            return o
     # (1, num_kv_heads, seq_len, head_dim); a cache stored in another dtype (kv_cache_dtype) is read
     # through a converted copy here: this is the prompt path, where compute outweighs the copy
     k = _sequence_kv(k_cache, s, block_size).to(q.dtype).transpose(0, 1)[None]

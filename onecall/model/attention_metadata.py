@@ -8,18 +8,21 @@ Everything that depends only on the step (slots to write, where each sequence's 
 masks) is built once in `build_attention_metadata` and reused by every layer; which of it is
 built depends on the backend model/attention.py runs ("reference": slot lists; "paged": a run's
 first slot or its blocks, and for the native kernels the decode rows' padded block tables;
-"triton": block tables, lengths and query starts as tensors, the form CUDA graphs replay).
+"triton": block tables, lengths and query starts as tensors, the form CUDA graphs replay). The
+metadata also carries what the step's kernels need to know: the backend's AttentionKernels
+(kernels/select.py picks them) and how many leading rows are decode tokens (`num_decode`, which the
+projections read: kernels/cpu/fast_linear.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from onecall.kernels.cpu import native
+from onecall.kernels.ops import TORCH_ATTENTION, AttentionKernels
+from onecall.kernels.select import attention_kernels, triton_available
 
 ATTENTION_BACKENDS = ("reference", "paged", "triton")
 
@@ -27,7 +30,7 @@ ATTENTION_BACKENDS = ("reference", "paged", "triton")
 def default_backend(device: torch.device | str, kernels: str) -> str:
     """The attention backend for a device and the kernels switch: "triton" on CUDA with the fast
     kernels (when triton is installed, as it is with torch's CUDA builds), "paged" otherwise."""
-    if torch.device(device).type == "cuda" and kernels == "fast" and importlib.util.find_spec("triton"):
+    if torch.device(device).type == "cuda" and kernels == "fast" and triton_available():
         return "triton"
     return "paged"
 
@@ -53,8 +56,8 @@ class SeqSpan:
 
 @dataclass
 class DecodeRows:
-    """ "paged" on CPU: the step's one-query sequences, for one native kernel call per layer that reads
-    their KV in place through the block tables (kernels/cpu/native.py)."""
+    """The step's one-query sequences, for one decode-kernel call per layer that reads their KV in
+    place through the block tables (where the step's AttentionKernels read decode rows)."""
 
     seq_index: list[int]  # which of meta.seqs
     rows: torch.Tensor  # (n,) int64: their rows in the flat batch
@@ -76,8 +79,11 @@ class AttentionMetadata:
     seq_lens_t: torch.Tensor | None = None  # (num_seqs,) int32
     query_starts_t: torch.Tensor | None = None  # (num_seqs + 1,) int32
     max_query_len: int = 0
-    decode: DecodeRows | None = None  # "paged" on CPU with the native kernels: the one-query sequences
-    native_prefill: bool = False  # "paged" on CPU with the native kernels: prefill chunks run natively
+    kernels: AttentionKernels = TORCH_ATTENTION  # what attention runs on (kernels/select.py)
+    decode: DecodeRows | None = None  # the one-query sequences, where `kernels` reads decode rows
+    # rows 0 .. num_decode - 1 are decode tokens, the rest prompt tokens: the projections run each on
+    # their own kernels whatever shares the batch. None: not planned (tests; see fast_linear.py)
+    num_decode: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -106,11 +112,13 @@ def build_attention_metadata(
     device: torch.device | str,
     backend: str = "paged",
     run_lengths: Sequence[int] | None = None,
+    num_decode: int | None = None,
 ) -> AttentionMetadata:
     """Build a step's metadata. block_tables[i][j] = physical block of positions j*block_size... of seq i.
 
     `run_lengths[i]` (optional): how many leading blocks of table i are one run, when the caller
     tracks it incrementally (the engine's KV manager does); otherwise it is computed here.
+    `num_decode`: how many leading rows are decode tokens (the engine packs them first).
     """
     assert backend in ATTENTION_BACKENDS, f"unknown attention backend {backend!r}"
     assert len(block_tables) == len(seq_lens) == len(query_lens), (
@@ -149,10 +157,11 @@ def build_attention_metadata(
         seqs.append(SeqSpan(q_start, q_start + query_len, seq_len, kv_start, blocks, slots, mask))
         q_start += query_len
     slot_mapping = torch.tensor(slot_list, dtype=torch.int64)
-    meta = AttentionMetadata(backend, slot_mapping.to(device), seqs, block_size)
-    if backend == "paged" and device.type == "cpu" and native.load() is not None:
+    kernels = attention_kernels(backend, device)
+    meta = AttentionMetadata(backend, slot_mapping.to(device), seqs, block_size, kernels=kernels)
+    meta.num_decode = num_decode
+    if kernels.reads_decode_rows:
         meta.decode = _decode_rows(seqs, block_tables, block_size)
-        meta.native_prefill = True
     if backend == "triton":
         _add_triton_tensors(meta, block_tables, seq_lens, query_lens, device)
     return meta

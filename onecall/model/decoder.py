@@ -2,7 +2,7 @@
 
 The Llama-shaped families differ only by flags in ModelConfig (q/k/v bias, q/k norm, partial
 rotary, a sliding window), so there is one module tree, named like Hugging Face's
-(`model.layers.N.self_attn...`) except for the two fused projections, which model/weights.py's
+(`model.layers.N.self_attn...`) except for the two fused projections, which loading/weights.py's
 load_weights fills from the separate q/k/v and gate/up tensors (PROJECTION_PARTS says which).
 Gemma 2/3 (ModelConfig.gemma) swap in model/gemma.py's model part (four norms a layer, gelu,
 per-layer-type RoPE tables) under the same names, plus an embedding scale and capped logits.
@@ -20,8 +20,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from onecall.kernels.cpu.fast_embedding import StoredEmbedding
-from onecall.kernels.cpu.fast_linear import FastLMHead, fast_kernels_supported
+from onecall.kernels.ops import REFERENCE_OPS, LayerOps
+from onecall.kernels.select import fast_kernels_supported, layer_ops
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig
 from onecall.model.gemma import GemmaDecoderModel, GemmaRotary, soft_cap
@@ -32,7 +32,7 @@ from onecall.model.parallel import TensorParallel
 
 
 class WholeStep(Protocol):
-    """A whole decode step run as one call (model/native_step.py's NativeDecodeStep): the forward
+    """A whole decode step run as one call (loading/native_step.py's NativeDecodeStep): the forward
     hands it a step it accepts instead of running the layers."""
 
     def accepts(self, meta: AttentionMetadata, kv_cache: PagedKVCache, num_rows: int) -> bool: ...
@@ -47,6 +47,7 @@ class WholeStep(Protocol):
         meta: AttentionMetadata,
     ) -> torch.Tensor: ...
 
+
 # Our projections and the checkpoint tensors each is made of, in row order.
 PROJECTION_PARTS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -58,12 +59,17 @@ PROJECTION_PARTS = {
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, layer_idx: int = 0
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        layer_idx: int = 0,
+        ops: LayerOps = REFERENCE_OPS,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
+        self.self_attn = Attention(config, dtype, device, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
         moe = config.moe
         self.mlp: MLP | SparseMoE = (
             SparseMoE(
@@ -76,7 +82,7 @@ class DecoderLayer(nn.Module):
                 device,
             )  # fmt: skip
             if moe is not None and moe.sparse_layers[layer_idx]
-            else MLP(config, dtype, device)
+            else MLP(config, dtype, device, ops)
         )
 
     def forward(
@@ -95,30 +101,36 @@ class DecoderLayer(nn.Module):
         h, x = self.post_attention_layernorm.add_and_norm(
             h, self.self_attn(x, cos, sin, kv_cache, layer_idx, meta)
         )
-        return h, self.mlp(x)
+        return h, self.mlp(x, meta.num_decode)
 
 
 class DecoderModel(nn.Module):
     """The `model.` part of a Hugging Face checkpoint: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: LayerOps = REFERENCE_OPS,
+    ) -> None:
         super().__init__()
         # Built around an explicit (meta) weight: nn.Embedding would otherwise run normal_() on it,
         # and on the meta device that imports torch._dynamo (3 s of cold start) for nothing.
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        # packing.install may swap in a StoredEmbedding (the checkpoint's own groups, no float32 table)
-        self.embed_tokens: nn.Embedding | StoredEmbedding = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=weight
-        )
+        # the loader may swap in a module over the checkpoint's own groups (no float32 table:
+        # kernels/cpu/fast_embedding.py's StoredEmbedding)
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, device, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, dtype, device, i, ops) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
 
 
 class DecoderLM(nn.Module):
     """Causal LM over a paged KV cache: the forward and the logits. Parameters are uninitialised until
-    model/weights.py's load_weights fills them; model/packing.py swaps in the fast kernels."""
+    the loader (loading/weights.py's load_weights) fills them; on the fast CPU path it also puts the
+    projections on the kernels (loading/packing.py)."""
 
     def __init__(
         self,
@@ -126,46 +138,56 @@ class DecoderLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         *,
-        pack_on_load: bool = False,
+        kernels: str = "reference",
+        pack_on_load: bool | None = None,
         tp: TensorParallel | None = None,
         int8_activations: bool = False,
+        ops: LayerOps | None = None,
     ) -> None:
-        """`pack_on_load`: where the fast kernels exist (float32 CPU), weights.load_weights packs each
-        projection for them as it arrives and no dense projection weight is ever allocated.
-        `tp`: this rank's slice of a tensor-parallel model (model/parallel.py): the modules are built
-        from tp.shard_config(config) (self.config is that), loaded through engine_parts.shard_weights; the reference
-        kernels only (the fast path's one-call step cannot stop for a collective).
-        `int8_activations`: the fast kernels' 4-bit projections quantize activations to int8, not int16
-        (EngineConfig.int8_activations); packing reads it."""
+        """`kernels` (EngineConfig.kernels): "fast" builds every layer on the device's fused ops
+        (kernels/select.py: the native C ops on a float32 CPU, Triton's on CUDA), "reference" on
+        torch's. `pack_on_load` (default: kernels == "fast"): where the CPU fast path runs (float32 CPU,
+        one process), the loader packs each projection for it as it arrives and no dense projection
+        weight is ever allocated. `tp`: this rank's slice of a tensor-parallel model
+        (model/parallel.py): the modules are built from tp.shard_config(config) (self.config is that),
+        loaded through engine_parts.shard_weights; projections stay torch's (the CPU one-call step
+        cannot stop for a collective), and on CPU so do the small ops. `int8_activations`: the fast
+        kernels' 4-bit projections quantize activations to int8, not int16
+        (EngineConfig.int8_activations); the packer reads it. `ops`: the layers' ops, instead of the
+        ones `kernels` picks (tests hold one implementation against another this way)."""
         super().__init__()
         self.vocab_size = config.vocab_size  # the whole vocabulary: what compute_logits returns
         self.tp = tp if tp is not None and tp.world_size > 1 else None
         if self.tp is not None:
             config = self.tp.shard_config(config)
-            pack_on_load = False
         self.config = config
+        cpu_fast = kernels == "fast" and fast_kernels_supported(device, dtype) and self.tp is None
+        on_cuda = torch.device(device).type == "cuda"
+        if ops is None:
+            ops = layer_ops(device, dtype, kernels) if cpu_fast or on_cuda else REFERENCE_OPS
+        self.ops = ops
+        self.pack_on_load = cpu_fast and pack_on_load is not False
         # Built on "meta" then materialised uninitialised: no time spent on random init of weights
         # that load_weights overwrites (and refuses to leave unloaded).
         self.model: DecoderModel | GemmaDecoderModel = (
-            DecoderModel(config, dtype, "meta")
+            DecoderModel(config, dtype, "meta", self.ops)
             if config.gemma is None
-            else GemmaDecoderModel(config, config.gemma, dtype, "meta")
+            else GemmaDecoderModel(config, config.gemma, dtype, "meta", self.ops)
         )
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta"
             )
-        # Set by model/packing.py when the fast kernels are installed:
-        self.fast_lm_head: FastLMHead | None = None
+        # Set by the loader when the CPU fast path is in (loading/packing.py):
+        self.fast_lm_head: nn.Module | None = None  # the logits on the kernels (FastLMHead)
         self.native_step: WholeStep | None = None  # all-decode steps as one native call
         self.kernels = "reference"  # what the projections run on, for logs and traces
         self.int8_activations = int8_activations
-        self.pack_on_load = pack_on_load and fast_kernels_supported(device, dtype)
         # Packed on load, projection weights stay on "meta" (no memory) until their FastLinear replaces
         # them; so do the embedding table and an untied lm_head, until the loader knows whether they stay
         # the checkpoint's groups (kernels/cpu/fast_embedding.py, FastLMHead) or are filled in float32
-        # (weights.load_weights, packing.stays_stored).
+        # (loading/weights.py's load_weights, loading/packing.py's stays_stored).
         skip = (
             {id(getattr(owner, attr)) for _, _, owner, attr in self.projections()}
             | {id(self.model.embed_tokens), id(self.lm_head)}
@@ -233,7 +255,7 @@ class DecoderLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head.weight
         embed = self.model.embed_tokens
-        if isinstance(embed, StoredEmbedding):  # installed only beside a native logits head on its groups
+        if not isinstance(embed, nn.Embedding):  # the checkpoint's groups, beside a logits head on them
             raise RuntimeError(
                 "the tied embedding is kept as the checkpoint's groups (kernels/cpu/fast_embedding.py): there is "
                 "no float32 matrix; the logits run on the native head over the same groups"

@@ -22,7 +22,7 @@ soft-capped, cap * tanh(logits / cap) (final_logit_softcapping; Gemma 3 configs 
 
 The (1 + weight) norms: the `+ 1` is folded into the weight when it is loaded, so every Gemma norm
 is our plain RMSNorm computing norm(x) * weight, and the native add_rms_norm and the native q/k norm
-in rope_store (kernels/cpu/native.py) run it unchanged. The loader MUST store checkpoint_norm_weight(w) =
+in rope_store (kernels/cpu/ops.py) run it unchanged in float32. The loader MUST store checkpoint_norm_weight(w) =
 1 + w (in float32) for every `*norm.weight` of a Hugging Face Gemma checkpoint. llama.cpp's GGUF
 converter stores 1 + w itself; formats/gguf.py hands the loader w back (in float64, exactly), so a GGUF
 loads the same way and its norms are not shifted twice. The folded weight is held in float32 whatever
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onecall.kernels.ops import REFERENCE_OPS, LayerOps
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import SLIDING, GemmaSpec, ModelConfig
 from onecall.model.kv_cache import PagedKVCache
@@ -59,23 +60,28 @@ def checkpoint_norm_weight(weight: torch.Tensor) -> torch.Tensor:
 
 class GemmaRMSNorm(RMSNorm):
     """RMSNorm whose (folded, 1 + w) weight is float32 whatever the model dtype. In low precision it
-    scales before casting back, transformers' Gemma order ((x_normed * w).to(dtype)); in float32 it
-    is RMSNorm itself, native add_and_norm included."""
+    scales before casting back, transformers' Gemma order ((x_normed * w).to(dtype)), which the fused
+    kernels do not: they take it in float32 only, where it is RMSNorm itself."""
 
-    def __init__(self, dim: int, eps: float, device: torch.device | str) -> None:
-        super().__init__(dim, eps, torch.float32, device)
+    def __init__(
+        self, dim: int, eps: float, device: torch.device | str, ops: LayerOps = REFERENCE_OPS
+    ) -> None:
+        super().__init__(dim, eps, torch.float32, device, ops)
+
+    def fusable(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
 class GemmaMLP(MLP):
-    """down(gelu_tanh(gate(x)) * up(x)) (hidden_activation "gelu_pytorch_tanh"). The native fused
-    silu_mul is SiLU-only, so `native` (which model/packing.py sets on every MLP) is ignored."""
+    """down(gelu_tanh(gate(x)) * up(x)) (hidden_activation "gelu_pytorch_tanh"): the fused silu_mul
+    of LayerOps is SiLU-only, so it is never asked for."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (num_tokens, intermediate_size) each
-        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, decode_rows).chunk(2, dim=-1)  # (num_tokens, intermediate) each
+        out = self.down_proj(F.gelu(gate, approximate="tanh") * up, decode_rows)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -89,22 +95,23 @@ class GemmaDecoderLayer(nn.Module):
         layer_idx: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        ops: LayerOps = REFERENCE_OPS,
     ) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.layer_type = spec.layer_types[layer_idx]  # picks this layer's RoPE table (GemmaRotary)
-        self.input_layernorm = GemmaRMSNorm(h, eps, device)
-        self.self_attn = Attention(config, dtype, device)
+        self.input_layernorm = GemmaRMSNorm(h, eps, device, ops)
+        self.self_attn = Attention(config, dtype, device, ops)
         if config.qk_norm:  # Gemma 3: the per-head norms are (1 + w) norms too
-            self.self_attn.q_norm = GemmaRMSNorm(config.head_dim, eps, device)
-            self.self_attn.k_norm = GemmaRMSNorm(config.head_dim, eps, device)
+            self.self_attn.q_norm = GemmaRMSNorm(config.head_dim, eps, device, ops)
+            self.self_attn.k_norm = GemmaRMSNorm(config.head_dim, eps, device, ops)
         self.self_attn.scale = spec.query_pre_attn_scalar**-0.5
         self.self_attn.sliding_window = spec.sliding_window if self.layer_type == SLIDING else None
         self.self_attn.logit_softcap = spec.attn_logit_softcapping
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps, device)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, device)
-        self.mlp = GemmaMLP(config, dtype, device)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, device)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, device, ops)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, device, ops)
+        self.mlp = GemmaMLP(config, dtype, device)  # no fused op applies to a gelu MLP
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, device, ops)
 
     def forward(
         self,
@@ -123,7 +130,7 @@ class GemmaDecoderLayer(nn.Module):
         h, x = self.input_layernorm.add_and_norm(h, residual)
         attn = self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, layer_idx, meta))
         h, x = self.pre_feedforward_layernorm.add_and_norm(h, attn)
-        return h, self.post_feedforward_layernorm(self.mlp(x))
+        return h, self.post_feedforward_layernorm(self.mlp(x, meta.num_decode))
 
 
 class GemmaRotary(nn.Module):
@@ -177,7 +184,12 @@ class GemmaDecoderModel(nn.Module):
     caller's too: soft_cap(hidden @ embed_tokens.weight.T, spec.final_logit_softcapping), tied."""
 
     def __init__(
-        self, config: ModelConfig, spec: GemmaSpec, dtype: torch.dtype, device: torch.device | str
+        self,
+        config: ModelConfig,
+        spec: GemmaSpec,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: LayerOps = REFERENCE_OPS,
     ) -> None:
         super().__init__()
         assert len(spec.layer_types) == config.num_hidden_layers
@@ -185,9 +197,9 @@ class GemmaDecoderModel(nn.Module):
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, spec, i, dtype, device) for i in range(config.num_hidden_layers)
+            GemmaDecoderLayer(config, spec, i, dtype, device, ops) for i in range(config.num_hidden_layers)
         )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device, ops)
         self.embed_scale = embed_scale(config.hidden_size, dtype)
 
     def forward(

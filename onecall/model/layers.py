@@ -3,21 +3,20 @@
 Fused projections keep the number of kernel launches (and Python calls) per
 layer low, which is what CPU decode pays for besides weight bandwidth:
 q/k/v live in one `qkv_proj`, gate/up in one `gate_up_proj`. The loader
-(model/weights.py, load_weights) stacks Hugging Face's separate tensors into them.
+(loading/weights.py, load_weights) stacks Hugging Face's separate tensors into them.
 Every tensor is (num_tokens, ...): the batch is flat, sequences are told apart
 by the AttentionMetadata only.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecall.kernels.cpu import native
+from onecall.kernels.ops import REFERENCE_OPS, LayerOps, QKNorm
 from onecall.model import rope
 from onecall.model.attention import paged_attention
 from onecall.model.attention_metadata import AttentionMetadata
@@ -29,33 +28,46 @@ from onecall.model.parallel import TensorParallel
 class Linear(nn.Linear):
     """nn.Linear without its random initialisation: every weight is loaded from a checkpoint, and
     kaiming_uniform_ costs time even on the meta device (docs/benchmarks.md, "Measurements behind
-    the code")."""
+    the code"). forward takes the step's decode-row count as the fast kernels' FastLinear does, and
+    ignores it: one float32 path for every row."""
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, normalised in float32 like transformers."""
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: LayerOps = REFERENCE_OPS,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-        # Set by the fast kernels (float32 CPU): add_and_norm runs as one native pass.
-        self.native: ctypes.CDLL | None = None
-        # Set on CUDA with the Triton backend (model/triton_ops.py): the same pass as one Triton kernel.
-        self.fused: Any = None
+        self.ops = ops  # the model's kernels (kernels/ops.py): add_and_norm as one fused pass
+
+    def fusable(self, dtype: torch.dtype) -> bool:
+        """Whether a fused kernel may compute this norm of `dtype` input (LayerOps' RMSNorm rounds as
+        forward does; a subclass that rounds otherwise says no)."""
+        return True
 
     def add_and_norm(
         self, h: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pre-norm step: h + residual (h is updated in place on the native path: it must be a
+        """The pre-norm step: h + residual (h may be updated in place by a fused kernel: it must be a
         tensor the forward owns), and its norm. Returns (new h, norm(new h))."""
-        if self.native is not None:
-            return h, native.add_rms_norm(self.native, h, residual, self.weight, self.eps)
-        if self.fused is not None:
-            return h, self.fused.add_rms_norm(h, residual, self.weight, self.eps)
+        if self.fusable(h.dtype):
+            y = self.ops.add_rms_norm(h, residual, self.weight, self.eps)
+            if y is not None:
+                return h, y
         if residual is not None:
             h = h + residual
         return h, self(h)
@@ -120,31 +132,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: LayerOps = REFERENCE_OPS,
+    ) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
         self.gate_up_proj = Linear(h, 2 * i, bias=False, dtype=dtype, device=device)  # rows: [gate; up]
         self.down_proj = Linear(i, h, bias=False, dtype=dtype, device=device)
-
-        self.native: ctypes.CDLL | None = None  # set by the fast kernels: silu(gate) * up in one pass
-        self.fused: Any = None  # CUDA + Triton backend (model/triton_ops.py): silu(gate) * up, one kernel
+        self.ops = ops  # the model's kernels: silu(gate) * up in one pass
         self.tp: TensorParallel | None = None  # tensor parallel: down_proj's partial sums all-reduced
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            out = self.down_proj(native.silu_mul(self.native, self.gate_up_proj(x)))
-        elif self.fused is not None:
-            out = self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
-        else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """x (num_tokens, hidden); `decode_rows`: the step's AttentionMetadata.num_decode, for the
+        projections."""
+        y = self.gate_up_proj(x, decode_rows)
+        act = self.ops.silu_mul(y)
+        if act is None:
+            gate, up = y.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        out = self.down_proj(act, decode_rows)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Attention(nn.Module):
     """Grouped-query attention over the paged cache; optional q/k/v bias (qwen2) and q/k norm (qwen3)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: LayerOps = REFERENCE_OPS,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -159,22 +182,22 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops)
         # Per-layer departures from plain causal attention (model/attention.py: paged_attention).
         self.sliding_window: int | None = config.sliding_window
         self.logit_softcap: float | None = None
-        # Set by the fast kernels (float32 CPU): q/k norms, RoPE and the K/V cache write in one pass.
-        self.native: ctypes.CDLL | None = None
-        self.fused: Any = None  # CUDA + Triton backend: norms, RoPE and the K/V writes in one kernel
+        self.ops = ops  # the model's kernels: q/k norms, RoPE and the K/V cache write in one pass
         self.tp: TensorParallel | None = None  # tensor parallel: o_proj's partial sums all-reduced
 
-    def native_qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """(q weight, k weight, eps) for the native RoPE pass, or None without q/k norms."""
+    def fused_qk_norm(self, dtype: torch.dtype) -> tuple[bool, QKNorm | None]:
+        """Whether a fused RoPE pass may run for `dtype` activations, and the (q weight, k weight, eps)
+        of its q/k norms (None without them); not where a norm rounds otherwise (RMSNorm.fusable)."""
         if self.q_norm is None or self.k_norm is None:
-            return None
+            return True, None
         assert self.q_norm.eps == self.k_norm.eps
-        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        ok = self.q_norm.fusable(dtype) and self.k_norm.fusable(dtype)
+        return ok, (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def forward(
         self,
@@ -186,32 +209,18 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        if self.native is not None and kv_cache.k.dtype in native.KV_DTYPES:
-            qkv_flat = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
-            native.rope_store(
-                self.native, qkv_flat, self.num_heads, self.num_kv_heads, cos.squeeze(1), sin.squeeze(1),
-                meta.slot_mapping, kv_cache.k[layer_idx], kv_cache.v[layer_idx], self.native_qk_norm(),
-            )  # fmt: skip
+        qkv_flat = self.qkv_proj(x, meta.num_decode)  # (num_tokens, (heads + 2 * kv_heads) * head_dim)
+        fusable, qk_norm = self.fused_qk_norm(qkv_flat.dtype)
+        if fusable and self.ops.rope_store(
+            qkv_flat, self.num_heads, self.num_kv_heads, cos.squeeze(1), sin.squeeze(1),
+            meta.slot_mapping, kv_cache.k[layer_idx], kv_cache.v[layer_idx], qk_norm,
+        ):  # fmt: skip
             q = qkv_flat.view(n, -1, self.head_dim)[:, : self.num_heads]
             o = paged_attention(q, None, None, kv_cache, layer_idx, meta, self.scale, **self._options())
-            return self._output(o.reshape(n, self.num_heads * self.head_dim))
-        if self.fused is not None and meta.backend == "triton" and 2 * cos.shape[-1] == self.head_dim:
-            qkv_flat = self.qkv_proj(x)
-            self.fused.rope_store(
-                qkv_flat, self.num_heads, self.num_kv_heads, cos.squeeze(1), sin.squeeze(1),
-                meta.slot_mapping, kv_cache.k[layer_idx], kv_cache.v[layer_idx], self.native_qk_norm(),
-            )  # fmt: skip
-            q = qkv_flat.view(n, -1, self.head_dim)[:, : self.num_heads]
-            o = paged_attention(q, None, None, kv_cache, layer_idx, meta, self.scale, **self._options())
-            return self._output(o.reshape(n, self.num_heads * self.head_dim))
-        q, k, v = self.qkv_heads(x, cos, sin)
-        o = paged_attention(
-            q, k, v, kv_cache, layer_idx, meta, self.scale, **self._options()
-        )  # (num_tokens, num_heads, head_dim)
-        return self._output(o.reshape(n, self.num_heads * self.head_dim))
-
-    def _output(self, o: torch.Tensor) -> torch.Tensor:
-        out = self.o_proj(o)
+        else:
+            q, k, v = self._rotated_heads(qkv_flat, cos, sin)
+            o = paged_attention(q, k, v, kv_cache, layer_idx, meta, self.scale, **self._options())
+        out = self.o_proj(o.reshape(n, self.num_heads * self.head_dim), meta.num_decode)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _options(self) -> dict[str, Any]:
@@ -223,9 +232,14 @@ class Attention(nn.Module):
         """The torch path's q, k, v for (num_tokens, hidden) x: the fused projection, Qwen3's per-head
         q/k norms, RoPE on q and k. (num_tokens, heads, head_dim) each; also what the attention
         probe (model/attention_probe.py) attends with."""
-        n = x.shape[0]
+        return self._rotated_heads(self.qkv_proj(x), cos, sin)
+
+    def _rotated_heads(
+        self, qkv_flat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = qkv_flat.shape[0]
         # (num_tokens, num_heads + 2 * num_kv_heads, head_dim)
-        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = qkv_flat.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

@@ -54,11 +54,12 @@ from onecall.formats.gguf_layout import gguf_config_dict
 from onecall.formats.hf_config import model_config_from_hf
 from onecall.formats.quants import StoredGroups
 from onecall.kernels.cpu import native
+from onecall.kernels.cpu.experts import NativeExperts
 from onecall.kernels.cpu.fast_linear import FastLinear
+from onecall.loading.weights import load_weights
 from onecall.model.config import GLOBAL, SLIDING, ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.moe import Experts
-from onecall.model.weights import load_weights
 from tests.helpers.make_models import write_converted_gguf, write_tiny_hf_folder
 from tests.model.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt
 
@@ -110,7 +111,7 @@ def random_hf(family: str, seed: int = 0, **overrides: Any) -> Any:
 def load(path: Path, stored: dict[str, StoredGroups] | None = None) -> DecoderLM:
     """What the engine does with a model path (engine/engine_parts.py), float32 on CPU."""
     files = resolve_model(path)
-    model = DecoderLM(model_config_from_hf(load_hf_config_dict(files)), pack_on_load=stored is not None)
+    model = DecoderLM(model_config_from_hf(load_hf_config_dict(files)), kernels="reference" if stored is None else "fast")
     load_weights(model, iter_weights(files, torch.float32, stored), stored)
     return model.eval()
 
@@ -256,7 +257,9 @@ def test_the_engine_serves_a_converted_gguf(family: str, qtype: GGMLQuantization
         kernels = llm.info.kernels
     # every projection on the file's own groups (Q8_0 and Q4_0 alike: no float32 copy, no oneDNN; a
     # float output weight's logits may still run oneDNN)
-    assert "every row" in kernels and kernels.count("onednn") == kernels.count("onednn float32 logits"), kernels
+    assert "every row" in kernels and kernels.count("onednn") == kernels.count("onednn float32 logits"), (
+        kernels
+    )
     assert ("MoE layers" in kernels) == (family == "qwen3_moe")
     assert out.token_ids == want[21:]
 
@@ -452,8 +455,8 @@ def test_4bit_experts_are_never_expanded_into_float32(tmp_path: Path) -> None:
         (m for m in reference.modules() if isinstance(m, Experts)),
         strict=True,
     ):
-        assert ours.stored is not None and all(
-            gu is None and isinstance(d, native.Q4Packed) for gu, d in ours.stored
+        assert isinstance(ours.stored, NativeExperts) and all(
+            gu is None and isinstance(d, native.Q4Packed) for gu, d in ours.stored.weights
         )
         assert torch.equal(ours.gate_up_proj, ref.gate_up_proj) and ours.down_proj.numel() == 0
     seq = Seq(prompt(21, seed=3))

@@ -9,7 +9,8 @@ import torch
 
 from onecall.engine.engine import Engine
 from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
-from onecall.model.packing import enable_fast_kernels
+from onecall.loading.packing import enable_fast_kernels
+from tests.helpers.make_models import fast_copy
 from tests.helpers.tiny_engine import tiny_engine, tiny_model
 
 
@@ -37,8 +38,8 @@ def int4_engine(kernels: str, arch: str = "qwen2", int8_group: int = 0, **config
     or with int8_group (32: Q8_0-like, 16: Q6_K-like) to int8 groups. qwen2 (the default): q/k/v biases
     go through the quantized path too; qwen3: per-head q/k norms, given weights away from 1 so that a
     path skipping or misapplying them shows."""
-    model = copy.deepcopy(tiny_model(arch))
-    model.int8_activations = bool(config.get("int8_activations", False))  # read when packing
+    act8 = bool(config.get("int8_activations", False))  # read when packing
+    model = fast_copy(tiny_model(arch), act8) if kernels == "fast" else copy.deepcopy(tiny_model(arch))
     c = model.config
     if c.qk_norm:
         gen = torch.Generator().manual_seed(5)

@@ -16,13 +16,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from onecall.model.decoder import DecoderLM
 
 _HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -273,8 +276,8 @@ def hf_and_ours(hf_config: Any, model_cls: Any, *, weight_scale: float, seed: in
     weight_scale * N: transformers initialises norms to 1 and biases to 0, which would hide them),
     and our DecoderLM loaded from its state dict."""
     from onecall.formats.hf_config import model_config_from_hf
+    from onecall.loading.weights import load_weights
     from onecall.model.decoder import DecoderLM
-    from onecall.model.weights import load_weights
 
     torch.manual_seed(seed)
     hf = model_cls(hf_config).eval()
@@ -449,3 +452,14 @@ def write_converted_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+def fast_copy(model: DecoderLM, int8_activations: bool = False) -> DecoderLM:
+    """`model` rebuilt for the CPU fast path (DecoderLM(kernels="fast"): its layers on the native ops;
+    not packed on load) with its weights and buffers copied. loading/packing.py's enable_fast_kernels
+    then packs its projections; what the engine's loader does as the file streams in."""
+    from onecall.model.decoder import DecoderLM
+
+    fast = DecoderLM(model.config, kernels="fast", pack_on_load=False, int8_activations=int8_activations)
+    fast.load_state_dict(model.state_dict())
+    return fast.eval()

@@ -19,10 +19,10 @@ from onecall.formats.quants import Int8Groups, StoredGroups, dequantize, int4_gr
 from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_embedding import StoredEmbedding
 from onecall.kernels.cpu.fast_linear import compact_scales
-from onecall.model import packing, weights
+from onecall.loading import packing, weights
+from onecall.loading.weights import load_weights
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.weights import load_weights
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
 from tests.kernels.test_fast_linear import _q6_k_blocks, _random_blocks
 from tests.kernels.test_native_step import BLOCK, PROMPT_LENS, _decode, _prefill, _scrambled_tables
@@ -74,7 +74,7 @@ def test_4bit_rows_are_the_dequantized_table_bit_for_bit(qtype: T) -> None:
 def _load(path: Path, fast: bool) -> DecoderLM:
     files = resolve_model(path)
     stored: dict[str, StoredGroups] | None = {} if fast else None
-    model = DecoderLM(model_config_from_hf(load_hf_config_dict(files)), pack_on_load=fast)
+    model = DecoderLM(model_config_from_hf(load_hf_config_dict(files)), kernels="fast" if fast else "reference")
     # as engine_parts loads: stored groups not expanded where the native kernels take them
     load_weights(model, iter_weights(files, torch.float32, stored, expand_stored=not fast), stored)
     return model.eval()
@@ -92,7 +92,7 @@ def test_a_gguf_keeps_its_embedding_as_stored(
     config = tiny_hf_config("qwen3", tie_word_embeddings=tied)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=qtype)
     ref = _load(path, fast=False)
-    bare = DecoderLM(model_config_from_hf(load_hf_config_dict(resolve_model(path))), pack_on_load=True)
+    bare = DecoderLM(model_config_from_hf(load_hf_config_dict(resolve_model(path))), kernels="fast")
     assert bare.model.embed_tokens.weight.is_meta  # built without the table: the loader decides
     with monkeypatch.context() as m:
         m.setattr(weights, "materialize_weight", _never)
@@ -116,7 +116,9 @@ def test_a_gguf_keeps_its_embedding_as_stored(
     step = fast.native_step
     assert step is not None
     c = fast.config
-    cache = PagedKVCache(c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    cache = PagedKVCache(
+        c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.float32, "cpu"
+    )
     cache.k.zero_(), cache.v.zero_()
     tables = _scrambled_tables(40)
     _prefill(fast, cache, tables)
@@ -142,7 +144,9 @@ def test_an_embedding_in_other_types_stays_float32(tmp_path: Path) -> None:
     assert torch.equal(embed.weight, ref_embed.weight)
 
 
-def test_groups_no_stored_embedding_takes_are_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_groups_no_stored_embedding_takes_are_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The loader leaves the table on meta only for groups a StoredEmbedding takes (one rule:
     packing.stays_stored over fast_linear.runs_stored_only). Should that ever break, install raises
     rather than leaving a model without an embedding."""

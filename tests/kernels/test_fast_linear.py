@@ -149,8 +149,8 @@ def test_a_q8_0_gguf_decodes_on_its_own_int8_groups(tmp_path: Path) -> None:
     gives the reference model's float32 product within the int16 activation rounding."""
     from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
     from onecall.formats.hf_config import model_config_from_hf
+    from onecall.loading.weights import load_weights
     from onecall.model.decoder import DecoderLM
-    from onecall.model.weights import load_weights
     from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
 
     config = tiny_hf_config("llama")
@@ -159,7 +159,7 @@ def test_a_q8_0_gguf_decodes_on_its_own_int8_groups(tmp_path: Path) -> None:
     )
     mc = model_config_from_hf(load_hf_config_dict(files))
     stored: dict[str, StoredGroups] = {}
-    fast = DecoderLM(mc, pack_on_load=True)
+    fast = DecoderLM(mc, kernels="fast")
     load_weights(fast, iter_weights(files, torch.float32, stored), stored)
     ref = DecoderLM(mc)
     load_weights(ref, iter_weights(files, torch.float32))

@@ -175,7 +175,7 @@ def test_paged_attention_runs_prefill_chunks_natively_and_each_sequence_alone() 
         outs[backend] = paged_attention(q, None, None, cache, 0, meta, head_dim**-0.5)
     assert float((outs["paged"] - outs["reference"]).abs().max()) <= TOL
     alone = build_attention_metadata(tables[1:2], seq_lens[1:2], query_lens[1:2], bs, "cpu")
-    assert alone.native_prefill and alone.seqs[0].blocks is not None
+    assert alone.kernels.reads_prefill_chunks and alone.seqs[0].blocks is not None
     assert torch.equal(
         paged_attention(q[1:41], None, None, cache, 0, alone, head_dim**-0.5), outs["paged"][1:41]
     )

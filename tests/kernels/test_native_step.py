@@ -1,4 +1,4 @@
-"""The whole-step native decode (model/native_step.py) against the per-op fast path, bitwise.
+"""The whole-step native decode (loading/native_step.py) against the per-op fast path, bitwise.
 
 Tolerance: none. The step runs the per-op path's kernels in the same order on the same values, so
 hidden states and every K/V byte written must be identical; that is what keeps a request's tokens
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from onecall.kernels.cpu import native
-from onecall.kernels.cpu.fast_linear import decode_rows
+from onecall.loading.native_step import NativeDecodeStep
+from onecall.loading.packing import enable_fast_kernels
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.native_step import NativeDecodeStep
-from onecall.model.packing import enable_fast_kernels
 from tests.helpers.int4 import int4_engine
+from tests.helpers.make_models import fast_copy
 from tests.helpers.tiny_engine import tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -42,8 +42,8 @@ def _prefill(model: DecoderLM, cache: PagedKVCache, tables: list[list[int]]) -> 
         0, model.config.vocab_size, (sum(PROMPT_LENS),), generator=torch.Generator().manual_seed(1)
     )
     positions = torch.cat([torch.arange(n) for n in PROMPT_LENS])
-    meta = build_attention_metadata(tables, PROMPT_LENS, PROMPT_LENS, BLOCK, "cpu")
-    with torch.inference_mode(), decode_rows(0):
+    meta = build_attention_metadata(tables, PROMPT_LENS, PROMPT_LENS, BLOCK, "cpu", num_decode=0)
+    with torch.inference_mode():
         model(ids, positions, cache, meta)
 
 
@@ -51,8 +51,8 @@ def _decode(model: DecoderLM, cache: PagedKVCache, tables: list[list[int]], lens
     """One all-decode step: the next token of every sequence (lens: KV lengths after the step)."""
     ids = torch.tensor([11 * (i + 1) + n for i, n in enumerate(lens)])
     positions = torch.tensor([n - 1 for n in lens])
-    meta = build_attention_metadata(tables, lens, [1] * len(lens), BLOCK, "cpu")
-    with torch.inference_mode(), decode_rows(len(lens)):
+    meta = build_attention_metadata(tables, lens, [1] * len(lens), BLOCK, "cpu", num_decode=len(lens))
+    with torch.inference_mode():
         return model(ids, positions, cache, meta)
 
 
@@ -110,8 +110,8 @@ def test_native_step_takes_only_all_decode_steps_on_the_4bit_kernel() -> None:
     mixed = build_attention_metadata(tables[:2], [6, 3], [1, 3], BLOCK, "cpu")
     assert step.accepts(decode, cache, 2)
     assert not step.accepts(mixed, cache, 4)  # a prompt chunk shares the step: the per-op path
-    with decode_rows(0):  # the rows are planned as prompt rows: the per-op path takes them
-        assert not step.accepts(decode, cache, 2)
+    planned = build_attention_metadata(tables[:2], [6, 3], [1, 1], BLOCK, "cpu", num_decode=0)
+    assert not step.accepts(planned, cache, 2)  # the rows are planned as prompt rows: the per-op path
     bf16 = PagedKVCache(
         c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.bfloat16, "cpu"
     )
@@ -125,10 +125,12 @@ def test_a_token_id_or_position_outside_the_tables_is_refused_before_anything_is
     step = model.native_step
     assert step is not None
     c = model.config
-    cache = PagedKVCache(c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    cache = PagedKVCache(
+        c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.float32, "cpu"
+    )
     cache.k.zero_(), cache.v.zero_()
     tables = _scrambled_tables(40)
-    meta = build_attention_metadata(tables[:2], [6, 3], [1, 1], BLOCK, "cpu")
+    meta = build_attention_metadata(tables[:2], [6, 3], [1, 1], BLOCK, "cpu", num_decode=2)
     cos, sin = model.rotary.cos, model.rotary.sin  # type: ignore[union-attr]
     ok_ids, ok_pos = torch.tensor([5, 7]), torch.tensor([5, 2])
     for ids, pos, what in (
@@ -137,10 +139,10 @@ def test_a_token_id_or_position_outside_the_tables_is_refused_before_anything_is
         (ok_ids, torch.tensor([5, cos.shape[0]]), "RoPE tables"),
         (ok_ids, torch.tensor([-1, 2]), "RoPE tables"),
     ):
-        with torch.inference_mode(), decode_rows(2), pytest.raises(IndexError, match=what):
+        with torch.inference_mode(), pytest.raises(IndexError, match=what):
             step(ids, pos, cos, sin, cache, meta)
         assert not cache.k.any() and not cache.v.any()
-    with torch.inference_mode(), decode_rows(2):
+    with torch.inference_mode():
         out = step(ok_ids, ok_pos, cos, sin, cache, meta)
     assert out.shape == (2, c.hidden_size) and torch.isfinite(out).all() and cache.k.any()
 
@@ -148,6 +150,7 @@ def test_a_token_id_or_position_outside_the_tables_is_refused_before_anything_is
 def test_models_it_cannot_run_exactly_keep_the_per_op_path() -> None:
     """No 4-bit copy of the projections (a float checkpoint): no native step, for any family."""
     for arch in ("llama", "qwen3"):
-        dense = copy.deepcopy(tiny_model(arch))
+        dense = fast_copy(tiny_model(arch))  # the native ops, which the step needs: only 4-bit is missing
+        assert dense.ops.name == "native"
         enable_fast_kernels(dense)
         assert "onednn" in dense.kernels and dense.native_step is None

@@ -1,4 +1,4 @@
-"""The fused Triton ops of the CUDA path (model/triton_ops.py) against the torch ops they replace.
+"""The fused Triton ops of the CUDA path (kernels/cuda/fused_ops.py) against the torch ops they replace.
 
 Runs on CPU under TRITON_INTERPRET=1 (conftest.py), as tests/kernels/test_triton_attention.py does.
 Tolerances: float32, the same formulas in float32 (summation order only): 1e-5 relative to the
@@ -11,15 +11,16 @@ Qwen3 with and without the fused ops through the Triton backend and requires equ
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is a test extra (pip install -e '.[test]')")
 
+from onecall.kernels.cuda.fused_ops import TritonLayerOps, add_rms_norm, rope_store, silu_mul
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.layers import MLP, RMSNorm, apply_rope
-from onecall.model.triton_ops import add_rms_norm, rope_store, silu_mul
+from onecall.model.layers import RMSNorm, apply_rope
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -101,7 +102,16 @@ def test_silu_mul_matches_the_mlp_activation() -> None:
     y = torch.randn(3, 2 * 1500, generator=g)  # more than one block of columns
     gate, up = y.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul(y), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
-    assert MLP  # the module whose forward calls it (model/layers.py)
+
+
+class Counted(TritonLayerOps):
+    """The Triton ops, counting the fused RoPE passes that ran."""
+
+    rope_stores = 0
+
+    def rope_store(self, *args: Any) -> bool:
+        self.rope_stores += 1
+        return super().rope_store(*args)
 
 
 @pytest.mark.slow
@@ -110,7 +120,8 @@ def test_engine_greedy_tokens_equal_with_the_fused_ops() -> None:
     with the fused ops installed, the same greedy tokens as the torch ops (float32)."""
     import copy
 
-    from onecall.model import triton_ops
+    from onecall.kernels import ops
+    from onecall.model.decoder import DecoderLM
     from onecall.sampling_params import SamplingParams
     from tests.helpers.tiny_engine import run_all, tiny_engine, tiny_model
 
@@ -118,30 +129,20 @@ def test_engine_greedy_tokens_equal_with_the_fused_ops() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = []
     for fused in (False, True):
-        # a copy: the cached tiny model is shared with other tests (the engine installs the ops on CUDA)
-        engine = tiny_engine(model=copy.deepcopy(tiny_model("qwen3")))
+        counted = Counted()
+        layer_ops = counted if fused else ops.REFERENCE_OPS
+        ref = tiny_model("qwen3")
+        model = DecoderLM(ref.config, ops=layer_ops)  # what the engine builds on CUDA with the fast kernels
+        model.load_state_dict(ref.state_dict())
+        engine = tiny_engine(model=model.eval())
         engine.enable_static_decode(capture=False, backend="triton")
-        triton_ops.install(engine.parts.model)
-        copy.deepcopy(engine.parts.model)  # the hook does not stop a model from being copied
-        modules = list(engine.parts.model.modules())
-        hooked = [m for m in modules if isinstance(getattr(m, "fused", None), triton_ops.TritonOps)]
+        copy.deepcopy(engine.parts.model)  # the ops do not stop a model from being copied
+        layers = engine.parts.model.model  # DecoderLM.model: the layers and the final norm
+        built_on = [m for m in layers.modules() if getattr(m, "ops", None) is layer_ops]
         # per layer: two norms, the q/k norms, attention, the MLP; and the final norm
-        assert len(hooked) == 6 * engine.parts.model.config.num_hidden_layers + 1
-        calls = {"rope_store": 0}
-        if fused:
-            real = triton_ops.rope_store
-
-            def counted(*args: object, calls: dict[str, int] = calls, real: object = real) -> None:
-                calls["rope_store"] += 1
-                real(*args)  # type: ignore[operator]
-
-            for m in hooked:
-                m.fused = type("Counted", (triton_ops.TritonOps,), {"rope_store": staticmethod(counted)})()
-        else:
-            for m in hooked:
-                m.fused = None  # the torch ops
+        assert len(built_on) == 6 * engine.parts.model.config.num_hidden_layers + 1
         out = run_all(engine, prompts, params)
-        assert (calls["rope_store"] > 0) == fused
+        assert (counted.rope_stores > 0) == fused
         tokens.append({rid: list(o.token_ids) for rid, o in out.items()})
     assert tokens[0] == tokens[1]
 
@@ -154,7 +155,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 if "nvidia" not in triton.backends.backends:
     sys.exit(77)
-from onecall.model.triton_ops import _add_rms_norm_kernel, _rope_store_kernel, _silu_mul_kernel
+from onecall.kernels.cuda.fused_ops import _add_rms_norm_kernel, _rope_store_kernel, _silu_mul_kernel
 
 types = {name: "*bf16" for name in "h_ptr r_ptr w_ptr y_ptr qkv_ptr cos_ptr sin_ptr q_norm_ptr k_norm_ptr".split()}
 types |= {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16", "slot_ptr": "*i64", "eps": "fp32"}

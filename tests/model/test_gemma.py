@@ -37,6 +37,8 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, Gemma2Text
 
 from onecall.formats.hf_config import model_config_from_hf
 from onecall.kernels.cpu import native
+from onecall.kernels.ops import LayerOps
+from onecall.kernels.select import layer_ops
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.config import GLOBAL, SLIDING, GemmaSpec, ModelConfig, RopeScaling
 from onecall.model.decoder import DecoderLM
@@ -50,7 +52,7 @@ from onecall.model.gemma import (
     soft_cap,
 )
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.layers import MLP, Attention, RMSNorm
+from onecall.model.layers import MLP
 from tests.helpers.make_models import hf_and_ours
 from tests.model.test_model_numerics import VOCAB as NUMERICS_VOCAB
 from tests.model.test_model_numerics import Harness, Seq, assert_close, hf_logits, prompt
@@ -229,21 +231,18 @@ def _layer_step(case: Case, layer_idx: int, ours: GemmaDecoderLayer, swap_tables
 def _ours_layer(
     case: Case, layer_idx: int, use_native: bool, dtype: torch.dtype = torch.float32
 ) -> GemmaDecoderLayer:
-    ours = GemmaDecoderLayer(case.config, case.spec, layer_idx, dtype, "cpu")
+    ours = GemmaDecoderLayer(case.config, case.spec, layer_idx, dtype, "cpu", _ops(use_native))
     # from the checkpoint's tensors in the model dtype, as a low-precision checkpoint holds them
     _load_layer(ours, copy.deepcopy(case.hf.model.layers[layer_idx]).to(dtype))
-    if use_native:
-        _install_native(ours)
     return ours
 
 
-def _install_native(module: torch.nn.Module) -> None:
-    """What model/packing.py installs on every RMSNorm, MLP and Attention (float32 CPU): the native
-    add + norm, RoPE + q/k norm + cache store, and silu_mul passes (the last one GemmaMLP ignores)."""
-    lib = native.load()
-    for sub in module.modules():
-        if isinstance(sub, (RMSNorm, MLP, Attention)):
-            sub.native = lib
+def _ops(use_native: bool) -> LayerOps:
+    """What a fast-path model's layers are built on (float32 CPU): the native add + norm, and RoPE +
+    q/k norm + cache store passes (GemmaMLP, gelu, asks for no fused op); else the reference ops."""
+    ops = layer_ops("cpu", torch.float32, "fast" if use_native else "reference")
+    assert (ops.name == "native") == use_native
+    return ops
 
 
 def _layer_input(seed: int = 5) -> torch.Tensor:
@@ -336,15 +335,13 @@ def test_gemma3_layer_needs_its_own_table(layer_idx: int) -> None:
 
 
 def _load_model(case: Case, use_native: bool) -> GemmaDecoderModel:
-    ours = GemmaDecoderModel(case.config, case.spec, torch.float32, "cpu")
+    ours = GemmaDecoderModel(case.config, case.spec, torch.float32, "cpu", _ops(use_native))
     with torch.no_grad():
         ours.embed_tokens.weight.copy_(case.hf.model.embed_tokens.weight)
         ours.norm.weight.copy_(checkpoint_norm_weight(case.hf.model.norm.weight))
     for layer, hf_layer in zip(ours.layers, case.hf.model.layers, strict=True):
         assert isinstance(layer, GemmaDecoderLayer)
         _load_layer(layer, hf_layer)
-    if use_native:
-        _install_native(ours)
     return ours
 
 
@@ -502,10 +499,11 @@ def test_gemma_configs_as_their_files_write_them() -> None:
 def test_the_fast_kernels_run_gemma(whole: tuple[Any, DecoderLM]) -> None:
     """oneDNN projections and the native norm / RoPE / attention passes (no one-call step: Gemma's
     layer is not Llama's): the reference model's logits to float32 summation order."""
-    from onecall.model.packing import enable_fast_kernels
+    from onecall.loading.packing import enable_fast_kernels
+    from tests.helpers.make_models import fast_copy
 
     _, ours = whole
-    fast = copy.deepcopy(ours)
+    fast = fast_copy(ours)
     enable_fast_kernels(fast)
     assert "onednn" in fast.kernels and fast.native_step is None
     seq, ref_seq = Seq(prompt(21, seed=5)), Seq(prompt(21, seed=5))

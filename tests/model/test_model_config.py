@@ -18,10 +18,10 @@ from transformers import Qwen2Config, Qwen3Config
 
 from onecall.errors import UnsupportedModelError
 from onecall.formats.hf_config import model_config_from_hf
+from onecall.loading.weights import load_weights
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.weights import load_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -223,14 +223,10 @@ def test_scaled_rope_families() -> None:
     assert ModelConfig(**c.to_dict()) == c  # the nested RopeScaling survives a dict round trip
     m = model_config_from_hf(MISTRAL)
     assert (m.architecture, m.head_dim, m.rope_scaling, m.attention_bias) == ("mistral", 128, None, False)
-    assert (
-        model_config_from_hf(with_(MISTRAL, sliding_window=32768)).sliding_window is None
-    )  # covers all
+    assert model_config_from_hf(with_(MISTRAL, sliding_window=32768)).sliding_window is None  # covers all
     # a window shorter than the context bites: every layer attends to its last sliding_window positions
     assert model_config_from_hf(with_(MISTRAL, sliding_window=4096)).sliding_window == 4096
-    assert (
-        model_config_from_hf(with_(MISTRAL, sliding_window=...)).sliding_window == 4096
-    )  # the default
+    assert model_config_from_hf(with_(MISTRAL, sliding_window=...)).sliding_window == 4096  # the default
     assert (
         model_config_from_hf(with_(PHI4_MINI, sliding_window=2047)).sliding_window == 2047
     )  # Phi-3-mini-4k's

@@ -25,10 +25,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from onecall.loading.weights import load_weights
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.weights import load_weights
 from tests.helpers.make_models import hf_and_ours
 
 ATOL = 1e-4  # max abs diff between our logits and transformers'
@@ -121,8 +121,11 @@ class Harness:
         while len(seq.block_table) * BLOCK_SIZE < length:
             seq.block_table.append(self.free.pop())
 
-    def step(self, batch: list[tuple[Seq, int]], backend: str = "paged") -> list[torch.Tensor]:
-        """Run `num_new` uncached tokens of each sequence in one flat forward; per-sequence logits."""
+    def step(
+        self, batch: list[tuple[Seq, int]], backend: str = "paged", num_decode: int | None = None
+    ) -> list[torch.Tensor]:
+        """Run `num_new` uncached tokens of each sequence in one flat forward; per-sequence logits.
+        `num_decode`: the leading rows planned as decode rows (AttentionMetadata.num_decode)."""
         ids: list[int] = []
         positions: list[int] = []
         for seq, num_new in batch:
@@ -137,6 +140,7 @@ class Harness:
             BLOCK_SIZE,
             "cpu",
             backend=backend,
+            num_decode=num_decode,
         )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_cache, meta)

@@ -103,8 +103,8 @@ def test_a_token_reads_only_its_own_experts() -> None:
 from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 from onecall.formats.hf_config import model_config_from_hf  # noqa: E402
+from onecall.loading.weights import load_weights  # noqa: E402
 from onecall.model.decoder import DecoderLM  # noqa: E402
-from onecall.model.weights import load_weights  # noqa: E402
 from tests.helpers.make_models import hf_and_ours  # noqa: E402
 from tests.model.test_model_numerics import VOCAB, Harness, Seq, assert_close, hf_logits, prompt  # noqa: E402
 
@@ -185,13 +185,12 @@ def test_a_missing_expert_is_named() -> None:
 
 def test_the_fast_kernels_run_a_moe_model() -> None:
     """Attention projections on oneDNN, the experts dense (model/moe.py), no one-call decode step."""
-    import copy
-
-    from onecall.model.packing import enable_fast_kernels
+    from onecall.loading.packing import enable_fast_kernels
+    from tests.helpers.make_models import fast_copy
 
     config_cls, model_cls, extra = WHOLE["qwen3_moe"]
     _, ours = hf_and_ours(config_cls(**_TINY, **extra), model_cls, weight_scale=0.15)
-    fast = copy.deepcopy(ours)
+    fast = fast_copy(ours)
     enable_fast_kernels(fast)
     assert fast.native_step is None and "onednn" in fast.kernels
     (got,) = Harness(fast).step([(Seq(prompt(19, seed=9)), 19)])
@@ -201,13 +200,13 @@ def test_the_fast_kernels_run_a_moe_model() -> None:
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_stored_experts_run_on_their_own_groups(kind: str) -> None:
-    """A quantized GGUF's experts (Experts.use_stored), within the engine's decode_rows(n) scope: int8
+    """A quantized GGUF's experts (Experts.use_stored), in a step with 2 decode rows planned: int8
     and 4-bit groups alike run every row, decode and prompt, on their native kernel, and their float32
     copy is freed. The float32 weights were the groups' own values, so every row matches the reference
     to the int16 activation rounding; poisoning the stored groups then shows every row reads them."""
     from onecall.formats.quants import Int4Groups, Int8Groups
     from onecall.kernels.cpu import native
-    from onecall.kernels.cpu.fast_linear import decode_rows
+    from onecall.kernels.cpu.experts import native_experts
     from tests.helpers.int4 import quantize_int4, quantize_int8
 
     if native.load() is None:
@@ -224,10 +223,10 @@ def test_stored_experts_run_on_their_own_groups(kind: str) -> None:
         moe.experts.down_proj.copy_(torch.stack([g.dequantize() for g in down]))
         x = torch.randn(7, hidden, generator=gen)
         ref = moe(x)  # nothing stored: float32 for every row
-        assert moe.experts.use_stored(list(gate_up), list(down)) and moe.experts.stored is not None
+        shapes = moe.experts.weight_shapes
+        assert moe.experts.use_stored(native_experts(gate_up, down, shapes)) and moe.experts.stored is not None
         assert moe.experts.gate_up_proj.numel() == 0 and moe.experts.down_proj.numel() == 0  # freed
-        with decode_rows(2):
-            got = moe(x)
+        got = moe(x, 2)
         # both kinds round activations to int16 steps per group of 32 (measured here: up to 1.1e-4 for
         # int8 groups, 8e-4 for 4-bit ones; about 2-4x allowed)
         tol = 5e-4 if kind == "int8" else 2e-3
@@ -237,11 +236,11 @@ def test_stored_experts_run_on_their_own_groups(kind: str) -> None:
             Int4Groups(g.q, g.scale * 0, g.offset * 0, g.group_size) for g in gate_up
         ]  # fmt: skip
         # bytes one decode row streams: the router and top_k experts in their stored form
-        one_expert = sum(g.nbytes for g in moe.experts.stored[0])  # type: ignore[union-attr]
+        one_expert = sum(moe.experts.stored.nbytes(0, which) or 0 for which in (0, 1))
+        assert one_expert > 0
         assert moe.weight_bytes_read(1) == 4 * hidden * num_experts + 2 * one_expert
-        moe.experts.use_stored(poisoned_gate_up, list(down))
-        with decode_rows(2):
-            poisoned = moe(x)
+        moe.experts.use_stored(native_experts(poisoned_gate_up, down, shapes))
+        poisoned = moe(x, 2)
         assert not torch.allclose(poisoned[:2], ref[:2], atol=1e-2)  # decode rows read the groups
         assert not torch.allclose(poisoned[2:], ref[2:], atol=1e-2)  # and so do prompt rows
 
@@ -251,7 +250,7 @@ def test_the_bandwidth_figure_counts_the_experts_a_step_reaches() -> None:
     one decode row streams 2/6 of each sparse layer's experts, so the figure is every parameter's bytes
     less 4/6 of the experts'; 3 rows can reach every expert and count every parameter. Experts whose
     4-bit groups replaced their float32 copy (freed) count in the groups' bytes, not as nothing."""
-    from onecall.model.packing import weight_bytes_read
+    from onecall.loading.packing import weight_bytes_read
 
     config_cls, model_cls, extra = WHOLE["qwen3_moe"]
     _, ours = hf_and_ours(config_cls(**_TINY, **extra), model_cls, weight_scale=0.15)
@@ -269,6 +268,7 @@ def test_the_bandwidth_figure_counts_the_experts_a_step_reaches() -> None:
     assert weight_bytes_read(ours, 3) == dense()
 
     from onecall.kernels.cpu import native
+    from onecall.kernels.cpu.experts import native_experts
     from tests.helpers.int4 import quantize_int4
 
     if native.load() is None:
@@ -277,9 +277,10 @@ def test_the_bandwidth_figure_counts_the_experts_a_step_reaches() -> None:
     with torch.no_grad():
         gate_up = [quantize_int4(w) for w in experts.gate_up_proj]
         down = [quantize_int4(w) for w in experts.down_proj]
-    assert experts.use_stored(list(gate_up), list(down)) and experts.gate_up_proj.numel() == 0
-    assert experts.stored is not None
-    one_expert = sum(g.nbytes for g in experts.stored[0] if isinstance(g, native.Q4Packed))
+    held = native_experts(gate_up, down, experts.weight_shapes)
+    assert experts.use_stored(held) and experts.gate_up_proj.numel() == 0
+    assert held is not None and held.kinds() == {"int4"}
+    one_expert = sum(held.nbytes(0, which) or 0 for which in (0, 1))
     assert one_expert > 0
     # layer 0: its 2 reachable experts' groups (its float32 weights are gone from dense());
     # layer 2: still 2/6 of its float32 experts

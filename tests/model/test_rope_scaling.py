@@ -37,11 +37,11 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
 from onecall.formats.hf_config import model_config_from_hf
+from onecall.loading.weights import load_weights
 from onecall.model import rope
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.layers import RotaryEmbedding
-from onecall.model.weights import load_weights
 from tests.helpers.make_models import hf_and_ours, llama3_rope_freqs, write_tiny_gguf
 from tests.model.test_model_numerics import Harness, Seq, assert_close, hf_logits, prompt
 
@@ -329,24 +329,23 @@ def test_fast_kernels_run_partial_rotary_and_scaling() -> None:
     4-bit weights, gets the same cos/sin rows): partial rotary and longrope need nothing of it beyond
     them (the permuted head layout is plain full-width RoPE)."""
     from onecall.kernels.cpu import native
-    from onecall.kernels.cpu.fast_linear import decode_rows
-    from onecall.model.packing import enable_fast_kernels
+    from onecall.loading.packing import enable_fast_kernels
+    from tests.helpers.make_models import fast_copy
 
     if native.load() is None:
         pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
     config_cls, model_cls, extra = FAMILIES["phi3_longrope_partial"]
-    hf, ours = hf_and_ours(config_cls(**_COMMON, **extra), model_cls, weight_scale=0.15)
+    hf, ref = hf_and_ours(config_cls(**_COMMON, **extra), model_cls, weight_scale=0.15)
+    ours = fast_copy(ref)
     enable_fast_kernels(ours)
-    assert all(layer.self_attn.native is not None for layer in ours.model.layers)  # rope_store in use
+    assert all(layer.self_attn.ops.name == "native" for layer in ours.model.layers)  # rope_store in use
     harness = Harness(ours)
     seq = Seq(prompt(ORIGINAL + 3, seed=16))
-    with decode_rows(0):
-        (logits,) = harness.step([(seq, len(seq.tokens))])
+    (logits,) = harness.step([(seq, len(seq.tokens))], num_decode=0)
     steps = []
     for _ in range(6):
         seq.tokens.append(int(logits[-1].argmax()))
-        with decode_rows(1):
-            (logits,) = harness.step([(seq, 1)])
+        (logits,) = harness.step([(seq, 1)], num_decode=1)
         steps.append(logits[-1])
     ref = hf_logits(hf, seq.tokens)
     for i, step_logits in enumerate(steps):

@@ -28,11 +28,11 @@ from safetensors.torch import load_file, save_file
 from onecall.engine.engine_parts import shard_weights
 from onecall.errors import UnsupportedModelError
 from onecall.formats.hf_config import model_config_from_hf
+from onecall.loading.weights import load_weights
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel
-from onecall.model.weights import load_weights
 from tests.helpers.make_models import random_state_dict, tiny_hf_config
 
 pytestmark = pytest.mark.slow  # two spawned processes per case

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from onecall.config import EngineConfig
-from onecall.engine.engine_parts import install_fused_ops, kv_blocks_in_budget, load_model
+from onecall.engine.engine_parts import kv_blocks_in_budget, load_model
 from onecall.engine.model_runner import ModelRunner
 from onecall.engine.tp.messages import GROUP_TIMEOUT, backend_for, control_group, receive_step
 from onecall.formats.checkpoint import load_hf_config_dict, resolve_model
@@ -111,7 +111,6 @@ def serve_steps(
         local.head_dim, kv_dtype, device,
     )  # fmt: skip
     backend = default_backend(device, config.kernels)
-    install_fused_ops(model, backend, config.kernels, device)
     runner = ModelRunner(model, kv_cache, None, device, backend, block_size=config.block_size)
     while (step := receive_step(control)) is not None:
         runner.run(step)

@@ -13,7 +13,7 @@ float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection
   one kernel for every row makes a row's result independent of the batch by construction, and no
   float32 copy is ever made for such a weight (cold start, and memory: a Q8_0 file's float32 copy
   would be four times its size). A projection in parts runs one call per part and takes the per-op
-  path, not the one-call decode step (model/native_step.py takes whole projections only).
+  path, not the one-call decode step (loading/native_step.py takes whole projections only).
 * otherwise, prompt rows: oneDNN with the float32 weight prepacked once into its blocked layout
   (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`). Same float32 math as the
   reference, only the summation order differs; a row's result does not depend on how many rows
@@ -21,11 +21,12 @@ float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection
 * decode rows of a 4-bit weight the native kernel cannot take (no compiler, groups of 64...):
   torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations, scales and zeros); prompt rows oneDNN.
 
-Which rows are "decode" is the step's, not the call's: the engine runs each forward inside
-`decode_rows(n)` (the batch's first n rows are decode tokens, the rest prompt tokens), so a
-request's tokens go through the same kernels whatever else shares its batch (batch invariance;
-tests/engine/test_batch_invariance.py). Outside such a scope (tests, the attention probe) a call of at
-most INT4_MAX_ROWS rows counts as decode. The logits (FastLMHead) of a weight stored as Q8_0 or Q6_K
+Which rows are "decode" is the step's, not the call's: each call is told how many of its first
+rows are decode tokens (`forward(x, decode_rows)`: the step's AttentionMetadata.num_decode, which
+the layers pass on; the rest are prompt tokens), so a request's tokens go through the same kernels
+whatever else shares its batch (batch invariance; tests/engine/test_batch_invariance.py). A call
+told nothing (decode_rows None: tests, the attention probe) counts as decode when it has at most
+INT4_MAX_ROWS rows. The logits (FastLMHead) of a weight stored as Q8_0 or Q6_K
 run the same native int8 kernel, of one stored as Q4_0/Q4_1/Q4_K the 4-bit one.
 
 The reference path (`kernels="reference"`) is the oracle the tests compare against.
@@ -34,9 +35,7 @@ The reference path (`kernels="reference"`) is the oracle the tests compare again
 from __future__ import annotations
 
 import ctypes
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -44,7 +43,7 @@ from torch import nn
 from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
 from onecall.kernels.cpu import native
 
-# Outside a decode_rows() scope, calls with at most this many rows use the 4-bit kernel.
+# A call not told its decode rows counts as decode up to this many rows.
 INT4_MAX_ROWS = 16
 # oneDNN packs a weight for an expected batch size; any batch works with any packing, but packing for
 # 16 rows ran batch-16 decode faster than packing for 1, at no cost for 1 row (docs/benchmarks.md).
@@ -55,38 +54,18 @@ _INT4_INNER_K_TILES = 2  # packing parameter of torch's CPU int4 layout
 # would be off by up to 1/254 of each group's largest value).
 _Q8_EXACT_RTOL = 2.0**-20
 
-_scope = threading.local()
 
-
-@contextmanager
-def decode_rows(num_rows: int) -> Iterator[None]:
-    """Within this scope, the first `num_rows` rows of every projection call are decode tokens (the
-    4-bit kernel) and the rest prompt tokens (oneDNN). One scope per thread; nesting is refused."""
-    assert getattr(_scope, "num_rows", None) is None, "decode_rows() scopes do not nest"
-    _scope.num_rows = num_rows
-    try:
-        yield
-    finally:
-        _scope.num_rows = None
-
-
-def num_decode_rows(rows: int) -> int:
-    """How many of a call's first `rows` rows run the 4-bit kernel (the decode_rows scope, else the
-    INT4_MAX_ROWS rule)."""
-    planned: int | None = getattr(_scope, "num_rows", None)
-    if planned is None:
+def num_decode_rows(rows: int, decode_rows: int | None) -> int:
+    """How many of a call's first `rows` rows run the decode kernel: `decode_rows` as the step planned
+    it, else (None) all of them up to INT4_MAX_ROWS rows, none above."""
+    if decode_rows is None:
         return rows if rows <= INT4_MAX_ROWS else 0
-    assert planned <= rows, f"decode_rows({planned}) but the call has {rows} rows"
-    return planned
+    assert decode_rows <= rows, f"{decode_rows} decode rows but the call has {rows} rows"
+    return decode_rows
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def fast_kernels_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """The fast kernels are a float32 CPU path; elsewhere the reference modules stay."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and onednn_available()
 
 
 def int4_shape_ok(out_features: int, in_features: int, group_size: int) -> bool:
@@ -232,12 +211,17 @@ class FastLinear(nn.Module):
         kinds = {"int8" if isinstance(g, native.Q8Blocked) else "int4" for _, _, g in self.parts}
         return f"native {'+'.join(sorted(kinds))}" if kinds else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """x (..., in_features); `decode_rows`: how many of its first rows are decode tokens (None: see
+        num_decode_rows)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         # every row on the native kernels; else decode rows on the stored groups, prompt rows oneDNN
-        num_small = rows if self.every_row else num_decode_rows(rows) if self.has_decode_kernel else 0
+        if self.every_row:
+            num_small = rows
+        else:
+            num_small = num_decode_rows(rows, decode_rows) if self.has_decode_kernel else 0
         if num_small == rows:
             y = self._on_stored(x2)
         elif num_small == 0:
@@ -276,7 +260,7 @@ class FastLinear(nn.Module):
         return y
 
     def weight_bytes_read(self, rows: int) -> int:
-        """Bytes of weights one call over `rows` rows (outside a decode_rows scope) streams."""
+        """Bytes of weights one call over `rows` rows (not told its decode rows) streams."""
         if self.q4 is not None:
             return self.q4.nbytes
         if self.has_decode_kernel and (self.every_row or rows <= INT4_MAX_ROWS):
@@ -357,7 +341,9 @@ class FastLMHead(nn.Module):
             self.q4 = pack_q4_groups(stored)
             self.from_stored = True
         elif w.is_meta:  # the loader skipped the float32 matrix only for groups the rule above takes
-            raise ValueError("the output weight was left to its stored groups, but they are not ones the native kernels run")
+            raise ValueError(
+                "the output weight was left to its stored groups, but they are not ones the native kernels run"
+            )
         elif w.shape[1] % 32 == 0 and _native() is not None:
             q, scale = native.quantize_q8_groups(w)
             err = (q.view(w.shape[0], -1, 32).float() * scale.unsqueeze(-1)).view_as(w).sub_(w).abs_().max()
@@ -368,7 +354,9 @@ class FastLMHead(nn.Module):
 
     @property
     def kernel(self) -> str:
-        return "native q8" if self.q8 is not None else "native q4" if self.q4 is not None else "onednn float32"
+        return (
+            "native q8" if self.q8 is not None else "native q4" if self.q4 is not None else "onednn float32"
+        )
 
     def weight_bytes_read(self) -> int:
         if self.q8 is not None:

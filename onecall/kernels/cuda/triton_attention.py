@@ -22,35 +22,13 @@ Triton is imported only when this backend is used; nothing else in onecall needs
 
 from __future__ import annotations
 
-from collections.abc import Sized
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-
-class PagedBatch(Protocol):
-    """What the kernel reads of a step's attention metadata (model/attention_metadata.py's
-    AttentionMetadata, as tensors): per sequence its block table, KV length and first query row."""
-
-    @property
-    def block_tables(self) -> torch.Tensor | None: ...  # (num_seqs, max_blocks) int32
-
-    @property
-    def seq_lens_t(self) -> torch.Tensor | None: ...  # (num_seqs,) int32
-
-    @property
-    def query_starts_t(self) -> torch.Tensor | None: ...  # (num_seqs + 1,) int32
-
-    @property
-    def max_query_len(self) -> int: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def seqs(self) -> Sized: ...  # one entry per sequence
+from onecall.kernels.ops import PagedBatch
 
 
 @triton.jit

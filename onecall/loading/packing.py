@@ -21,17 +21,11 @@ from torch import nn
 from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
 from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_embedding import StoredEmbedding
-from onecall.kernels.cpu.fast_linear import (
-    FastLinear,
-    FastLMHead,
-    fast_kernels_supported,
-    pack_q4_groups,
-    runs_stored_only,
-)
+from onecall.kernels.cpu.fast_linear import FastLinear, FastLMHead, pack_q4_groups, runs_stored_only
+from onecall.kernels.select import fast_kernels_supported
+from onecall.loading.native_step import NativeDecodeStep
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
-from onecall.model.layers import MLP, Attention, RMSNorm
 from onecall.model.moe import SparseMoE
-from onecall.model.native_step import NativeDecodeStep
 
 
 @dataclass
@@ -158,14 +152,12 @@ def new_packer(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> Streamin
 
 
 def install(model: DecoderLM, packer: StreamingPacker) -> None:
-    """Wait for the packer, swap in the packed projections, the logits head and the native small ops,
-    and record what the model now runs on (DecoderLM.kernels)."""
-    model.fast_lm_head, modules = packer.finish(model.output_weight(), model.output_weight_name())
-    lib = native.load()
-    if lib is not None:  # small ops fused into native passes (kernels/cpu/native.py)
-        for module in model.modules():
-            if isinstance(module, (RMSNorm, MLP, Attention)):
-                module.native = lib
+    """Wait for the packer, swap in the packed projections and the logits head (the small ops are the
+    model's own: DecoderLM.ops, chosen when it was built), and record what the model now runs on
+    (DecoderLM.kernels)."""
+    head, modules = packer.finish(model.output_weight(), model.output_weight_name())
+    model.fast_lm_head = head
+    if native.load() is not None:
         embedding = _stored_embedding(model, packer.stored)
         if embedding is not None:  # the float32 table goes, or was never made (fast_embedding.py)
             model.model.embed_tokens = embedding
@@ -187,7 +179,7 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
         decode = f" + {'/'.join(kinds)} decode ({num_stored} of {len(modules)} projections)" if kinds else ""
         pieces.append(f"onednn float32{decode}")
     step = ", native decode step" if model.native_step is not None else ""
-    model.kernels = f"{', '.join(pieces)}, {model.fast_lm_head.kernel} logits{step}"
+    model.kernels = f"{', '.join(pieces)}, {head.kernel} logits{step}"
 
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -217,7 +209,7 @@ def _stored_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> S
         return None
     if model.lm_head is None:  # tied: look rows up in the logits head's own bytes
         head = model.fast_lm_head
-        table = None if head is None or not head.from_stored else head.q8 or head.q4
+        table = None if not isinstance(head, FastLMHead) or not head.from_stored else head.q8 or head.q4
         return None if table is None else StoredEmbedding(table)
     if isinstance(groups, Int4Groups):
         return StoredEmbedding(pack_q4_groups(groups))
@@ -232,7 +224,8 @@ def enable_fast_kernels(model: DecoderLM, stored_weights: Mapping[str, StoredGro
     name -> Int4Groups or Int8Groups) are the checkpoint's own quantized weights; a fused projection
     runs decode rows on stored groups only when every one of its parts has them.
 
-    Returns what was enabled, for logs and traces. A no-op ("reference") off float32 CPU.
+    The small ops are the model's own (DecoderLM.ops): build it with kernels="fast" for the whole fast
+    path. Returns what was enabled, for logs and traces. A no-op ("reference") off float32 CPU.
     """
     embed = model.model.embed_tokens  # its float32 table until install() may swap it out
     if (
@@ -267,6 +260,7 @@ def weight_bytes_read(model: DecoderLM, rows: int = 1) -> int:
             total += module.weight_bytes_read(rows)
             moe_prefixes.append(f"{name}.")
     head = model.fast_lm_head
+    assert head is None or isinstance(head, FastLMHead)
     for name, param in model.named_parameters():
         if name == "model.embed_tokens.weight" or (head is not None and name == "lm_head.weight"):
             continue

@@ -3,7 +3,7 @@
 The loaders (formats/checkpoint.py: GGUF, safetensors) yield (name, tensor) pairs named like Hugging
 Face's checkpoints; `load_weights` copies each into our parameters, stacking the separate q/k/v and
 gate/up tensors into the fused projections (DecoderLM.PROJECTION_PARTS, part_rows). On the fast path
-(DecoderLM built with pack_on_load) projections go to model/packing.py's packer instead, as they
+(DecoderLM built with pack_on_load) projections go to loading/packing.py's packer instead, as they
 arrive, and no dense projection weight is ever allocated; MoE experts a GGUF stored in 4-bit groups
 are not copied either: their layer runs them from the groups (model/moe.py, _use_stored_experts).
 
@@ -21,17 +21,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 
 import torch
+from torch import nn
 
 from onecall.errors import UnsupportedModelError
 from onecall.formats.fused import split_fused_weights, stored_rows
 from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
 from onecall.kernels.cpu import native
+from onecall.kernels.cpu.experts import ExpertGroups, native_experts, pack_int4
 from onecall.kernels.cpu.fast_linear import runs_stored_only
+from onecall.loading.packing import EMBEDDING, LM_HEAD, install, new_packer, stays_stored
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weight
 from onecall.model.gemma import checkpoint_norm_weight
-from onecall.model.moe import SparseMoE, pack_int4
-from onecall.model.packing import EMBEDDING, LM_HEAD, install, new_packer, stays_stored
+from onecall.model.moe import SparseMoE
 from onecall.model.rope import partial_rotary_permutation
 
 
@@ -139,6 +141,7 @@ def load_weights(
             if tied and name == "lm_head.weight":
                 # Tied checkpoints may still carry lm_head; the embedding is the one we use.
                 embed = model.model.embed_tokens
+                assert isinstance(embed, nn.Embedding), "the loader swaps the table out only at the end"
                 _check_shape(name, tensor, torch.Size((embed.num_embeddings, embed.embedding_dim)))
                 continue
             owner = {EMBEDDING: model.model.embed_tokens, LM_HEAD: model.lm_head}.get(name)
@@ -203,7 +206,7 @@ class _ExpertGroups:
         self.stored = stored
         self.act8 = act8  # 4-bit groups for the int8-activation kernel (DecoderLM.int8_activations)
         # (".../experts.{e}", 0 gate_up / 1 down) -> the packed weight
-        self.packed: dict[tuple[str, int], native.Q4Packed | native.Q8Blocked] = {}
+        self.packed: dict[tuple[str, int], ExpertGroups] = {}
         self.halves: dict[str, StoredGroups] = {}  # gate or up waiting for the other
 
     def take(self, name: str) -> bool:
@@ -234,14 +237,12 @@ class _ExpertGroups:
             self.packed[(base, 0)] = self._pack(cat)
         return True
 
-    def _pack(self, groups: StoredGroups) -> native.Q4Packed | native.Q8Blocked:
+    def _pack(self, groups: StoredGroups) -> ExpertGroups:
         if isinstance(groups, Int4Groups):
             return pack_int4(groups, self.act8)
         return native.pack_q8_blocked(groups.q, groups.scale, groups.group_size)
 
-    def finish(
-        self, table: dict[str, tuple[torch.Tensor, int, int]]
-    ) -> dict[tuple[str, int], native.Q4Packed | native.Q8Blocked]:
+    def finish(self, table: dict[str, tuple[torch.Tensor, int, int]]) -> dict[tuple[str, int], ExpertGroups]:
         """Fill the float32 slice of every half whose partner was stored in another form; the packed
         weights."""
         for name, groups in self.halves.items():
@@ -252,21 +253,19 @@ class _ExpertGroups:
 
 
 def _use_stored_experts(
-    model: DecoderLM,
-    stored: Mapping[str, StoredGroups],
-    packed: Mapping[tuple[str, int], native.Q4Packed | native.Q8Blocked],
+    model: DecoderLM, stored: Mapping[str, StoredGroups], packed: Mapping[tuple[str, int], ExpertGroups]
 ) -> str:
-    """Hand every MoE layer its experts' own groups (model/moe.py): the packed 4-bit ones, else int8
-    groups (gate and up stacked as the parameter is, when both are int8), per expert and weight.
-    Returns what that gave, for DecoderLM.kernels ("native int4 (3 of 3 MoE layers)"), or ""."""
+    """Hand every MoE layer its experts' own groups (kernels/cpu/experts.py): the packed 4-bit ones,
+    else int8 groups (gate and up stacked as the parameter is, when both are int8), per expert and
+    weight. Returns what that gave, for DecoderLM.kernels ("native int4 (3 of 3 MoE layers)"), or ""."""
     moe_layers, used, kinds = 0, 0, set()
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
         if not isinstance(mlp, SparseMoE):
             continue
         moe_layers += 1
-        gate_up: list[StoredGroups | native.Q4Packed | native.Q8Blocked | None] = []
-        down: list[StoredGroups | native.Q4Packed | native.Q8Blocked | None] = []
+        gate_up: list[StoredGroups | ExpertGroups | None] = []
+        down: list[StoredGroups | ExpertGroups | None] = []
         for e in range(mlp.experts.num_experts):
             base = f"model.layers.{i}.mlp.experts.{e}"
             gate, up = stored.get(f"{base}.gate_proj.weight"), stored.get(f"{base}.up_proj.weight")
@@ -281,15 +280,10 @@ def _use_stored_experts(
                 )
             gate_up.append(packed.get((base, 0), int8))
             down.append(packed.get((base, 1), stored.get(f"{base}.down_proj.weight")))
-        if mlp.experts.use_stored(gate_up, down, model.int8_activations):
+        held = native_experts(gate_up, down, mlp.experts.weight_shapes, model.int8_activations)
+        if held is not None and mlp.experts.use_stored(held):
             used += 1
-            assert mlp.experts.stored is not None
-            kinds |= {
-                "int4" if isinstance(g, native.Q4Packed) else "int8"
-                for pair in mlp.experts.stored
-                for g in pair
-                if g is not None
-            }
+            kinds |= held.kinds()
     return f"native {'+'.join(sorted(kinds))} ({used} of {moe_layers} MoE layers)" if used else ""
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_embedding import StoredEmbedding
 from onecall.kernels.cpu.fast_linear import FastLinear, num_decode_rows
+from onecall.kernels.cpu.ops import NativeLayerOps
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.decoder import DecoderLayer, DecoderModel
 from onecall.model.gemma import GemmaDecoderModel
@@ -65,7 +66,9 @@ class NativeDecodeStep:
         self._lib = lib
         self._layers = layers  # the tensors these structs point at are the model's own
         self._final_norm = model.norm
-        embed = model.embed_tokens  # build() checked it: float32 rows, or int8 / 4-bit groups (fast_embedding.py)
+        embed = (
+            model.embed_tokens
+        )  # build() checked it: float32 rows, or int8 / 4-bit groups (fast_embedding.py)
         self._embed_f32 = embed.weight if isinstance(embed, nn.Embedding) else None
         self._embed_groups = embed.table if isinstance(embed, StoredEmbedding) else None
         self._vocab = embed.num_embeddings
@@ -98,9 +101,11 @@ class NativeDecodeStep:
         for layer in layers:
             attn, mlp = layer.self_attn, cast(MLP, layer.mlp)  # checked above: every MLP is dense
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if attn.native is None or mlp.native is None or any(n.native is None for n in norms):
+            if not all(isinstance(m.ops, NativeLayerOps) for m in (attn, mlp, *norms)):
+                return None  # the layers were built on other ops: the step would not match them
+            fusable, qk_norm = attn.fused_qk_norm(torch.float32)
+            if not fusable:
                 return None
-            qk_norm = attn.native_qk_norm()
             if any(n.eps != model.norm.eps for n in norms) or qk_norm and qk_norm[2] != model.norm.eps:
                 return None  # the step takes one eps
             weights = [_q4_weight(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -120,7 +125,7 @@ class NativeDecodeStep:
             d is not None
             and d.rows_are_prefix
             and len(d.seq_index) == num_rows == len(meta.seqs)
-            and num_decode_rows(num_rows) == num_rows
+            and num_decode_rows(num_rows, meta.num_decode) == num_rows
             and kv_cache.k.dtype in native.KV_DTYPES
             and kv_cache.k.is_contiguous()
             and kv_cache.v.is_contiguous()
@@ -166,6 +171,8 @@ class NativeDecodeStep:
         if rc == -3:
             raise IndexError(f"onecall_decode_layers: a token id outside the vocabulary ({self._vocab})")
         if rc == -4:
-            raise IndexError(f"onecall_decode_layers: a position outside the RoPE tables ({cos_table.shape[0]})")
+            raise IndexError(
+                f"onecall_decode_layers: a position outside the RoPE tables ({cos_table.shape[0]})"
+            )
         assert rc == 0, f"onecall_decode_layers refused the shapes (rc {rc})"
         return out

@@ -18,21 +18,19 @@ values and rounded once (the torch path rounds each product in the model dtype: 
 ulp or so in bfloat16, exactly nothing in float32 beyond summation order). tests/kernels/test_triton_ops.py
 holds each kernel against the torch ops under TRITON_INTERPRET=1 on CPU.
 
-`install(model)` (called by the engine with the Triton attention backend, i.e. on CUDA) sets the
-modules' `fused` hook; the model's own code decides where to call these (model/layers.py).
-Triton is imported only when this module is.
+TritonLayerOps and TritonAttention are these kernels and triton_attention.py's behind the interface of
+kernels/ops.py; kernels/select.py picks them on CUDA with the fast kernels, and imports this module
+(and so Triton) only then.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from torch import nn
+from onecall.kernels.cuda.triton_attention import triton_paged_attention
+from onecall.kernels.ops import AttentionKernels, LayerOps, PagedBatch, QKNorm
 
 
 @triton.jit
@@ -203,22 +201,51 @@ def silu_mul(y: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class TritonOps:
-    """What the modules' `fused` hook holds: this module's three ops (a plain object, so a model with
-    the hook set still deep-copies)."""
+class TritonLayerOps(LayerOps):
+    """A CUDA model's fused ops. RMSNorm's rounding order in low precision is the plain (Llama) one:
+    Gemma's norms, which scale before the cast, do not ask for it (model/gemma.py)."""
 
-    add_rms_norm = staticmethod(add_rms_norm)
-    rope_store = staticmethod(rope_store)
-    silu_mul = staticmethod(silu_mul)
+    name = "triton"
+
+    def add_rms_norm(
+        self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor | None:
+        return add_rms_norm(h, residual, weight, eps)
+
+    def silu_mul(self, y: torch.Tensor) -> torch.Tensor | None:
+        return silu_mul(y)
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        qk_norm: QKNorm | None,
+    ) -> bool:
+        if 2 * cos.shape[-1] != k_cache.shape[-1]:
+            return False
+        rope_store(qkv, num_heads, num_kv_heads, cos, sin, slot_mapping, k_cache, v_cache, qk_norm)
+        return True
 
 
-def install(model: nn.Module) -> None:
-    """Set the `fused` hook of every RMSNorm, Attention and MLP in `model` to the fused ops."""
-    from onecall.model.layers import MLP, Attention, RMSNorm
+class TritonAttention(AttentionKernels):
+    """The "triton" backend: the whole step in one paged-attention launch per layer."""
 
-    this = TritonOps()
-    for module in model.modules():
-        # exact types only: Gemma's norms scale before the cast and its MLP is gelu (model/gemma.py)
-        plain = type(module) in (RMSNorm, MLP)
-        if plain or (type(module) is Attention and type(module.q_norm) in (RMSNorm, type(None))):
-            setattr(module, "fused", this)  # noqa: B010 (nn.Module's typed __setattr__)
+    name = "triton"
+
+    def whole_batch(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: PagedBatch,
+        scale: float,
+        sliding_window: int | None,
+        logit_softcap: float | None,
+    ) -> torch.Tensor | None:
+        return triton_paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, logit_softcap)

@@ -1,0 +1,11 @@
+"""A runnable model from a checkpoint: where formats/, model/ and kernels/ meet.
+
+    weights.py      checkpoint tensors (Hugging Face names, from formats/) -> a DecoderLM's parameters,
+                    fused projections stacked, MoE experts handed to their kernels
+    packing.py      the CPU fast path: every projection packed into a FastLinear as it streams in
+                    (the file's own 4-bit / int8 groups where the kernels run them), the logits head,
+                    the embedding kept as the file's groups
+    native_step.py  the one-call decode step, assembled from a packed model's layers
+
+Nothing here runs at step time except what it built; engine/engine_parts.py calls it.
+"""
