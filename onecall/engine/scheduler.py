@@ -20,6 +20,12 @@ Policy (continuous batching with chunked prefill, like vLLM v1):
   3. No admission happens in a step that preempted (the pool is under pressure).
 Abort frees a sequence's blocks at once, whatever its state.
 
+A hybrid model (linear-attention layers with a per-sequence state: model/state_cache.py) also has a
+StateSlots: an admitted sequence takes a live state slot, and its prefix-cache hit is cut back to the
+longest state snapshot within the KV match (engine/state_slots.py); a prompt fully computed, a
+sequence finished or preempted leaves a snapshot of its state. The trace records the KV match and
+where the snapshot cut it.
+
 Pure bookkeeping: no tensors here, so it is tested with a real BlockManager and
 fake sequences.
 """
@@ -30,8 +36,9 @@ import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from onecall.engine.block_manager import BlockManager
+from onecall.engine.block_manager import BlockManager, PrefixMatch
 from onecall.engine.sequence import FinishReason, Sequence, SequenceStatus
+from onecall.engine.state_slots import Resume, StateSlots
 
 
 @dataclass
@@ -62,8 +69,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        state_slots: StateSlots | None = None,
+    ) -> None:
         self.block_manager = block_manager
+        # a hybrid model's state slots (one live slot per admitted sequence: max_num_seqs of them)
+        self.state_slots = state_slots
+        assert state_slots is None or state_slots.num_live >= max_num_seqs
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -95,13 +111,23 @@ class Scheduler:
         while this one still decodes; finish() commits the rest. The scheduler is the one place that
         commits to the prefix cache."""
         self.block_manager.commit(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
+        self._snapshot(seq)
+
+    def _snapshot(self, seq: Sequence) -> None:
+        """A hybrid model: keep the state after the tokens the sequence has fed (state_slots.py)."""
+        if self.state_slots is not None and self.block_manager.enable_prefix_caching:
+            computed = seq.token_ids[: seq.num_computed_tokens]
+            self.state_slots.snapshot(seq.seq_id, computed, seq.params.cache_salt)
 
     def _release(self, seq: Sequence, keep_in_cache: bool) -> None:
         if not seq.is_admitted:
             return
         if keep_in_cache and seq.num_computed_tokens > 0:
             self.block_manager.commit(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
+            self._snapshot(seq)
         self.block_manager.free(seq.seq_id)
+        if self.state_slots is not None:
+            self.state_slots.release(seq.seq_id)
         seq.is_admitted = False
 
     # ---- one step ----------------------------------------------------------------------------
@@ -135,13 +161,17 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
-        match = self.block_manager.begin(seq.seq_id, seq.prefix_cache_tokens, seq.params.cache_salt)
+        match, start, kv_matched = self._begin(seq)
         n = min(seq.num_tokens - match.num_cached_tokens, budget)
         if not self.block_manager.ensure_capacity(seq.seq_id, match.num_cached_tokens + n):
             self.block_manager.free(seq.seq_id)
             return False
         self.waiting.popleft()
         seq.is_admitted = True
+        if self.state_slots is not None:
+            self.state_slots.acquire(seq.seq_id)
+            self.state_slots.resume(seq.seq_id, start)
+            seq.trace.record_state_resume(start.num_tokens, kv_matched)
         seq.num_computed_tokens = match.num_cached_tokens
         d = match.divergence
         divergence = (
@@ -157,6 +187,23 @@ class Scheduler:
         self.running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, n))
         return True
+
+    def _begin(self, seq: Sequence) -> tuple[PrefixMatch, Resume, int]:
+        """BlockManager.begin on the sequence's cacheable tokens, the state snapshot it starts from and
+        the KV match; for a hybrid model the match is cut back to the longest state snapshot within
+        the KV match (its divergence and capping kept)."""
+        tokens, salt = seq.prefix_cache_tokens, seq.params.cache_salt
+        if self.state_slots is None:
+            match = self.block_manager.begin(seq.seq_id, tokens, salt)
+            return match, Resume(0, None), match.num_cached_tokens
+        full = self.block_manager.peek(tokens, salt)
+        start = self.state_slots.best(tokens, full.num_cached_tokens, salt)
+        cut = self.block_manager.begin(seq.seq_id, tokens[: start.num_tokens + 1] if start.num_tokens else [], salt)
+        if cut.num_cached_tokens != start.num_tokens:  # the pool could not hold the copies: no hit at all
+            self.block_manager.free(seq.seq_id)
+            cut, start = self.block_manager.begin(seq.seq_id, [], salt), Resume(0, None)
+        cut_match = PrefixMatch(start.num_tokens, full.divergence, full.is_capped, full.num_dropped_tokens)
+        return cut_match, start, full.num_cached_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: keep its tokens, drop its KV (the prefix cache may keep it)."""

@@ -47,6 +47,11 @@ class RequestTrace:
     cache_match_capped: bool = False  # the whole prompt was cached; the last token is recomputed
     # matched tokens recomputed anyway: the pool had no room to copy their blocks (block_manager.py)
     num_dropped_cache_tokens: int = 0
+    # a hybrid model (a linear-attention state beside the KV: engine/state_slots.py): the KV match, and
+    # the snapshot the state resumed from (= num_cached_tokens); None for other models. A hit shorter
+    # than its KV match had no state snapshot between the two
+    num_kv_matched_tokens: int | None = None
+    state_resumed_at: int | None = None
     # 3. timestamps (perf_counter seconds)
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
@@ -88,6 +93,12 @@ class RequestTrace:
         self.num_cached_tokens, self.divergence, self.cache_match_capped = num_cached, divergence, capped
         self.num_dropped_cache_tokens = num_dropped
         return True
+
+    def record_state_resume(self, resumed_at: int, kv_matched: int) -> None:
+        """A hybrid model's admission: its KV matched `kv_matched` tokens, its linear layers' state
+        resumed from the snapshot after `resumed_at` of them (0: from scratch). First admission only."""
+        if self.first_scheduled_time is None:
+            self.state_resumed_at, self.num_kv_matched_tokens = resumed_at, kv_matched
 
     def record_scheduled(self, now: float) -> bool:
         """The request is in a step for the first time (True) or again (False)."""

@@ -84,6 +84,8 @@ class AttentionMetadata:
     # rows 0 .. num_decode - 1 are decode tokens, the rest prompt tokens: the projections run each on
     # their own kernels whatever shares the batch. None: not planned (tests; see fast_linear.py)
     num_decode: int | None = None
+    # hybrid models: (num_seqs,) int64, the LinearStateCache slot of each sequence (model/state_cache.py)
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -113,12 +115,14 @@ def build_attention_metadata(
     backend: str = "paged",
     run_lengths: Sequence[int] | None = None,
     num_decode: int | None = None,
+    state_slots: Sequence[int] | None = None,
 ) -> AttentionMetadata:
     """Build a step's metadata. block_tables[i][j] = physical block of positions j*block_size... of seq i.
 
     `run_lengths[i]` (optional): how many leading blocks of table i are one run, when the caller
     tracks it incrementally (the engine's KV manager does); otherwise it is computed here.
     `num_decode`: how many leading rows are decode tokens (the engine packs them first).
+    `state_slots`: a hybrid model's state slot per sequence (model/state_cache.py).
     """
     assert backend in ATTENTION_BACKENDS, f"unknown attention backend {backend!r}"
     assert len(block_tables) == len(seq_lens) == len(query_lens), (
@@ -160,6 +164,9 @@ def build_attention_metadata(
     kernels = attention_kernels(backend, device)
     meta = AttentionMetadata(backend, slot_mapping.to(device), seqs, block_size, kernels=kernels)
     meta.num_decode = num_decode
+    if state_slots is not None:
+        assert len(state_slots) == len(seqs), "one state slot per sequence"
+        meta.state_slots = torch.tensor(list(state_slots), dtype=torch.int64, device=device)
     if kernels.reads_decode_rows:
         meta.decode = _decode_rows(seqs, block_tables, block_size)
     if backend == "triton":

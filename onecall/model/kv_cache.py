@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from onecall.model.state_cache import LinearStateCache
+
 
 class PagedKVCache:
     """K and V for every layer in fixed-size blocks. Slot s = block * block_size + offset."""
@@ -43,6 +45,9 @@ class PagedKVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.k[:, 0].zero_()
         self.v[:, 0].zero_()
+        # A hybrid model's linear-attention layers' states (model/state_cache.py); its full-attention
+        # layers alone have K and V here (num_layers counts those)
+        self.state: LinearStateCache | None = None
 
     @property
     def num_slots(self) -> int:
