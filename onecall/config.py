@@ -43,6 +43,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # most sequences running at once
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
     enable_prefix_caching: bool = True
+    # A hybrid model (linear-attention layers with a per-sequence state): how many prefix snapshots of
+    # that state to keep (engine/state_slots.py); each costs one sequence's state from the KV budget.
+    # None: as many as max_num_seqs
+    state_snapshots: int | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     # "fast": the fastest kernels this device has (CPU float32: oneDNN prepacked weights, plus the
     # checkpoint's own int4 groups for small batches; see kernels/cpu/fast_linear.py). "reference": plain
@@ -82,6 +86,12 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise InvalidParameterError(name, f"must be an integer >= {lo}, got {value!r}")
+        if self.state_snapshots is not None and (
+            isinstance(self.state_snapshots, bool) or not isinstance(self.state_snapshots, int) or self.state_snapshots < 0
+        ):
+            raise InvalidParameterError(
+                "state_snapshots", f"must be an integer >= 0, got {self.state_snapshots!r}"
+            )
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
@@ -125,6 +135,15 @@ class EngineConfig:
                 "tensor_parallel_size",
                 f"{n} ranks need {n} CUDA devices, {torch.cuda.device_count()} are visible",
             )
+
+    @property
+    def num_state_slots(self) -> int:
+        """A hybrid model's state slots: one per running sequence, then the prefix snapshots."""
+        return self.max_num_seqs + self.num_state_snapshots
+
+    @property
+    def num_state_snapshots(self) -> int:
+        return self.max_num_seqs if self.state_snapshots is None else self.state_snapshots
 
     @property
     def torch_device(self) -> torch.device:

@@ -49,6 +49,7 @@ from onecall.engine.outputs import EngineStats, RequestOutput, make_output
 from onecall.engine.postprocess import postprocess_token
 from onecall.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from onecall.engine.sequence import FinishReason, Sequence, SequenceStatus
+from onecall.engine.state_slots import StateSlots
 from onecall.engine.trace import StepRecord
 from onecall.errors import EngineDeadError, EngineStepError, InvalidParameterError, RequestFaultError
 from onecall.kernels.cpu import native
@@ -101,7 +102,8 @@ class Engine:
         # static steps: fast kernels on CUDA, one process, and a model whose forward has no host syncs (a
         # MoE layer reads its expert counts on the host, .tolist(), which no CUDA graph can capture)
         static = self.config.cuda_graphs and backend == "triton" and p.tp_group is None
-        if static and p.model_config.moe is None:
+        # (a hybrid model's state is gathered and scattered per sequence on the host: eager steps too)
+        if static and p.model_config.moe is None and p.kv_cache.state is None:
             self.enable_static_decode(capture=self.device.type == "cuda", backend=backend)
         else:
             self._build_runner(backend, p.num_blocks)
@@ -111,12 +113,17 @@ class Engine:
         self.block_manager = BlockManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
+        state_slots = None
+        if p.kv_cache.state is not None:  # a hybrid model: live state slots, then prefix snapshots
+            state_slots = StateSlots(self.config.max_num_seqs, self.config.num_state_snapshots)
+            assert state_slots.num_slots == p.kv_cache.state.num_slots
         self.scheduler = Scheduler(
-            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, state_slots
         )
         self.runner = ModelRunner(
-            p.model, p.kv_cache, self.block_manager, self.device, backend, tp_group=p.tp_group
-        )
+            p.model, p.kv_cache, self.block_manager, self.device, backend, tp_group=p.tp_group,
+            state_slots=state_slots,
+        )  # fmt: skip
 
     def enable_static_decode(self, capture: bool, backend: str | None = None) -> None:
         """Run decode steps, and steps with one short prompt chunk beside decode rows, on static,

@@ -46,6 +46,7 @@ from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.parallel import TensorParallel, is_fused
+from onecall.model.state_cache import LinearStateCache
 from onecall.text.tokenizer import Tokenizer
 
 
@@ -91,6 +92,12 @@ def load_engine_parts(config: EngineConfig, group: StepGroup | None = None) -> L
     # 1.-2. files and config
     files = resolve_model(config.model)
     model_config = model_config_from_hf(load_hf_config_dict(files))
+    state_shape = model_config.linear_state_shape
+    if group is not None and state_shape is not None:
+        raise UnsupportedModelError(
+            f"{files.name}: a hybrid (linear-attention) model runs in one process; tensor parallel "
+            "does not split its state yet"
+        )
     if group is not None:
         device = group.device
     # 3.-4. tokenizer and weights. The tokenizer builds on a thread while the weights load (the
@@ -107,7 +114,7 @@ def load_engine_parts(config: EngineConfig, group: StepGroup | None = None) -> L
         num_blocks = group.agree_num_blocks(num_blocks)
     max_model_len = _check_kv(config, model_config, num_blocks, kv_dtype)
     kv_cache = PagedKVCache(
-        model_config.num_hidden_layers,
+        model_config.num_kv_layers,
         num_blocks,
         config.block_size,
         model.config.num_key_value_heads,
@@ -115,6 +122,8 @@ def load_engine_parts(config: EngineConfig, group: StepGroup | None = None) -> L
         kv_dtype,
         device,
     )
+    if state_shape is not None:  # a hybrid model's linear layers: one state per sequence or snapshot
+        kv_cache.state = LinearStateCache(state_shape, config.num_state_slots, dtype, device)
     check_vocab(tokenizer, model_config, files.name)
     return LoadedEngineParts(
         files,
@@ -231,9 +240,10 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def kv_blocks_in_budget(
     config: EngineConfig, local: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """How many KV blocks of `local` (this rank's model: its own KV heads) the budget holds."""
+    """How many KV blocks of `local` (this rank's model: its own KV heads) the budget holds, after a
+    hybrid model's state slots (config.num_state_slots of them) are taken from it."""
     per_block = PagedKVCache.bytes_per_block(
-        local.num_hidden_layers, config.block_size, local.num_key_value_heads, local.head_dim, dtype
+        local.num_kv_layers, config.block_size, local.num_key_value_heads, local.head_dim, dtype
     )
     if config.kv_cache_gib is not None:
         budget = int(config.kv_cache_gib * 2**30)
@@ -243,7 +253,10 @@ def kv_blocks_in_budget(
         budget = int(free * DEFAULT_GPU_KV_CACHE_FRACTION)
     else:
         budget = int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
-    return budget // per_block
+    shape = local.linear_state_shape
+    if shape is not None:
+        budget -= config.num_state_slots * shape.bytes_per_slot(dtype)
+    return max(budget, 0) // per_block
 
 
 def _check_kv(config: EngineConfig, mc: ModelConfig, num_blocks: int, dtype: torch.dtype) -> int:
@@ -252,7 +265,7 @@ def _check_kv(config: EngineConfig, mc: ModelConfig, num_blocks: int, dtype: tor
     capacity = num_blocks * config.block_size
     if num_blocks < 2:
         per_block = PagedKVCache.bytes_per_block(
-            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, dtype
+            mc.num_kv_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, dtype
         )
         raise InvalidParameterError(
             "kv_cache_gib",

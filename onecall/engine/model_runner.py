@@ -32,6 +32,7 @@ import torch
 from onecall.engine.block_manager import BlockManager
 from onecall.engine.decode_graphs import DecodeGraphs
 from onecall.engine.scheduler import ScheduledSeq
+from onecall.engine.state_slots import StateSlots
 from onecall.engine.step_inputs import PromptLogitsFn, StepGroup, StepInputs
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.decoder import DecoderLM
@@ -66,9 +67,11 @@ class ModelRunner:
         *,
         block_size: int | None = None,
         tp_group: StepGroup | None = None,
+        state_slots: StateSlots | None = None,
     ) -> None:
         """`block_manager` is None on a tensor-parallel worker, which only run()s (then `block_size`
-        is given); `tp_group` on rank 0 of a tensor-parallel group sends each step to the workers."""
+        is given); `tp_group` on rank 0 of a tensor-parallel group sends each step to the workers;
+        `state_slots`: a hybrid model's (engine/state_slots.py), which pack() reads."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_manager = block_manager
@@ -81,6 +84,7 @@ class ModelRunner:
         )
         self.decode_graphs: DecodeGraphs | None = None  # static-shape decode steps (CUDA graphs)
         self.tp_group = tp_group
+        self.state_slots = state_slots
 
     @torch.inference_mode()
     def execute(self, batch: Seq[ScheduledSeq]) -> RunnerOutput:
@@ -174,6 +178,9 @@ class ModelRunner:
             prompt_rows,
             num_decode,
         )
+        if self.state_slots is not None:
+            step.state_slots = [self.state_slots.slot(batch[i].seq.seq_id) for i in order]
+            step.state_copies = self.state_slots.take_copies()
         return step, prompt_seqs
 
     @torch.inference_mode()
@@ -184,6 +191,10 @@ class ModelRunner:
         # 1. copy-on-write of partially matched prefix blocks
         if step.copies:
             self.kv_cache.copy_slots([s for s, _ in step.copies], [d for _, d in step.copies])
+        if step.state_copies:  # a hybrid model's snapshots, taken and resumed, in the order queued
+            assert self.kv_cache.state is not None
+            for src, dst in step.state_copies:
+                self.kv_cache.state.copy([src], [dst])
         # 2. tensors and attention metadata
         meta = build_attention_metadata(
             step.block_tables,
@@ -194,6 +205,7 @@ class ModelRunner:
             backend=self.attention_backend,
             run_lengths=step.run_lengths,
             num_decode=step.num_decode,
+            state_slots=step.state_slots or None,
         )
         ids_t = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(step.positions, dtype=torch.long, device=self.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -39,6 +39,10 @@ class StepInputs:
     sample_rows: list[int]  # packed rows whose logits are sampled, in batch order
     prompt_rows: list[tuple[int, int]]  # (first packed row, count) per sequence collecting prompt logprobs
     num_decode: int  # the first num_decode sequences decode one token each
+    # a hybrid model (engine/state_slots.py): per sequence its state slot, and the (src, dst) slot
+    # copies (snapshots taken or resumed) applied before the forward; empty otherwise
+    state_slots: list[int] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class StepRunner(Protocol):

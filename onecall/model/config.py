@@ -1,5 +1,5 @@
 """ModelConfig: the hyperparameters of a decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3,
-Qwen3-MoE, Mixtral).
+Qwen3-MoE, Mixtral, and the hybrids Qwen3.5 / Qwen3.5-MoE / Qwen3-Next).
 
 Built from a Hugging Face config.json dict by `model_config_from_hf` (formats/hf_config.py), which refuses (UnsupportedModelError) anything our model code would run
 silently wrong: other architectures, RoPE scalings we do not implement, per-layer sliding windows
@@ -19,7 +19,9 @@ The families differ only by flags:
 
 Gemma 2/3 carry a GemmaSpec (model/gemma.py: four norms, gelu, caps, per-layer-type RoPE) and
 Qwen3-MoE / Mixtral a MoESpec (model/moe.py: which layers route to experts, and how), on top of
-the Llama/Qwen3 and Mistral attention they share.
+the Llama/Qwen3 and Mistral attention they share. The hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)
+carry a LinearAttentionSpec (model/qwen35.py: which layers are Gated DeltaNet, their head shapes)
+and `attn_output_gate`; the two MoE hybrids a MoESpec with a shared expert.
 
 RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) is parsed into a
 RopeScaling; model/rope.py turns it into the cos/sin tables.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from onecall.errors import UnsupportedModelError
+from onecall.model.state_cache import LinearStateShape
 
 # Hugging Face class name -> our architecture name.
 ARCHITECTURES = {
@@ -44,11 +47,16 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 SUPPORTED = tuple(ARCHITECTURES.values())
 GEMMA = ("gemma2", "gemma3")
-MOE = ("qwen3_moe", "mixtral")
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # linear-attention (Gated DeltaNet) and attention layers
+MOE = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_next")
 SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types values
+LINEAR = "linear_attention"  # a hybrid's Gated DeltaNet layers (its other layers are GLOBAL)
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
 
 
@@ -117,6 +125,9 @@ class MoESpec:
     moe_intermediate_size: int  # each expert's gate/up rows
     norm_topk_prob: bool  # renormalise the top k weights to sum to 1 (Mixtral always; Qwen3-MoE per config)
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP of intermediate_size
+    # Qwen3-Next / Qwen3.5-MoE: every token also goes through one gated MLP this wide, scaled by
+    # sigmoid(shared_expert_gate(x)) (model/moe.py); 0: no shared expert
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.sparse_layers, list):  # from to_dict()
@@ -125,10 +136,82 @@ class MoESpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
+        shared = self.shared_expert_intermediate_size
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise UnsupportedModelError(
+                f"model config shared_expert_intermediate_size must be a non-negative integer, got {shared!r}"
+            )
         if self.num_experts_per_tok > self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the {self.num_experts} experts"
             )
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """A hybrid model's linear-attention (Gated DeltaNet) layers: which layers they are and their shapes
+    (Hugging Face names; model/qwen35.py runs them). q and k have linear_num_key_heads heads of
+    linear_key_head_dim, v linear_num_value_heads of linear_value_head_dim; each key head serves
+    linear_num_value_heads // linear_num_key_heads consecutive value heads."""
+
+    layer_types: tuple[str, ...]  # per layer: LINEAR or GLOBAL (full attention, over the paged KV cache)
+    linear_conv_kernel_dim: int  # the causal depthwise conv's width over q, k and v
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer_types, list):  # from to_dict()
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        bad = sorted({t for t in self.layer_types if t not in (LINEAR, GLOBAL)})
+        if bad:
+            raise UnsupportedModelError(
+                f"layer_types {bad!r} are not supported; only {LINEAR!r} and {GLOBAL!r} are"
+            )
+        for kind in (LINEAR, GLOBAL):
+            if kind not in self.layer_types:
+                raise UnsupportedModelError(
+                    f"a hybrid model needs at least one {kind!r} layer; layer_types has none"
+                )
+        for name in (
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise UnsupportedModelError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v, [q (key_dim); k (key_dim); v (value_dim)]."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.layer_types.count(LINEAR)
+
+    def cache_index(self, layer_idx: int) -> int:
+        """Layer `layer_idx`'s index among the layers of its own type: a full-attention layer's in the
+        paged KV cache, a linear one's in the LinearStateCache."""
+        kind = self.layer_types[layer_idx]
+        return self.layer_types[:layer_idx].count(kind)
 
 
 @dataclass(frozen=True)
@@ -155,7 +238,11 @@ class ModelConfig:
     # or one that covers the whole context)
     sliding_window: int | None = None
     gemma: GemmaSpec | None = None  # gemma2, gemma3: their own layer (model/gemma.py)
-    moe: MoESpec | None = None  # qwen3_moe, mixtral: mixture-of-experts MLPs (model/moe.py)
+    moe: MoESpec | None = None  # qwen3_moe, mixtral, qwen3_5_moe, qwen3_next: MoE MLPs (model/moe.py)
+    # qwen3_5, qwen3_5_moe, qwen3_next: the Gated DeltaNet layers (model/qwen35.py)
+    linear_attention: LinearAttentionSpec | None = None
+    # the hybrids' full attention: o_proj reads attention * sigmoid(x W_gate^T), a gate per head and dim
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from to_dict(): asdict flattens the nested dataclass
@@ -165,6 +252,31 @@ class ModelConfig:
             object.__setattr__(self, "gemma", GemmaSpec(**self.gemma))
         if isinstance(self.moe, dict):
             object.__setattr__(self, "moe", MoESpec(**self.moe))
+        if isinstance(self.linear_attention, dict):
+            object.__setattr__(self, "linear_attention", LinearAttentionSpec(**self.linear_attention))
+        if (self.linear_attention is not None) != (self.architecture in HYBRID):
+            raise UnsupportedModelError(
+                f"{self.architecture}: a LinearAttentionSpec is for (and required by) {', '.join(HYBRID)}"
+            )
+        if (
+            self.linear_attention is not None
+            and len(self.linear_attention.layer_types) != self.num_hidden_layers
+        ):
+            raise UnsupportedModelError(
+                f"layer_types has {len(self.linear_attention.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        if self.attn_output_gate and self.architecture not in HYBRID:
+            raise UnsupportedModelError(
+                f"{self.architecture}: attn_output_gate is implemented for {', '.join(HYBRID)} only"
+            )
+        if (
+            self.moe is not None
+            and self.moe.shared_expert_intermediate_size
+            and self.architecture not in HYBRID
+        ):
+            raise UnsupportedModelError(
+                f"{self.architecture}: a shared expert is implemented for {', '.join(HYBRID)} only"
+            )
         if (self.moe is not None) != (self.architecture in MOE):
             raise UnsupportedModelError(
                 f"{self.architecture}: a MoESpec is for (and required by) {', '.join(MOE)}"
@@ -222,6 +334,29 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K and V in the paged cache (a hybrid model's full-attention layers only):
+        what the KV pool is sized by."""
+        spec = self.linear_attention
+        return self.num_hidden_layers if spec is None else self.num_hidden_layers - spec.num_linear_layers
+
+    @property
+    def linear_state_shape(self) -> LinearStateShape | None:
+        """A hybrid model's per-sequence linear-attention state (model/state_cache.py); None for a
+        model whose every layer is attention."""
+        spec = self.linear_attention
+        if spec is None:
+            return None
+        return LinearStateShape(
+            num_layers=spec.num_linear_layers,
+            conv_dim=spec.conv_dim,
+            conv_width=spec.linear_conv_kernel_dim - 1,
+            num_v_heads=spec.linear_num_value_heads,
+            k_head_dim=spec.linear_key_head_dim,
+            v_head_dim=spec.linear_value_head_dim,
+        )
+
+    @property
     def o_proj_bias(self) -> bool:
         """Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 never does (Mistral, Phi-3: no biases)."""
         return self.attention_bias and self.architecture != "qwen2"
@@ -233,13 +368,31 @@ class ModelConfig:
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * (q + 2 * kv) + q * h
         attn += (q + 2 * kv) * self.attention_bias + h * self.o_proj_bias + 2 * d * self.qk_norm
+        attn += h * q * self.attn_output_gate
         dense_mlp = 3 * h * self.intermediate_size
-        per_layer = attn + (4 if self.gemma else 2) * h
-        total = self.num_hidden_layers * per_layer
+        norms = (4 if self.gemma else 2) * h
+        spec = self.linear_attention
+        mixers = [attn] * self.num_hidden_layers
+        if spec is not None:  # Gated DeltaNet: in_proj [qkv; z; b; a], conv, A_log, dt_bias, norm, out_proj
+            v_heads = spec.linear_num_value_heads
+            linear = (
+                h * (spec.conv_dim + spec.value_dim + 2 * v_heads)
+                + spec.conv_dim * spec.linear_conv_kernel_dim
+            )
+            linear += 2 * v_heads + spec.linear_value_head_dim + spec.value_dim * h
+            mixers = [linear if t == LINEAR else attn for t in spec.layer_types]
+        total = sum(mixers) + self.num_hidden_layers * norms
         for sparse in self.moe.sparse_layers if self.moe else (False,) * self.num_hidden_layers:
             moe = self.moe
             total += (
-                moe.num_experts * (3 * h * moe.moe_intermediate_size + h) if moe and sparse else dense_mlp
+                moe.num_experts * (3 * h * moe.moe_intermediate_size + h)
+                + (
+                    3 * h * moe.shared_expert_intermediate_size + h
+                    if moe.shared_expert_intermediate_size
+                    else 0
+                )
+                if moe and sparse
+                else dense_mlp
             )
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total + embed + h

@@ -63,6 +63,7 @@ def receive_step(control: dist.ProcessGroup | None) -> StepInputs | None:
 
 def encode_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """StepInputs -> (header, payload) int64 CPU tensors (see the module docstring)."""
+    assert not step.state_slots and not step.state_copies, "a hybrid model's state does not cross ranks"
     tables = step.block_tables
     sizes = [
         len(step.copies),

@@ -107,7 +107,7 @@ def serve_steps(
     blocks = torch.tensor([kv_blocks_in_budget(config, local, kv_dtype, device)], dtype=torch.int64)
     dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=control)  # rank 0's agree_num_blocks
     kv_cache = PagedKVCache(
-        local.num_hidden_layers, int(blocks.item()), config.block_size, local.num_key_value_heads,
+        local.num_kv_layers, int(blocks.item()), config.block_size, local.num_key_value_heads,
         local.head_dim, kv_dtype, device,
     )  # fmt: skip
     backend = default_backend(device, config.kernels)
