@@ -7,6 +7,7 @@
     POST /v1/responses           key    serving_responses.create_response (the chat pipeline, stateless)
     GET  /v1/models[/{model}]    key    here
     POST /tokenize, /detokenize  key    serving_tokens
+    GET  /tokenizer_info         key    serving_tokens
     GET  /health                 open   200 when the engine runs; 503 while loading or once dead (and why)
     GET  /metrics                key*   Prometheus text (server/metrics.py); *open with --open-metrics
     GET  /model_info, /get_model_info    key   serving_info: the model's identity and limits (SGLang's names)
@@ -60,7 +61,7 @@ from onecall.server.serving_info import (
     render_completion,
 )
 from onecall.server.serving_responses import create_response
-from onecall.server.serving_tokens import detokenize, tokenize
+from onecall.server.serving_tokens import detokenize, tokenize, tokenizer_info
 from onecall.server.state import EngineLoader, ServerConfig, ServerState
 
 __all__ = ["ServerConfig", "create_app"]
@@ -104,6 +105,7 @@ def create_app(
     app.add_api_route("/v1/models/{model:path}", route(_get_model), methods=["GET"])
     app.add_api_route("/tokenize", route(tokenize), methods=["POST"])
     app.add_api_route("/detokenize", route(detokenize), methods=["POST"])
+    app.add_api_route("/tokenizer_info", route(tokenizer_info), methods=["GET"])
     app.add_api_route("/", route(_viewer, is_open=True), methods=["GET"])
     app.add_api_route("/health", route(_health, is_open=True), methods=["GET"])
     app.add_api_route("/metrics", route(_metrics, is_open=state.config.open_metrics), methods=["GET"])

@@ -32,6 +32,7 @@ from onecall.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from onecall.server.protocol_info import (
     FlushCacheResponse,
@@ -77,6 +78,9 @@ ROUTES: dict[str, RouteDoc] = {
     "/v1/models/{model}": RouteDoc("get", "One model by name", response=ModelCard),
     "/tokenize": RouteDoc("post", "Prompt or chat messages to token ids", TokenizeRequest, TokenizeResponse),
     "/detokenize": RouteDoc("post", "Token ids to text", DetokenizeRequest, DetokenizeResponse),
+    "/tokenizer_info": RouteDoc(
+        "get", "The tokenizer's bos/eos, chat template and window (vLLM's)", response=TokenizerInfoResponse
+    ),
     "/model_info": RouteDoc(
         "get", "Model identity and limits (SGLang's get_model_info)", response=ModelInfoResponse
     ),

@@ -316,5 +316,20 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
+class TokenizerInfoResponse(_Response):
+    """vLLM's GET /tokenizer_info: the tokenizer_config.json-like facts a client needs to tokenize and
+    render as the server does (lm-eval's remote tokenizer reads eos_token, bos_token, chat_template)."""
+
+    tokenizer_class: str  # where the server's tokenizer came from: "gguf" or "hf" (tokenizer.json)
+    vocab_size: int
+    model_max_length: int  # the server's context window (max_model_len)
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None = None  # onecall never pads
+    add_bos_token: bool
+    eos_token_ids: list[int]  # every id that ends generation (a template's end-of-turn included)
+    chat_template: str | None
+
+
 class HealthResponse(_Response):
     status: Literal["ok"] = "ok"

@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from onecall.engine.engine import Engine, RequestOutput
-from onecall.errors import ContextLengthExceededError, InvalidParameterError
+from onecall.errors import ContextLengthExceededError
 from onecall.sampling_params import StructuredOutputsParams
 from onecall.server.async_engine import AsyncEngine
 from onecall.server.http_errors import HTTPError, http_error
@@ -139,11 +139,11 @@ async def prepare_chat(engine: Engine, req: ChatCompletionRequest) -> ChatSetup:
     tools = chat_tools(req, tokenizer)
     asked = requested_structured_outputs(req)
     enforced = tools.enforced()
-    if asked is not None and enforced is not None:
-        raise InvalidParameterError(
-            asked[1],
-            f"cannot be combined with tool_choice {req.tool_choice!r}, which sets the output's grammar",
-        )
+    if enforced is not None:
+        # a forced call (tool_choice "required" or a named function) is the whole output: a
+        # response_format governs text outside calls, and there is none (OpenAI accepts both; instructor's
+        # Responses mode sends the same schema as the tool and as text.format)
+        asked = None
     # 2. render (tools through the template, or the json convention's system prompt)
     messages, template_tools = tools.template_inputs(template_messages(req.messages))
     rendered = await asyncio.to_thread(

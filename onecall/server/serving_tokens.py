@@ -7,6 +7,9 @@
                                     rendered exactly as /v1/chat/completions renders it
              answer {"tokens", "count", "max_model_len"}
 /detokenize  {"tokens": [int]}   -> {"prompt": str} (control tokens kept, so ids round-trip)
+GET /tokenizer_info              -> TokenizerInfoResponse: bos/eos, the chat template, the window:
+                                    with /tokenize and /detokenize, what evaluation harnesses need to
+                                    use the server's tokenizer instead of a local copy
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ from fastapi.responses import Response
 
 from onecall.errors import InvalidParameterError
 from onecall.server.params import template_messages
-from onecall.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from onecall.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+)
 from onecall.server.state import ServerState
 from onecall.text.chat_template import render_chat
 
@@ -60,4 +69,20 @@ async def detokenize(state: ServerState, request: Request, request_id: str) -> R
         )
     text = await asyncio.to_thread(tokenizer.decode, req.tokens, False)  # a long list: off the event loop
     body = DetokenizeResponse(prompt=text)
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def tokenizer_info(state: ServerState, request: Request, request_id: str) -> Response:
+    engine = state.ready_engine()
+    tokenizer = engine.engine.tokenizer
+    body = TokenizerInfoResponse(
+        tokenizer_class=engine.engine.parts.files.kind,
+        vocab_size=tokenizer.vocab_size,
+        model_max_length=engine.engine.max_model_len,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        add_bos_token=tokenizer.add_bos_token,
+        eos_token_ids=sorted(tokenizer.eos_token_ids),
+        chat_template=tokenizer.chat_template,
+    )
     return Response(body.model_dump_json(), media_type="application/json")

@@ -94,10 +94,13 @@ def tool_functions(tools: Any) -> tuple[ToolFunction, ...]:
 
 
 def validate_tools(tools: Any, tool_choice: Any) -> ToolChoice:
-    """Check `tools` and `tool_choice` together, before any token is generated."""
-    if tools is None:
-        if tool_choice is not None:
-            raise InvalidParameterError("tool_choice", "is only allowed when `tools` are given")
+    """Check `tools` and `tool_choice` together, before any token is generated. An empty `tools` list
+    offers none, as OpenAI takes it (the Agents SDK sends `tools: []` for every agent without tools),
+    and then "auto" or "none" means none."""
+    if tools is None or (isinstance(tools, list) and not tools):
+        if tool_choice is not None and not (tools == [] and tool_choice in ("auto", "none")):
+            what = "is only allowed when `tools` are given" if tools is None else "asks for a call, but `tools` is empty"
+            raise InvalidParameterError("tool_choice", what)
         return ToolChoice("none", None, ())
     functions = tool_functions(tools)
     if tool_choice is None or tool_choice in ("none", "auto", "required"):
