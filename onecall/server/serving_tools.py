@@ -61,6 +61,7 @@ class ChoiceParser:
         self._tools = tools
         self._max_calls = max_calls
         self.num_calls = 0
+        self._held: list[ToolCallDelta] = []  # argument fragments held for the next chunk (see _split)
 
     def feed(self, text: str) -> ChoiceDelta:
         r = self._reasoning.feed(text) if self._reasoning is not None else ReasoningDelta("", text)
@@ -90,11 +91,41 @@ class ChoiceParser:
         parts = [self._tools.feed(r.content)] if r.content else []
         if is_last:
             parts.append(self._tools.finish())
-        calls = [c for p in parts for c in p.tool_calls]
+        calls = self._held + [c for p in parts for c in p.tool_calls]
         if self._max_calls is not None:  # parallel_tool_calls false: the first call only
             calls = [c for c in calls if c.index < self._max_calls]
         self.num_calls = max([self.num_calls, *(c.index + 1 for c in calls)])
+        calls, self._held = one_entry_per_call(calls, hold=not is_last)
         return ChoiceDelta(r.reasoning, "".join(p.content for p in parts), [wire_delta(c) for c in calls])
+
+
+def one_entry_per_call(
+    pieces: list[ToolCallDelta], hold: bool
+) -> tuple[list[ToolCallDelta], list[ToolCallDelta]]:
+    """A chunk's call pieces as OpenAI sends them, one entry per call: (this chunk's, held for the
+    next). A call's head goes out alone (arguments "") and the fragments after it in this chunk wait
+    for the next (`hold`; the last chunk joins them to it); fragments of one call are joined. Two
+    entries with one index in a chunk made the openai library's stream accumulator, in the versions
+    instructor pins, split the call in two."""
+    out: list[ToolCallDelta] = []
+    held: list[ToolCallDelta] = []
+    headed: set[int] = set()  # calls whose head is in this chunk
+    for piece in pieces:
+        if piece.id is not None:
+            headed.add(piece.index)
+        elif piece.index in headed and hold:
+            _join(held, piece)
+            continue
+        _join(out, piece)
+    return out, held
+
+
+def _join(pieces: list[ToolCallDelta], piece: ToolCallDelta) -> None:
+    if pieces and pieces[-1].index == piece.index and piece.id is None:
+        last = pieces[-1]
+        pieces[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + piece.arguments)
+    else:
+        pieces.append(piece)
 
 
 def wire_delta(piece: ToolCallDelta) -> DeltaToolCall:

@@ -163,17 +163,17 @@ class ToolCallParser:
         return self._take()
 
     def finish(self) -> ToolParseDelta:
-        """End of output: an unclosed <tool_call> still counts if its JSON is a valid call; any other
-        undecided text is content."""
+        """End of output: an unclosed <tool_call> still counts if its JSON is a valid call; else it was
+        a call cut short (max_tokens), which is not content: its markup and JSON are dropped (under a
+        grammar its head and arguments so far already went out, a partial call). Any other undecided
+        text is content."""
         text, self._buf = self._buf, ""
-        call = None
         if self._state == "inside":
             call = _call_from_json(text, self._names)
-            text = _OPEN + text
-        if call is not None:
-            self._emit_call(*call)
-        else:
-            self._emit_content(text)
+            if call is not None:
+                self._emit_call(*call)
+            return self._take()
+        self._emit_content(text)
         return self._take()
 
     def _take(self) -> ToolParseDelta:

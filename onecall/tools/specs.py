@@ -246,11 +246,16 @@ def tool_call_grammar(
 ) -> str:
     """llguidance Lark grammar for hermes calls: `<tool_call>\\n{json}\\n</tool_call>`, once, or with
     `parallel` (and no named function) one or more times separated by "\\n". special_markers writes the
-    markers as special-token references (<tool_call>) for a tokenizer that holds them as such."""
+    markers as special-token references (<tool_call>) for a tokenizer that holds them as such.
+
+    The output may end after any complete call, with or without the separator: Qwen's tokenizer has
+    one token for ">\\n", which a model writes after "</tool_call" (as its template does) and which
+    would otherwise commit it to another call, again and again until max_tokens, whatever it wanted
+    (it was 0.7 on its end-of-text token there)."""
     # %json takes the schema as written: close the parameters' objects here (the json convention's
     # schema gets that from StructuredOutputsParams), so the model cannot invent argument keys
     schema = _call_schema(_enforced(tools, required_name), close=True)
     body = json.dumps(schema | {"x-guidance": dict(_JSON_LAYOUT)})
     open_, close = ("<tool_call>", "</tool_call>") if special_markers else ('"<tool_call>"', '"</tool_call>"')
     repeat = ' ("\\n" call)*' if parallel and required_name is None else ""
-    return f'start: call{repeat}\ncall: {open_} "\\n" body "\\n" {close}\nbody: %json {body}\n'
+    return f'start: call{repeat} "\\n"?\ncall: {open_} "\\n" body "\\n" {close}\nbody: %json {body}\n'

@@ -83,7 +83,7 @@ CASES: list[tuple[ToolFormat, str, str | None, list[tuple[str, str]]]] = [
         None,
         [("get_time", "{}")],
     ),  # EOS before close
-    (H, "<tool_call>\n{", "<tool_call>\n{", []),
+    (H, "<tool_call>\n{", None, []),  # a call cut short: not content (its markup must not leak)
     (H, "a < b and <tool_ x", "a < b and <tool_ x", []),
     (H, "Plain answer.", "Plain answer.", []),
     (H, "", None, []),
@@ -383,6 +383,39 @@ def test_grammars_compile_and_accept_exactly_the_calls(byte_tokenizer: Any) -> N
         assert not accepts(byte_tokenizer, grammars["json parallel"], json.dumps(bad)), bad
     # every string the grammars accept above parses back to its calls
     assert [c.name for c in parse_tool_calls(two, H).tool_calls] == ["get_weather", "get_time"]
+
+
+def test_the_output_may_end_after_any_call_with_or_without_its_separator(byte_tokenizer: Any) -> None:
+    """A tokenizer with one token for ">\\n" (Qwen's) ends "</tool_call" with it: the grammar must accept
+    the end there, or the model is forced into another call (it repeated the same call until max_tokens)."""
+    lark = llguidance.LLMatcher.grammar_from_lark
+    time_call = hermes_block("get_time", {})
+    for grammar, text in [
+        (tool_call_grammar(TOOLS, parallel=True), PARIS + "\n"),
+        (tool_call_grammar(TOOLS, parallel=True), PARIS + "\n" + time_call + "\n"),
+        (tool_call_grammar(TOOLS, parallel=False), ROME + "\n"),
+        (tool_call_grammar(TOOLS, required_name="get_time"), time_call + "\n"),
+    ]:
+        assert accepts(byte_tokenizer, lark(grammar), text), text
+        assert not accepts(byte_tokenizer, lark(grammar), text + "\n")
+        assert not accepts(byte_tokenizer, lark(grammar), text + "Sure")
+    # the trailing separator is not content, nor a call
+    parsed = parse_tool_calls(PARIS + "\n", H)
+    assert parsed.content is None and [c.name for c in parsed.tool_calls] == ["get_weather"]
+
+
+def test_a_call_cut_short_leaves_no_markup_in_the_content() -> None:
+    """max_tokens in the middle of a call: under a grammar its head and arguments so far were streamed
+    (a partial call, finish_reason "length", as OpenAI's streams do); without one nothing of it goes
+    out. Either way "<tool_call>" never reaches the content."""
+    cut = "Let me check.\n" + PARIS + "\n" + PARIS[: PARIS.index("Paris") + 2]  # inside the arguments
+    for stream_arguments in (False, True):
+        parser = ToolCallParser(H, new_id=ids(), stream_arguments=stream_arguments)
+        deltas = [parser.feed(piece) for piece in (cut[:20], cut[20:])] + [parser.finish()]
+        content = "".join(d.content for d in deltas)
+        assert content == "Let me check." and "<tool_call>" not in content
+        calls = assemble_tool_calls(deltas)
+        assert calls[0].name == "get_weather" and len(calls) == (2 if stream_arguments else 1)
 
 
 def test_special_marker_grammar_compiles() -> None:
