@@ -163,5 +163,27 @@ class EngineConfig:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 on CUDA. On CPU float32: see the README's "dtype on CPU" note (measured there)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """bfloat16 on a CUDA GPU of compute capability 8.0 or more (Ampere on), float16 below it (bfloat16
+    has no tensor-core path there, and Triton's bfloat16 dot refuses it); float32 on CPU: see
+    docs/design.md's "dtype on CPU" note (measured there)."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if cuda_supports_bfloat16(device) else torch.float16
+
+
+def cuda_supports_bfloat16(device: torch.device) -> bool:
+    """Whether the GPU's Triton kernels take bfloat16 (compute capability 8.0+)."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 8
+
+
+def check_device_dtype(device: torch.device, dtype: torch.dtype, kernels: str) -> None:
+    """Refuse, naming the field, bfloat16 with the fast (Triton) kernels on a GPU below compute
+    capability 8.0, where Triton's bfloat16 dot does not compile: float16 is the default there."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and kernels == "fast" and not cuda_supports_bfloat16(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise InvalidParameterError(
+            "dtype",
+            f"bfloat16 needs a GPU of compute capability 8.0 or more for the fast kernels; {device} is "
+            f"{major}.{minor}: use float16 (the default there) or kernels='reference'",
+        )

@@ -19,6 +19,28 @@ PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 # (tests/conftest.py); the tests that run it are marked slow.
 
 
+def test_the_cuda_dtype_follows_the_gpus_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 from compute capability 8.0 (Triton's bfloat16 dot needs it), float16 below; an
+    explicit bfloat16 with the fast kernels on an older GPU is refused naming dtype (read from the
+    capability alone: no GPU needed)."""
+    import torch
+
+    from onecall.config import check_device_dtype, default_dtype
+
+    cuda = torch.device("cuda:0")
+    for capability, want in (((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16), ((7, 5), torch.float16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert default_dtype(cuda) == want
+        if want == torch.float16:
+            with pytest.raises(InvalidParameterError) as e:
+                check_device_dtype(cuda, torch.bfloat16, "fast")
+            assert e.value.param == "dtype" and "7.5" in str(e.value)
+            check_device_dtype(cuda, torch.bfloat16, "reference")  # torch's own ops take it
+        else:
+            check_device_dtype(cuda, torch.bfloat16, "fast")
+    assert default_dtype(torch.device("cpu")) == torch.float32
+
+
 @pytest.mark.slow
 def test_embedded_model_answers_paris(llm: LLM) -> None:
     out = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=32))[0]
@@ -143,6 +165,7 @@ def test_sampling_params_name_the_parameter(kwargs: dict, param: str) -> None:
         ({"cuda_graphs": "yes"}, "cuda_graphs"),
         ({"int8_activations": 1}, "int8_activations"),
         ({"int8_activations": True, "kernels": "reference"}, "int8_activations"),
+        ({"state_snapshots": -1}, "state_snapshots"),
     ],
 )
 def test_engine_config_names_the_parameter(kwargs: dict, param: str) -> None:

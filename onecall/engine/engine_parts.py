@@ -24,7 +24,12 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from onecall.config import DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
+from onecall.config import (
+    DEFAULT_CPU_KV_CACHE_GIB,
+    DEFAULT_GPU_KV_CACHE_FRACTION,
+    EngineConfig,
+    check_device_dtype,
+)
 from onecall.engine.step_inputs import StepGroup
 from onecall.errors import InvalidParameterError, UnsupportedModelError
 from onecall.formats.checkpoint import (
@@ -82,6 +87,7 @@ def load_engine_parts(config: EngineConfig, group: StepGroup | None = None) -> L
     `group` being the ranks already started (Engine starts them: engine/tp/workers.py start_group)."""
     t0 = time.perf_counter()
     device, dtype = config.torch_device, config.torch_dtype
+    check_device_dtype(device, dtype, config.kernels)
     if config.num_threads is not None and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
     if (group is None) != (config.tensor_parallel_size == 1):

@@ -48,7 +48,7 @@ def _add_rms_norm_kernel(
     LOW_PRECISION: tl.constexpr,  # bfloat16/float16: round the normalised value before the weight product
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: rows * stride passes 2**31 on long prompts
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
@@ -87,7 +87,7 @@ def _rope_store_kernel(
     HALF: tl.constexpr,  # head_dim // 2
     BLOCK_H: tl.constexpr,  # HALF rounded up to a power of two; the lanes past HALF are masked
 ):
-    tok = tl.program_id(0)
+    tok = tl.program_id(0).to(tl.int64)  # int64 offsets: tokens * stride may pass 2**31
     head = tl.program_id(1)  # 0 .. heads + 2 * kv_heads - 1: q heads, then k, then v
     offs = tl.arange(0, BLOCK_H)
     ok = offs < HALF  # all true for a power-of-two half (Phi-3's head_dim 96: 48 of 64)
@@ -132,7 +132,7 @@ def _rope_store_kernel(
 
 @triton.jit
 def _silu_mul_kernel(y_ptr, out_ptr, stride_y, stride_out, inter, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: rows * (2 * inter) passes 2**31 (64k rows at 25,600)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)

@@ -78,7 +78,8 @@ def _paged_attention_kernel(
         q_mask = row_ok[:, None]
     else:  # padded columns load as 0: they add nothing to q.k, and are not stored
         q_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    q_off = (q_start + rows)[:, None] * stride_q_tok + head * stride_q_head + dims[None, :]
+    tok = (q_start + rows).to(tl.int64)  # int64 offsets: tokens * stride may pass 2**31
+    q_off = tok[:, None] * stride_q_tok + head * stride_q_head + dims[None, :]
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
     q_pos = context_len + rows  # (BLOCK_M,) absolute positions
 
@@ -120,7 +121,7 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_off = (q_start + rows)[:, None] * stride_o_tok + head * stride_o_head + dims[None, :]
+    o_off = tok[:, None] * stride_o_tok + head * stride_o_head + dims[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
