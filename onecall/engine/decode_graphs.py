@@ -33,8 +33,11 @@ token, except perhaps the last, which feeds a chunk of at most MAX_CHUNK tokens,
                 block) run before the forward, outside any graph
     graph       per layout, the forward + logits captured at the layout's first use (that step pays
                 a warm-up run and the capture) as a torch.cuda.CUDAGraph, then replayed; all layouts
-                share the buffers (each fills what it reads) and one memory pool; each keeps its own
-                logits output, (its num_logits, vocab) float32
+                share the buffers (each fills what it reads) and one memory pool, and write their
+                logits into one output buffer (max_bucket + 1, vocab) float32 made with the others
+                (a buffer per layout was ~1.1 GB each at 64 rows of a 262k vocabulary; the copy
+                into it costs a read and a write of the step's logits). `logits_bytes` says what it
+                takes, which the KV budget leaves free (engine_parts.kv_blocks_in_budget)
 
 Everything but the capture runs on any device: on CPU `run` calls the same forward on the same
 padded buffers, so tests check the layouts, padding and metadata without a GPU (with the Triton
@@ -119,7 +122,6 @@ def layout_for(query_lens: Sequence[int], max_bucket: int) -> Layout | None:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: run eagerly (CPU, or a capture that failed)
-    logits: torch.Tensor | None = None  # (layout.num_logits, vocab) float32: the captured output
 
 
 @dataclass
@@ -146,6 +148,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
         self.query_starts = torch.arange(seqs + 1, dtype=torch.int32, device=device)
         self.logit_rows = torch.zeros(self.max_bucket + 1, dtype=torch.int64, device=device)
+        # every layout's logits, written in place (a layout has at most max_bucket + 1 sampling rows)
+        self.logits = torch.empty(
+            self.max_bucket + 1, self.model.vocab_size, dtype=torch.float32, device=device
+        )
         # a step's values travel in one transfer: written into a host buffer (pinned on CUDA, so the
         # copy is a real asynchronous DMA), copied to one device buffer, then split on the device. The
         # next _fill waits for the previous transfer (an event) before rewriting the host buffer: a
@@ -194,10 +200,10 @@ class DecodeGraphs:
         graph = self._graphs.get(layout) or self._prepare(layout)
         n = len(step.seq_lens)
         if graph.graph is None:
-            return self._forward(layout)[:n]
-        graph.graph.replay()
-        assert graph.logits is not None
-        return graph.logits[:n]
+            self._forward(layout)
+        else:
+            graph.graph.replay()
+        return self.logits[:n]
 
     def _fill(self, step: StepInputs, block_size: int, layout: Layout) -> None:
         """Copy the step into the static buffers, padding it to the layout (see the docstring)."""
@@ -273,12 +279,19 @@ class DecodeGraphs:
             num_decode=layout.decode,
         )
 
-    def _forward(self, layout: Layout) -> torch.Tensor:
+    def _forward(self, layout: Layout) -> None:
+        """The layout's forward and logits, the logits written into the shared buffer."""
         n = layout.num_tokens
         hidden = self.model(self.input_ids[:n], self.positions[:n], self.kv_cache, self._meta(layout))
-        if not layout.chunk:
-            return self.model.compute_logits(hidden)  # every row is a decode row
-        return self.model.compute_logits(hidden.index_select(0, self.logit_rows[: layout.num_logits]))
+        if layout.chunk:  # only the rows the step needs (see the docstring)
+            hidden = hidden.index_select(0, self.logit_rows[: layout.num_logits])
+        logits = self.model.compute_logits(hidden)  # (layout.num_logits, vocab); every row when pure decode
+        self.logits[: logits.shape[0]].copy_(logits)
+
+    @staticmethod
+    def logits_bytes(max_bucket: int, vocab_size: int) -> int:
+        """What the shared logits buffer of a DecodeGraphs with `max_bucket` takes."""
+        return (max_bucket + 1) * vocab_size * 4
 
     # ---- capture ---------------------------------------------------------------------------------
     def _prepare(self, layout: Layout) -> _Graph:
@@ -302,9 +315,9 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(layout)
+            self._forward(layout)  # its intermediates, the logits before the copy included, stay in the pool
         self._pool = graph.pool()
-        return _Graph(graph, logits)
+        return _Graph(graph)
 
 
 def _slots(

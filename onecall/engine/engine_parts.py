@@ -30,6 +30,7 @@ from onecall.config import (
     EngineConfig,
     check_device_dtype,
 )
+from onecall.engine.decode_graphs import BUCKETS, DecodeGraphs
 from onecall.engine.step_inputs import StepGroup
 from onecall.errors import InvalidParameterError, UnsupportedModelError
 from onecall.formats.checkpoint import (
@@ -257,6 +258,8 @@ def kv_blocks_in_budget(
         torch.cuda.empty_cache()  # what the allocator holds cached but unused would count as taken
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * DEFAULT_GPU_KV_CACHE_FRACTION)
+        if config.cuda_graphs and config.kernels == "fast":  # the static steps' logits buffer, made later
+            budget -= DecodeGraphs.logits_bytes(min(config.max_num_seqs, BUCKETS[-1]), local.vocab_size)
     else:
         budget = int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
     shape = local.linear_state_shape

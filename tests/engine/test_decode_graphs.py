@@ -55,6 +55,10 @@ def test_static_decode_gives_the_eager_tokens(num_requests: int) -> None:
     # the static path ran: the first decode step's bucket (and each smaller one as requests finished)
     assert bucket_for(num_requests, 64) in graphs.buckets and set(graphs.buckets) <= set(BUCKETS)
     assert not any(graphs.buckets.values())  # none captured on CPU
+    # every layout wrote its logits into the one shared buffer: no output buffer per layout
+    assert graphs.logits.shape == (graphs.max_bucket + 1, engine.parts.model.vocab_size)
+    assert graphs.logits_bytes(graphs.max_bucket, engine.parts.model.vocab_size) == graphs.logits.nbytes
+    assert not any(hasattr(g, "logits") for g in graphs._graphs.values())
 
 
 @needs_triton
@@ -107,3 +111,29 @@ def test_a_capture_that_raises_any_error_falls_back_to_the_eager_step(
     assert graphs.buckets and not any(graphs.buckets.values())  # every layout ran eagerly
     assert len(attempts) == len(graphs.capture_errors) == len(graphs.buckets) + len(graphs.chunk_buckets)
     assert set(graphs.capture_errors.values()) == {"TritonLikeError: out of resources: shared memory"}
+
+
+def test_the_kv_budget_leaves_room_for_the_static_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the pool is sized from free memory before any static step runs: with CUDA graphs on, the
+    shared logits buffer they will make is left out of it (read from patched device figures)."""
+    import torch
+
+    from onecall.config import DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
+    from onecall.engine.decode_graphs import DecodeGraphs
+    from onecall.engine.engine_parts import kv_blocks_in_budget
+    from onecall.model.kv_cache import PagedKVCache
+    from tests.helpers.tiny_engine import tiny_model
+
+    mc = tiny_model("qwen2").config
+    free = 3 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 4 * 2**30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    cuda = torch.device("cuda")
+    per_block = PagedKVCache.bytes_per_block(mc.num_kv_layers, 16, mc.num_key_value_heads, mc.head_dim, torch.bfloat16)
+    blocks = {
+        graphs: kv_blocks_in_budget(EngineConfig(cuda_graphs=graphs, max_num_seqs=64), mc, torch.bfloat16, cuda)
+        for graphs in (False, True)
+    }
+    budget = int(free * DEFAULT_GPU_KV_CACHE_FRACTION)
+    assert blocks[False] == budget // per_block
+    assert blocks[True] == (budget - DecodeGraphs.logits_bytes(64, mc.vocab_size)) // per_block
