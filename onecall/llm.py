@@ -50,12 +50,18 @@ class ModelInfo:
     num_key_value_heads: int
     head_dim: int
     weight_bytes_per_step: int  # weight bytes a one-token decode step streams (LLM.weight_bytes_read(1))
-    kv_bytes_per_token: int  # K and V of one cached position over all layers
+    kv_bytes_per_token: int  # K and V of one cached position over all layers (that hold K and V)
+    # a hybrid model (linear-attention layers beside attention ones: model/state_cache.py): the fixed
+    # state one sequence carries, which a prefix snapshot holds too, and how many snapshots are kept;
+    # 0 for other models
+    state_bytes_per_sequence: int = 0
+    state_snapshots: int = 0
 
     def decode_step_bytes(self, num_positions: int) -> int:
         """Bytes a one-sequence decode step reads when it attends over `num_positions` positions:
-        every weight once, plus K and V of each position in every layer."""
-        return self.weight_bytes_per_step + self.kv_bytes_per_token * num_positions
+        every weight once, plus K and V of each position in every attention layer, plus (a hybrid
+        model) the sequence's linear-attention state, read and written once."""
+        return self.weight_bytes_per_step + self.kv_bytes_per_token * num_positions + 2 * self.state_bytes_per_sequence
 
 
 class LLM:
@@ -237,6 +243,7 @@ class LLM:
         parts, cfg = self.engine.parts, self.engine.model_config
         kv_dtype = parts.kv_cache.k.dtype
         kv_per_layer = cfg.num_key_value_heads * cfg.head_dim * kv_dtype.itemsize  # K or V of one position
+        state = cfg.linear_state_shape
         return ModelInfo(
             model_name=parts.model_name,
             device=str(self.engine.device),
@@ -250,7 +257,9 @@ class LLM:
             num_key_value_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
             weight_bytes_per_step=self.weight_bytes_read(1),
-            kv_bytes_per_token=2 * cfg.num_hidden_layers * kv_per_layer,
+            kv_bytes_per_token=2 * cfg.num_kv_layers * kv_per_layer,
+            state_bytes_per_sequence=0 if state is None else state.bytes_per_slot(parts.dtype),
+            state_snapshots=0 if state is None else self.engine.config.num_state_snapshots,
         )
 
     def attention_probs(self, prompt: Prompt | RenderedPrompt) -> torch.Tensor:

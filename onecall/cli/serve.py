@@ -63,6 +63,10 @@ def add_serve_command(sub: Any) -> None:
         "--served-model-name", default=None, help="the model's name in the API (default: the model's own)"
     )
     serve.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
+    serve.add_argument(
+        "--state-snapshots", type=int, default=None,
+        help="a hybrid (linear-attention) model: prefix snapshots of its state to keep (default: --max-num-seqs)",
+    )  # fmt: skip
     serve.add_argument("--max-waiting", type=int, default=256, help="most requests queued; beyond it a 429")
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable the radix prefix cache")
     serve.add_argument(
@@ -127,7 +131,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     url = f"http://{a.host}:{a.port}"
     config = _server_config(a, url)  # keys and tenants: an empty key or a bad keys file stops here
     engine_config = EngineConfig(
-        **engine_kwargs(a), max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching
+        **engine_kwargs(a), max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching,
+        state_snapshots=a.state_snapshots
     )
     resolve_model(a.model)  # a missing file is a clear error now, not a server that never gets ready
     if a.max_waiting < 1:

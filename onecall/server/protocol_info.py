@@ -55,6 +55,10 @@ class InternalState(ResponseModel):
     prefix_cache_hit_rate: float | None = Field(
         description="onecall: hit tokens over queried tokens since start (None before the first query)."
     )
+    num_state_snapshots: int | None = Field(
+        default=None,
+        description="onecall, a hybrid model: prefix snapshots of the linear-attention state held now.",
+    )
 
 
 class ServerInfoResponse(_InfoModel):
@@ -71,6 +75,14 @@ class ServerInfoResponse(_InfoModel):
     page_size: int = Field(description="Tokens per KV block.")
     num_kv_blocks: int = Field(description="onecall: KV blocks in the pool.")
     disable_radix_cache: bool = Field(description="True when the prefix cache is off (--no-prefix-caching).")
+    state_bytes_per_sequence: int | None = Field(
+        default=None,
+        description="onecall, a hybrid model (linear-attention layers): the fixed state one sequence "
+        "carries besides its KV, which each prefix snapshot holds too (None for other models).",
+    )
+    max_state_snapshots: int | None = Field(
+        default=None, description="onecall, a hybrid model: prefix snapshots kept at most (--state-snapshots)."
+    )
     tp_size: int = 1
     dp_size: int = 1
     device: str

@@ -115,6 +115,7 @@ def server_info(state: ServerState) -> ServerInfoResponse:
     engine = async_engine.engine
     bm, cfg = engine.block_manager, engine.config
     name = engine.parts.model_name
+    shape = engine.model_config.linear_state_shape
     return ServerInfoResponse(
         model_path=name,
         served_model_name=state.model_name,
@@ -129,6 +130,8 @@ def server_info(state: ServerState) -> ServerInfoResponse:
         page_size=bm.block_size,
         num_kv_blocks=bm.num_blocks,
         disable_radix_cache=not cfg.enable_prefix_caching,
+        state_bytes_per_sequence=None if shape is None else shape.bytes_per_slot(engine.parts.dtype),
+        max_state_snapshots=None if shape is None else cfg.num_state_snapshots,
         device=str(engine.device),
         dtype=str(engine.parts.dtype).removeprefix("torch."),
         internal_states=[_internal_state(engine)],
@@ -148,6 +151,7 @@ def load(state: ServerState) -> LoadResponse:
 
 def _internal_state(engine: Engine) -> InternalState:
     bm, stats = engine.block_manager, engine.stats
+    slots = engine.scheduler.state_slots
     queried = stats.num_prefix_cache_query_tokens_total
     return InternalState(
         num_running_reqs=engine.num_running,
@@ -157,6 +161,7 @@ def _internal_state(engine: Engine) -> InternalState:
         num_free_blocks=bm.num_free_blocks,
         num_cached_blocks=bm.num_evictable_blocks,
         prefix_cache_hit_rate=stats.num_prefix_cache_hit_tokens_total / queried if queried else None,
+        num_state_snapshots=None if slots is None else slots.num_snapshots_held,
     )
 
 
