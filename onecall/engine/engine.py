@@ -288,6 +288,7 @@ class Engine:
         prefetched = self._prefetch_masks(sampling)
         self._stage = "model forward"
         ran = self.runner.execute(sched.scheduled)
+        self.scheduler.forward_done()
         logits = ran.logits
         result = None
         if sampling:  # the logits are this step's own (inference) tensor: masked rows edited in place

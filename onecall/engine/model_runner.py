@@ -181,6 +181,9 @@ class ModelRunner:
         if self.state_slots is not None:
             step.state_slots = [self.state_slots.slot(batch[i].seq.seq_id) for i in order]
             step.state_copies = self.state_slots.take_copies()
+            step.state_snapshots = [
+                (k, *snap) for k, i in enumerate(order) if (snap := batch[i].snapshot) is not None
+            ]
         return step, prompt_seqs
 
     @torch.inference_mode()
@@ -206,6 +209,7 @@ class ModelRunner:
             run_lengths=step.run_lengths,
             num_decode=step.num_decode,
             state_slots=step.state_slots or None,
+            state_snapshots=step.state_snapshots or None,
         )
         ids_t = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(step.positions, dtype=torch.long, device=self.device)

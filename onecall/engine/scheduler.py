@@ -38,13 +38,16 @@ from dataclasses import dataclass, field
 
 from onecall.engine.block_manager import BlockManager, PrefixMatch
 from onecall.engine.sequence import FinishReason, Sequence, SequenceStatus
-from onecall.engine.state_slots import Resume, StateSlots
+from onecall.engine.state_slots import SNAPSHOT_ALIGN, Resume, StateSlots
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step: token_ids[num_computed : num_computed + n]
+    # a hybrid model: (position p, state slot) where the forward writes the state after p tokens,
+    # inside this chunk (engine/state_slots.py: the aligned snapshot)
+    snapshot: tuple[int, int] | None = None
 
     @property
     def samples(self) -> bool:
@@ -134,6 +137,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.state_slots is not None:
+            self.state_slots.drop_pending()  # reserved for a forward that never ran (it raised)
 
         # 1. running sequences, oldest first; preempt the youngest when blocks run out
         i = 0
@@ -158,7 +163,27 @@ class Scheduler:
             if not self._admit(seq, budget, out):
                 break
             budget -= out.scheduled[-1].num_new_tokens
+        if self.state_slots is not None and self.block_manager.enable_prefix_caching:
+            for item in out.scheduled:
+                self._reserve_aligned_snapshot(item)
         return out
+
+    def _reserve_aligned_snapshot(self, item: ScheduledSeq) -> None:
+        """A prompt chunk that crosses the prompt's last SNAPSHOT_ALIGN boundary before its end: the
+        forward also writes the state there (engine/state_slots.py, "aligned")."""
+        assert self.state_slots is not None
+        seq = item.seq
+        boundary = (seq.num_prompt_tokens - 1) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
+        if not seq.num_computed_tokens < boundary <= seq.num_computed_tokens + item.num_new_tokens:
+            return
+        slot = self.state_slots.reserve(seq.token_ids[:boundary], seq.params.cache_salt)
+        if slot is not None:
+            item.snapshot = (boundary, slot)
+
+    def forward_done(self) -> None:
+        """The step's forward ran: the snapshots it wrote can be resumed from."""
+        if self.state_slots is not None:
+            self.state_slots.confirm_pending()
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
         match, start, kv_matched = self._begin(seq)

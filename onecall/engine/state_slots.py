@@ -9,11 +9,20 @@ position where that state was kept: a snapshot. This class owns the slots:
     snapshot slots   the state after a known prefix: (salt, tokens[:p]) -> a slot, LRU
 
 Snapshots are taken where a following request is likely to resume (the choice, and why, is in
-docs/design.md, "Prefix caching for a hybrid model"): when a prompt is fully computed (a request
-with the same system prompt or document resumes there) and when a request finishes (the next turn of
-a chat re-sends the whole transcript: it resumes after the last token the model was fed). A request
-resumes at the longest snapshot within its KV match (`best`); the KV match beyond it is recomputed,
-and the trace says why the hit was shorter than the token match.
+docs/design.md, "Prefix caching for a hybrid model"):
+
+    prompt end      a prompt fully computed (a request with the same system prompt or document
+                    resumes there)
+    aligned         the last multiple of SNAPSHOT_ALIGN tokens inside a prompt, written by the model in
+                    the middle of the chunk that crosses it (`reserve`, confirmed once the forward ran):
+                    a template that rewrites the end of the previous prompt (Qwen3's drops the empty
+                    think block it wrote there) diverges a few tokens before the prompt end, past every
+                    other snapshot; this one is usually before the divergence
+    finish          a request finished or preempted: the next turn of a chat re-sends the whole
+                    transcript and resumes after the last token the model was fed
+
+A request resumes at the longest snapshot within its KV match (`best`); the KV match beyond it is
+recomputed, and the trace says why the hit was shorter than the token match.
 
 Copies are queued, not run: a step applies them (ModelRunner.run, before the forward) in the order
 they were queued, so a snapshot taken of a finished sequence's slot is copied out before a sequence
@@ -29,6 +38,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# an aligned snapshot every this many prompt tokens (the last one before a prompt's end only): a hit
+# that diverges inside a prompt recomputes at most this many of its tokens beyond the divergence
+SNAPSHOT_ALIGN = 64
 _MOD = (1 << 61) - 1  # a Mersenne prime: prefix hashes stay small ints
 _BASE = 1_000_003
 
@@ -61,6 +73,7 @@ class StateSlots:
         self._snaps: OrderedDict[tuple[str | None, int, int], Snapshot] = OrderedDict()  # LRU, oldest first
         self._lengths: dict[int, int] = {}  # snapshot length -> how many snapshots have it
         self._copies: list[tuple[int, int]] = []
+        self._pending: list[tuple[tuple[str | None, int, int], Snapshot]] = []  # reserved, not yet written
 
     @property
     def num_slots(self) -> int:
@@ -105,6 +118,42 @@ class StateSlots:
         self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
         self._copies.append((self._live[seq_id], slot))
         return True
+
+    def reserve(self, tokens: Sequence[int], salt: str | None = None) -> int | None:
+        """A slot for a snapshot the model writes during the next forward (the state after `tokens`,
+        in the middle of a prompt chunk): invisible to best() until confirm_pending(). None when there
+        is no snapshot room or the prefix is kept already."""
+        if self.num_snapshots == 0 or not tokens:
+            return None
+        key = (salt, len(tokens), _hash(tokens))
+        known = self._snaps.get(key)
+        if known is not None and known.tokens == tuple(tokens):
+            self._snaps.move_to_end(key)
+            return None
+        if any(k == key for k, _ in self._pending):
+            return None
+        if known is not None:
+            self._drop(key)
+        if not self._free_snap:
+            if not self._snaps:
+                return None  # every snapshot slot is reserved in this step already
+            self._drop(next(iter(self._snaps)))
+        snap = Snapshot(self._free_snap.pop(), tuple(tokens), salt)
+        self._pending.append((key, snap))
+        return snap.slot
+
+    def confirm_pending(self) -> None:
+        """The forward that wrote the reserved snapshots ran: they can be resumed from."""
+        for key, snap in self._pending:
+            self._snaps[key] = snap
+            n = len(snap.tokens)
+            self._lengths[n] = self._lengths.get(n, 0) + 1
+        self._pending = []
+
+    def drop_pending(self) -> None:
+        """The forward never ran (it raised): the reserved slots are free again, unread."""
+        self._free_snap += [snap.slot for _, snap in self._pending]
+        self._pending = []
 
     def best(self, tokens: Sequence[int], limit: int, salt: str | None = None) -> Resume:
         """The longest snapshot of a prefix of `tokens` no longer than `limit` (the KV match), under
@@ -155,7 +204,8 @@ class StateSlots:
         live = list(self._live.values())
         snaps = [s.slot for s in self._snaps.values()]
         assert sorted(live + self._free_live) == list(range(self.num_live))
-        assert sorted(snaps + self._free_snap) == list(range(self.num_live, self.num_slots))
+        pending = [snap.slot for _, snap in self._pending]
+        assert sorted(snaps + pending + self._free_snap) == list(range(self.num_live, self.num_slots))
         assert sum(self._lengths.values()) == len(self._snaps)
 
     @property

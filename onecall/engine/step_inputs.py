@@ -43,6 +43,8 @@ class StepInputs:
     # copies (snapshots taken or resumed) applied before the forward; empty otherwise
     state_slots: list[int] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (packed sequence index, position p, slot): the forward also writes the state after p tokens
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class StepRunner(Protocol):

@@ -14,10 +14,13 @@ from onecall.model.config import (
     ARCHITECTURES,
     GEMMA,
     GLOBAL,
+    HYBRID,
+    LINEAR,
     MOE,
     SLIDING,
     SUPPORTED,
     GemmaSpec,
+    LinearAttentionSpec,
     ModelConfig,
     MoESpec,
 )
@@ -30,7 +33,7 @@ _REFUSED_CLASSES = {
     "PhimoeForCausalLM": "Phi-3.5-MoE, whose sparsemixer router onecall does not implement",
 }
 # config.json model_type values that name one of ours differently
-_MODEL_TYPES = {"gemma3_text": "gemma3"}
+_MODEL_TYPES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 _REQUIRED_KEYS = (
     "vocab_size",
@@ -42,7 +45,7 @@ _REQUIRED_KEYS = (
 # transformers' defaults for the keys a config.json may leave out.
 _DEFAULT_MAX_POSITIONS = {
     "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192, "gemma3": 131072,
-    "qwen3_moe": 32768, "mixtral": 131072,
+    "qwen3_moe": 32768, "mixtral": 131072, "qwen3_5": 32768, "qwen3_5_moe": 32768, "qwen3_next": 32768,
 }  # fmt: skip
 # transformers' default sliding_window where a family honours one (MistralConfig: 4096).
 _DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
@@ -54,15 +57,34 @@ _DEFAULT_RMS_NORM_EPS = 1e-6
 # the text model's class. Their weights are renamed and the vision tower skipped on load
 # (checkpoint.language_model_tensor).
 MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# The same for Qwen3.5's multimodal classes (every released Qwen3.5 checkpoint is one), whose tensors
+# loading/weights.py renames itself (model.language_model.* -> model.*; model.visual.* and mtp.* skipped),
+# so formats/checkpoint.py hands them over as they are named. transformers ties their embeddings by the
+# top level's tie_word_embeddings (default false), which therefore wins over the text part's. A
+# config without `architectures` names them by model_type.
+_MULTIMODAL_HYBRIDS = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+_MULTIMODAL_HYBRID_TYPES = {
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+}
 
 
 def text_model_config(d: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal config.json (MULTIMODAL_TEXT_MODELS) -> its language model's, as a text-only config
-    of that family would say it: `text_config` with the top level's tie_word_embeddings and token ids
-    where the text part leaves them out. Any other config is returned as it is."""
+    """A multimodal config.json (MULTIMODAL_TEXT_MODELS, Qwen3.5's) -> its language model's, as a
+    text-only config of that family would say it: `text_config` with the top level's
+    tie_word_embeddings and token ids where the text part leaves them out (Qwen3.5: the top level's
+    tie_word_embeddings always). Any other config is returned as it is."""
     archs = d.get("architectures")
     name = archs[0] if isinstance(archs, list) and archs else None
-    text_class = MULTIMODAL_TEXT_MODELS.get(name) if isinstance(name, str) else None
+    model_type = d.get("model_type")
+    if name is None and isinstance(d.get("text_config"), dict) and isinstance(model_type, str):
+        name = _MULTIMODAL_HYBRID_TYPES.get(model_type)
+    text_class = None
+    if isinstance(name, str):
+        text_class = MULTIMODAL_TEXT_MODELS.get(name) or _MULTIMODAL_HYBRIDS.get(name)
     if text_class is None:
         return d
     text = d.get("text_config")
@@ -72,6 +94,8 @@ def text_model_config(d: dict[str, Any]) -> dict[str, Any]:
     for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id"):
         if merged.get(key) is None and d.get(key) is not None:
             merged[key] = d[key]
+    if name in _MULTIMODAL_HYBRIDS:
+        merged["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
     merged["architectures"] = [text_class]
     return merged
 
@@ -83,6 +107,9 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     arch = _architecture(d)
     if arch == "gemma3":
         d = gemma3_rope_as_one(d)
+    if arch == "qwen3_5_moe" and d.get("intermediate_size") is None:
+        # every Qwen3.5-MoE layer is sparse: no dense MLP, whose (required) size is then never used
+        d = {**d, "intermediate_size": d.get("shared_expert_intermediate_size") or 512}
     # 2. Required keys, all named at once.
     missing = [k for k in _REQUIRED_KEYS if d.get(k) is None]
     if missing:
@@ -94,9 +121,10 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     head_dim = d.get("head_dim")
     if head_dim is None:
         # transformers' Qwen3Config defaults head_dim to 128, Gemma's to 256; the others derive it.
-        head_dim = {"qwen3": 128, "gemma2": 256, "gemma3": 256, "qwen3_moe": 128}.get(arch) or _int_div(
-            d["hidden_size"], num_heads
-        )
+        head_dim = {
+            "qwen3": 128, "gemma2": 256, "gemma3": 256, "qwen3_moe": 128, "qwen3_5": 256, "qwen3_5_moe": 256,
+            "qwen3_next": 256,
+        }.get(arch) or _int_div(d["hidden_size"], num_heads)  # fmt: skip
     num_kv_heads = d.get("num_key_value_heads")
     max_positions = d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
     # 5. What depends on the context length and head size: the window, partial rotary, RoPE scaling.
@@ -117,20 +145,57 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA)),
         attention_bias=_attention_bias(d, arch),
-        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", *HYBRID),
         rope_scaling=rope_scaling_from_hf(d, arch, max_positions, rotary_dim),
         partial_rotary_factor=partial_rotary_factor,
         sliding_window=sliding_window,
         gemma=_gemma_spec(d, arch) if arch in GEMMA else None,
         moe=_moe_spec(d, arch) if arch in MOE else None,
+        linear_attention=_linear_attention_spec(d) if arch in HYBRID else None,
+        attn_output_gate=arch in HYBRID,  # transformers' Qwen3.5 / Qwen3-Next attention always has it
+    )
+
+
+def _linear_attention_spec(d: dict[str, Any]) -> LinearAttentionSpec:
+    """transformers' Qwen3_5TextConfig / Qwen3NextConfig defaults; layer_types derived as they derive it
+    when the file has none: every full_attention_interval-th layer (default 4) full, the rest linear."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        interval = d.get("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+            raise UnsupportedModelError(
+                f"full_attention_interval must be a positive integer, got {interval!r}"
+            )
+        types = [LINEAR if (i + 1) % interval else GLOBAL for i in range(n)]
+    if not isinstance(types, (list, tuple)):
+        raise UnsupportedModelError(f"layer_types must be a list, got {types!r}")
+    return LinearAttentionSpec(
+        layer_types=tuple(types),
+        linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4),
+        linear_key_head_dim=d.get("linear_key_head_dim", 128),
+        linear_value_head_dim=d.get("linear_value_head_dim", 128),
+        linear_num_key_heads=d.get("linear_num_key_heads", 16),
+        linear_num_value_heads=d.get("linear_num_value_heads", 32),
     )
 
 
 def _moe_spec(d: dict[str, Any], arch: str) -> MoESpec:
-    """transformers' Qwen3MoeConfig / MixtralConfig: Qwen3-MoE's layer i is sparse unless it is in
-    mlp_only_layers or (i + 1) % decoder_sparse_step != 0; Mixtral's are all sparse, its experts as
-    wide as intermediate_size, their top-2 always renormalised."""
+    """transformers' Qwen3MoeConfig / MixtralConfig / Qwen3NextConfig / Qwen3_5MoeTextConfig: Qwen3-MoE's
+    and Qwen3-Next's layer i is sparse unless it is in mlp_only_layers or (i + 1) % decoder_sparse_step
+    != 0; Mixtral's are all sparse, its experts as wide as intermediate_size, their top-2 always
+    renormalised; Qwen3.5-MoE's are all sparse, renormalised too. Qwen3-Next and Qwen3.5-MoE add a
+    shared expert to every sparse layer."""
     n = d["num_hidden_layers"]
+    if arch == "qwen3_5_moe":
+        return MoESpec(
+            num_experts=d.get("num_experts", 256),
+            num_experts_per_tok=d.get("num_experts_per_tok", 8),
+            moe_intermediate_size=d.get("moe_intermediate_size", 512),
+            norm_topk_prob=True,  # its router renormalises whatever the config says
+            sparse_layers=(True,) * n,
+            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 512),
+        )
     if arch == "mixtral":
         return MoESpec(
             num_experts=d.get("num_local_experts", 8),
@@ -140,7 +205,8 @@ def _moe_spec(d: dict[str, Any], arch: str) -> MoESpec:
             sparse_layers=(True,) * n,
         )
     # config.json says num_experts; transformers' to_dict writes num_local_experts (its attribute_map)
-    num_experts = d.get("num_experts", d.get("num_local_experts", 128))
+    nxt = arch == "qwen3_next"
+    num_experts = d.get("num_experts", d.get("num_local_experts", 512 if nxt else 128))
     step = d.get("decoder_sparse_step", 1)
     if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
         raise UnsupportedModelError(f"decoder_sparse_step must be a positive integer, got {step!r}")
@@ -148,10 +214,11 @@ def _moe_spec(d: dict[str, Any], arch: str) -> MoESpec:
     sparse = tuple(i not in only_mlp and num_experts > 0 and (i + 1) % step == 0 for i in range(n))
     return MoESpec(
         num_experts=num_experts,
-        num_experts_per_tok=d.get("num_experts_per_tok", 8),
-        moe_intermediate_size=d.get("moe_intermediate_size", 768),
-        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        num_experts_per_tok=d.get("num_experts_per_tok", 10 if nxt else 8),
+        moe_intermediate_size=d.get("moe_intermediate_size", 512 if nxt else 768),
+        norm_topk_prob=bool(d.get("norm_topk_prob", nxt)),
         sparse_layers=sparse,
+        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 512) if nxt else 0,
     )
 
 
@@ -233,6 +300,10 @@ def _check_unsupported_features(d: dict[str, Any], arch: str) -> None:
         raise UnsupportedModelError("use_bidirectional_attention true (an embedding model) is not supported")
     if d.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias true is not supported; only bias-free MLPs are")
+    if arch in HYBRID and d.get("attention_bias"):
+        raise UnsupportedModelError(
+            f"attention_bias true is not supported for {arch}; only bias-free attention is"
+        )
     if arch in ("qwen2", "qwen3", "qwen3_moe"):
         if d.get("use_sliding_window"):
             raise UnsupportedModelError(

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from onecall.errors import UnsupportedModelError
-from onecall.model.config import GLOBAL, ROPE_TYPES, SLIDING, RopeScaling
+from onecall.model.config import GLOBAL, HYBRID, ROPE_TYPES, SLIDING, RopeScaling
 
 
 def gemma3_rope_as_one(d: dict[str, Any]) -> dict[str, Any]:
@@ -65,15 +65,20 @@ def _rope_dict(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def partial_rotary_from_hf(d: dict[str, Any], arch: str) -> float:
+    """The fraction of each head RoPE rotates: Phi-3's per config, the Qwen3.5 / Qwen3-Next hybrids'
+    0.25 unless the config says otherwise (transformers' default for them); 1 for every other family."""
     _, rope = _rope_dict(d)
     value = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
-    if value is None or value == 1.0:
+    if value is None:
+        value = 0.25 if arch in HYBRID else 1.0
+    if value == 1.0:
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise UnsupportedModelError(f"partial_rotary_factor must be a number in (0, 1], got {value!r}")
-    if arch != "phi3":
+    if arch != "phi3" and arch not in HYBRID:
         raise UnsupportedModelError(
-            f"partial_rotary_factor {value!r} is not supported for {arch}; only phi3 rotates part of a head"
+            f"partial_rotary_factor {value!r} is not supported for {arch}; only phi3 and "
+            f"{', '.join(HYBRID)} rotate part of a head"
         )
     return float(value)
 

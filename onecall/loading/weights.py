@@ -7,11 +7,13 @@ gate/up tensors into the fused projections (DecoderLM.PROJECTION_PARTS, part_row
 arrive, and no dense projection weight is ever allocated; MoE experts a GGUF stored in 4-bit groups
 are not copied either: their layer runs them from the groups (model/moe.py, _use_stored_experts).
 
-Two rewrites happen on the way in, both to Hugging Face-named tensors, before anything else sees them
+Three rewrites happen on the way in, all to Hugging Face-named tensors, before anything else sees them
 (the stored groups of a quantized GGUF, if any, rewritten with them: the fast kernels see one layout):
 | checkpoint tensor                          | becomes                                  | why                     |
 |--------------------------------------------|------------------------------------------|-------------------------|
 | self_attn.qkv_proj, mlp.gate_up_proj (Phi-3)| its q/k/v, gate/up row slices            | one naming downstream   |
+| a hybrid's (Qwen3.5, Qwen3-Next) q_proj,   | q and gate_proj rows; in_proj_qkv/_z/_b/ | model/qwen35.py's       |
+| in_proj_qkvz / _ba; multimodal prefixes    | _a rows; model.*, vision and mtp skipped | layout (_hybrid_layout) |
 | q_proj / k_proj rows, q_norm / k_norm      | each head permuted (rope.partial_rotary_ | partial rotary runs as  |
 | (partial rotary models only)               | permutation)                             | full-width RoPE         |
 """
@@ -119,12 +121,15 @@ def load_weights(
     """
     table = weight_table(model)
     weights = split_fused_weights(weights, model.config, stored_weights)
+    if model.config.linear_attention is not None:
+        weights = _hybrid_layout(weights, model.config, stored_weights)
     if model.config.moe is not None:
         weights = _moe_names(weights)
     if model.config.rotary_dim != model.config.head_dim:
         weights = _partial_rotary_layout(weights, model.config, stored_weights)
     tied = model.lm_head is None
-    fold_norms = model.config.gemma is not None  # a Hugging Face Gemma checkpoint stores w, we hold 1 + w
+    # a Hugging Face Gemma or Qwen3.5 checkpoint stores w, we hold 1 + w (not Qwen3.5's gated norm)
+    fold_norms = model.config.gemma is not None or model.config.linear_attention is not None
     packer = None
     if model.pack_on_load and model.kernels == "reference":
         # not `stored_weights or {}`: the dict the weight iterator fills is still empty here
@@ -163,8 +168,8 @@ def load_weights(
                     continue
                 assert stored_weights is not None, "a meta tensor comes with its stored groups"
                 tensor = stored_weights[name].dequantize().to(param.dtype)
-            if fold_norms and name.endswith("norm.weight"):
-                tensor = checkpoint_norm_weight(tensor)  # Gemma's (1 + w) norms, folded (model/gemma.py)
+            if fold_norms and name.endswith("norm.weight") and not name.endswith(_GATED_NORM):
+                tensor = checkpoint_norm_weight(tensor)  # (1 + w) norms, folded (model/gemma.py, qwen35.py)
             if experts is not None and experts.take(name):
                 pass  # its float32 slice is left unfilled (never read: model/moe.py)
             elif packer is None or not packer.accept(name, tensor.float()):
@@ -285,6 +290,85 @@ def _use_stored_experts(
             used += 1
             kinds |= held.kinds()
     return f"native {'+'.join(sorted(kinds))} ({used} of {moe_layers} MoE layers)" if used else ""
+
+
+# A hybrid checkpoint's (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) tensors that are not the text model's: the
+# multimodal class's vision tower and the multi-token-prediction head (neither runs here).
+_HYBRID_SKIPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_GATED_NORM = "linear_attn.norm.weight"  # a hybrid's one norm whose weight is the scale itself (no 1 + w)
+
+
+def _hybrid_layout(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    config: ModelConfig,
+    stored_weights: MutableMapping[str, StoredGroups] | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A hybrid checkpoint in the names and row orders model/qwen35.py loads:
+
+    | checkpoint tensor                               | becomes                                           |
+    |-------------------------------------------------|---------------------------------------------------|
+    | model.language_model.* (the multimodal class's) | model.*                                           |
+    | model.visual.*, mtp.*                           | skipped                                           |
+    | self_attn.q_proj, rows [q_h; gate_h] per head   | self_attn.q_proj (the q rows), self_attn.gate_proj |
+    | linear_attn.in_proj_qkvz (Qwen3-Next), rows     | linear_attn.in_proj_qkv [q; k; v], in_proj_z      |
+    | [q_g; k_g; v_g; z_g] per key head g             |                                                   |
+    | linear_attn.in_proj_ba (Qwen3-Next), [b_g; a_g] | linear_attn.in_proj_b, linear_attn.in_proj_a      |
+
+    Row picks are views or index copies; a stored (quantized) copy is split with its rows, as
+    formats/fused.py splits Phi-3's fused projections."""
+    spec = config.linear_attention
+    assert spec is not None
+    d, heads = config.head_dim, config.num_attention_heads
+    per_head = torch.arange(2 * heads * d).reshape(heads, 2, d)
+    q_gate = {"self_attn.q_proj": per_head[:, 0].flatten(), "self_attn.gate_proj": per_head[:, 1].flatten()}
+    # Qwen3-Next groups each key head with the r value heads it serves: rows (key heads, its rows)
+    k_heads, r = spec.linear_num_key_heads, spec.linear_num_value_heads // spec.linear_num_key_heads
+    dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
+    q, k, v, z = (
+        torch.arange(k_heads * (2 * dk + 2 * r * dv)).reshape(k_heads, -1).split([dk, dk, r * dv, r * dv], 1)
+    )
+    qkvz = {
+        "linear_attn.in_proj_qkv": torch.cat((q.flatten(), k.flatten(), v.flatten())),
+        "linear_attn.in_proj_z": z.flatten(),
+    }
+    b, a = torch.arange(k_heads * 2 * r).reshape(k_heads, 2 * r).split([r, r], 1)
+    ba = {"linear_attn.in_proj_b": b.flatten(), "linear_attn.in_proj_a": a.flatten()}
+    fused_tensors = (
+        ("self_attn.q_proj", q_gate),
+        ("linear_attn.in_proj_qkvz", qkvz),
+        ("linear_attn.in_proj_ba", ba),
+    )
+    for name, tensor in weights:
+        if name.startswith("model.language_model."):
+            name = "model." + name.removeprefix("model.language_model.")
+        if name.startswith(_HYBRID_SKIPPED):
+            continue
+        for fused, parts in fused_tensors:
+            if f".{fused}." in name and (fused != "self_attn.q_proj" or config.attn_output_gate):
+                yield from _pick_rows(name, tensor, fused, parts, stored_weights)
+                break
+        else:
+            yield name, tensor
+
+
+def _pick_rows(
+    name: str,
+    tensor: torch.Tensor,
+    fused: str,
+    parts: dict[str, torch.Tensor],
+    stored_weights: MutableMapping[str, StoredGroups] | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each part of a fused checkpoint tensor: (its name, the tensor's rows that part index picks); a
+    stored copy of the tensor split the same way."""
+    expected = sum(len(rows) for rows in parts.values())
+    if tensor.shape[0] != expected:
+        raise UnsupportedModelError(f"tensor {name!r} has {tensor.shape[0]} rows, expected {expected}")
+    groups = stored_weights.get(name) if stored_weights is not None else None
+    for part, rows in parts.items():
+        part_name = name.replace(fused, part)
+        if groups is not None and stored_weights is not None:
+            stored_weights[part_name] = stored_rows(groups, rows)
+        yield part_name, tensor[rows]
 
 
 _ROTATED = (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.q_norm.", ".self_attn.k_norm.")

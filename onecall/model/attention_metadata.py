@@ -86,6 +86,9 @@ class AttentionMetadata:
     num_decode: int | None = None
     # hybrid models: (num_seqs,) int64, the LinearStateCache slot of each sequence (model/state_cache.py)
     state_slots: torch.Tensor | None = None
+    # hybrid models: (sequence index, position p, slot): also write the state after the sequence's first
+    # p tokens into that slot (p inside this step's chunk of it: a prefix snapshot mid-chunk)
+    state_snapshots: list[tuple[int, int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +119,7 @@ def build_attention_metadata(
     run_lengths: Sequence[int] | None = None,
     num_decode: int | None = None,
     state_slots: Sequence[int] | None = None,
+    state_snapshots: Sequence[tuple[int, int, int]] | None = None,
 ) -> AttentionMetadata:
     """Build a step's metadata. block_tables[i][j] = physical block of positions j*block_size... of seq i.
 
@@ -167,6 +171,12 @@ def build_attention_metadata(
     if state_slots is not None:
         assert len(state_slots) == len(seqs), "one state slot per sequence"
         meta.state_slots = torch.tensor(list(state_slots), dtype=torch.int64, device=device)
+    if state_snapshots:
+        assert state_slots is not None, "snapshots are of sequences with state slots"
+        for i, p, _ in state_snapshots:
+            s = seqs[i]
+            assert s.seq_len - s.query_len < p <= s.seq_len, "a snapshot inside the sequence's chunk"
+        meta.state_snapshots = list(state_snapshots)
     if kernels.reads_decode_rows:
         meta.decode = _decode_rows(seqs, block_tables, block_size)
     if backend == "triton":

@@ -1,11 +1,14 @@
-"""DecoderLM: one pre-norm decoder for Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 2/3, over a paged KV cache.
+"""DecoderLM: one pre-norm decoder for Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3 and the Qwen3.5 hybrids,
+over a paged KV cache.
 
 The Llama-shaped families differ only by flags in ModelConfig (q/k/v bias, q/k norm, partial
 rotary, a sliding window), so there is one module tree, named like Hugging Face's
 (`model.layers.N.self_attn...`) except for the two fused projections, which loading/weights.py's
 load_weights fills from the separate q/k/v and gate/up tensors (PROJECTION_PARTS says which).
 Gemma 2/3 (ModelConfig.gemma) swap in model/gemma.py's model part (four norms a layer, gelu,
-per-layer-type RoPE tables) under the same names, plus an embedding scale and capped logits.
+per-layer-type RoPE tables) under the same names, plus an embedding scale and capped logits. The hybrids
+(ModelConfig.linear_attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are a DecoderModel whose layers are
+model/qwen35.py's (Gated DeltaNet or gated attention, each over its own cache) and whose norms are (1 + w).
 
 Per step: embed -> for each layer: h += attn(norm(h)); h += mlp(norm(h)) -> norm.
 RoPE cos/sin are looked up once per step (per table) and shared by the layers; the
@@ -20,15 +23,17 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from onecall.errors import UnsupportedModelError
 from onecall.kernels.ops import REFERENCE_OPS, LayerOps
 from onecall.kernels.select import fast_kernels_supported, layer_ops
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig
-from onecall.model.gemma import GemmaDecoderModel, GemmaRotary, soft_cap
+from onecall.model.gemma import GemmaDecoderModel, GemmaRMSNorm, GemmaRotary, soft_cap
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
 from onecall.model.moe import SparseMoE
 from onecall.model.parallel import TensorParallel
+from onecall.model.qwen35 import HYBRID_PROJECTION_PARTS, hybrid_layers, hybrid_part_rows
 
 
 class WholeStep(Protocol):
@@ -54,6 +59,7 @@ PROJECTION_PARTS = {
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
+    **HYBRID_PROJECTION_PARTS,  # a hybrid's layers: the output gate, DeltaNet's, the shared expert's
 }
 
 
@@ -121,6 +127,10 @@ class DecoderModel(nn.Module):
         # the loader may swap in a module over the checkpoint's own groups (no float32 table:
         # kernels/cpu/fast_embedding.py's StoredEmbedding)
         self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        if config.linear_attention is not None:  # a hybrid: model/qwen35.py's layers, (1 + w) norms
+            self.layers = hybrid_layers(config, dtype, device, ops)
+            self.norm: RMSNorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device, ops)
+            return
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device, i, ops) for i in range(config.num_hidden_layers)
         )
@@ -158,6 +168,8 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.vocab_size = config.vocab_size  # the whole vocabulary: what compute_logits returns
         self.tp = tp if tp is not None and tp.world_size > 1 else None
+        if self.tp is not None and config.linear_attention is not None:
+            raise UnsupportedModelError(f"{config.architecture} does not run under tensor parallel")
         if self.tp is not None:
             config = self.tp.shard_config(config)
         self.config = config
@@ -195,7 +207,7 @@ class DecoderLM(nn.Module):
             else set()
         )
         _materialize(self, torch.device(device), skip_weights_of=skip)
-        for layer in self.model.layers:
+        for layer in self.model.layers if self.tp is not None else ():
             layer.self_attn.tp = layer.mlp.tp = self.tp  # type: ignore[union-attr]
         self.rotary: RotaryEmbedding | GemmaRotary = (
             RotaryEmbedding.from_config(config, dtype, device)
@@ -271,9 +283,11 @@ class DecoderLM(nn.Module):
         that owns it, its attribute name there). What the loader fills and the fast kernels replace."""
         for i, layer in enumerate(self.model.layers):
             for ours in PROJECTION_PARTS:
-                owner_name, attr = ours.split(".")
-                owner = getattr(layer, owner_name)
-                if isinstance(owner, SparseMoE):
+                owner_path, _, attr = ours.rpartition(".")
+                owner: nn.Module | None = layer
+                for part in owner_path.split("."):  # absent in this layer (a hybrid's other type): None
+                    owner = getattr(owner, part, None)
+                if owner is None or isinstance(owner, SparseMoE) or not hasattr(owner, attr):
                     continue  # a MoE layer's experts stay dense (model/moe.py), its router too
                 yield i, ours, owner, attr
 
@@ -287,7 +301,7 @@ class DecoderLM(nn.Module):
             "self_attn.v_proj": (q_size + kv_size, q_size + 2 * kv_size),
             "mlp.gate_proj": (0, c.intermediate_size),
             "mlp.up_proj": (c.intermediate_size, 2 * c.intermediate_size),
-        }
+        } | (hybrid_part_rows(c) if c.linear_attention is not None else {})
 
 
 def materialize_weight(model: DecoderLM, module: nn.Module) -> nn.Parameter:

@@ -5,6 +5,7 @@
     w, e = top_k(probs)                                   (num_tokens, top_k) each
     w = w / sum(w)        if norm_topk_prob               (Mixtral always; Qwen3-MoE per config)
     out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))   for e = e[t, j]
+    out[t] += sigmoid(x[t] . w_shared_gate) * shared_expert(x[t])      Qwen3-Next / Qwen3.5-MoE only
 
 Expert weights are stacked, as transformers 5 holds them and as a GGUF stores them:
 `experts.gate_up_proj` (num_experts, 2 * moe_intermediate, hidden) with rows [gate; up] per expert,
@@ -117,7 +118,9 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """The MoE block in a decoder layer's MLP slot: `gate` (the router, no bias) and `experts`."""
+    """The MoE block in a decoder layer's MLP slot: `gate` (the router, no bias) and `experts`; with a
+    `shared_expert` (a gated MLP every token goes through, built by the caller) also its
+    `shared_expert_gate` (hidden -> 1, no bias), as Qwen3-Next and Qwen3.5-MoE name them."""
 
     def __init__(
         self,
@@ -128,6 +131,7 @@ class SparseMoE(nn.Module):
         norm_topk_prob: bool,
         dtype: torch.dtype,
         device: torch.device | str,
+        shared_expert: nn.Module | None = None,
     ) -> None:
         super().__init__()
         assert 0 < top_k <= num_experts
@@ -135,12 +139,19 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.gate = Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, dtype, device)
+        self.shared_expert = shared_expert  # forward(x, decode_rows), as model/layers.py's MLP
+        self.shared_expert_gate = (
+            None if shared_expert is None else Linear(hidden_size, 1, bias=False, dtype=dtype, device=device)
+        )
 
     def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         """x (num_tokens, hidden). Every row of an expert runs on one kernel, so `decode_rows` (the
-        MLP's signature) changes nothing here."""
+        MLP's signature) changes nothing for them; the shared expert's projections get it."""
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        return self.experts(x, weights, experts)
+        out = self.experts(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, decode_rows)
+        return out
 
     def weight_bytes_read(self, rows: int) -> int:
         """Bytes of weights a forward over `rows` tokens streams at most: the router, and the experts
@@ -158,4 +169,10 @@ class SparseMoE(nn.Module):
                     per_expert += rows_ * cols * param.element_size()
         reached = min(experts.num_experts, rows * self.top_k)
         router = self.gate.weight.numel() * self.gate.weight.element_size()
-        return router + per_expert * reached // experts.num_experts
+        # the shared expert and its gate, every row: their parameters (a projection the fast kernels
+        # packed holds none: the caller counts it as it counts every packed projection)
+        shared = 0
+        for module in (self.shared_expert, self.shared_expert_gate):
+            if module is not None:
+                shared += sum(p.numel() * p.element_size() for p in module.parameters())
+        return router + per_expert * reached // experts.num_experts + shared

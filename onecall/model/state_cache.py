@@ -58,6 +58,12 @@ class LinearStateCache:
             s.num_layers, num_slots, s.num_v_heads, s.k_head_dim, s.v_head_dim, dtype=torch.float32, device=device
         )
 
+    def copy_layer(self, layer: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """copy() for one layer only (a layer writing a snapshot as it runs)."""
+        for a, b in zip(src, dst, strict=True):
+            self.conv[layer, b] = self.conv[layer, a]
+            self.recurrent[layer, b] = self.recurrent[layer, a]
+
     def copy(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Slot src[i]'s state into slot dst[i], every layer (a snapshot taken, or resumed)."""
         assert len(src) == len(dst), "copy needs as many destinations as sources"

@@ -463,3 +463,64 @@ def fast_copy(model: DecoderLM, int8_activations: bool = False) -> DecoderLM:
     fast = DecoderLM(model.config, kernels="fast", pack_on_load=False, int8_activations=int8_activations)
     fast.load_state_dict(model.state_dict())
     return fast.eval()
+
+
+# ---------------------------------------------------------------- the hybrids (Qwen3.5, Qwen3-Next)
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def tiny_hybrid_hf(family: str = "qwen3_5", seed: int = 0, **overrides: Any) -> Any:
+    """A tiny random-weight transformers causal LM of a hybrid family (HYBRID_FAMILIES), eager attention:
+    5 layers (linear, linear, full, linear, full: the second full-attention layer is the KV cache's layer
+    1, the third linear one the state cache's layer 2), 4 attention heads of 16 (2 KV heads), DeltaNet
+    with 2 key heads of 8 serving 4 value heads of 12, conv kernel 4, vocabulary 160. Qwen3.5 ties its
+    embeddings; Qwen3.5-MoE and Qwen3-Next have 4 experts (top 2) and a shared expert of 48, Qwen3-Next
+    a dense layer 1 (mlp_only_layers), top k not renormalised and half of each head rotated.
+
+    Weights: norms 1 + 0.2 N (transformers' zero-centred ones then scale by about 2), A_log uniform in
+    [-2, 0] (A in [0.14, 1]: decays that never wipe a state out), every other parameter 0.15 N.
+    `overrides` go to the config class (e.g. tie_word_embeddings)."""
+    from transformers import (
+        Qwen3_5ForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
+
+    config: dict[str, Any] = dict(
+        vocab_size=160, hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )  # fmt: skip
+    moe = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    )
+    config_cls, model_cls = {
+        "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+        "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
+    }[family]
+    if family == "qwen3_5":
+        config.update(intermediate_size=96, tie_word_embeddings=True)
+    elif family == "qwen3_5_moe":
+        config.update(moe, tie_word_embeddings=False)
+    else:
+        rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}
+        config.update(
+            moe, intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False, rope_parameters=rope
+        )
+    config.update(overrides)
+    torch.manual_seed(seed)
+    hf = model_cls(config_cls(**config, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("A_log"):
+                p.uniform_(-2.0, 0.0)
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    return hf

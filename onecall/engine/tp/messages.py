@@ -63,7 +63,7 @@ def receive_step(control: dist.ProcessGroup | None) -> StepInputs | None:
 
 def encode_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """StepInputs -> (header, payload) int64 CPU tensors (see the module docstring)."""
-    assert not step.state_slots and not step.state_copies, "a hybrid model's state does not cross ranks"
+    assert not (step.state_slots or step.state_copies or step.state_snapshots), "a hybrid model's state stays on rank 0"
     tables = step.block_tables
     sizes = [
         len(step.copies),
