@@ -3,12 +3,17 @@
     python benchmarks/bench_kernels.py              # every kernel, batch 1 and 16, contexts 400 and 4,000
     python benchmarks/bench_kernels.py --rows 1,4   # other batch sizes
     python benchmarks/bench_kernels.py --against HEAD~1   # A/B the GEMMs against another revision's
+    python benchmarks/bench_kernels.py --gemm 896x4864 --kinds q4,q5,q8b --rows 1,64   # one shape
 
 What it times (the best of --repeats calls after a warm-up: on a shared machine the minimum is the
 figure that repeats; each kernel called the way the engine calls it), and the bytes each call must read, so each line is also an achieved bandwidth:
 
   q4 gemm         each projection shape of one layer (the file's own 4-bit groups), M rows
   q8 logits       the tied embedding kept as the GGUF's Q8_0 int8, M rows
+  gemm kinds      every stored-weight GEMM at the model's down_proj shape, random weights of each form,
+                  called in turn (interleaved): q4 (Q4_0-style, half scales), q5 (Q5_0-style, half
+                  scales), q5k (Q5_K-style, float32 scales), q8b (Q8_0), f16, bf16 (the half GEMM),
+                  and f32 (oneDNN on a prepacked float32 weight: what a weight without them runs)
   attention       one layer's decode attention at a context of 400 and 4,000 positions, float32 and
                   float16 cache; beside it SDPA over a view of the cache (the prompt path's read)
   prefill attn    one layer's causal prompt attention: a fresh 1,024-token prompt and a 512-row chunk
@@ -23,6 +28,10 @@ figure that repeats; each kernel called the way the engine calls it), and the by
 The weights of the four projection shapes are read from L3/DRAM in a loop over 30 layers' worth of
 copies, so the figure is not a cache-resident one. The last line is one JSON object.
 
+--gemm NxK (out x in features) times only the `--kinds` GEMMs at that shape on random weights, interleaved
+(a, b, c, a, b, c, ...), each kind's weights in enough copies (--copy-mib in all) that every call
+reads them from memory, not a cache; it loads no model.
+
 --against REV builds REV's onecall/kernels/cpu/csrc (git archive, same compiler and flags) beside this
 tree's kernels and times the q4 and q8 GEMMs of both in turn (a, b, a, b, ...), so both see the same
 moments of the machine: on a shared machine whose speed drifts by 25% between runs, two separate
@@ -32,6 +41,7 @@ runs cannot show a 10% change, an interleaved A/B can. It also says whether the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import subprocess
@@ -182,6 +192,80 @@ def bench_q8(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[s
     return out
 
 
+GEMM_KINDS = ("q4", "q5", "q5k", "q8b", "f16", "bf16", "f32")
+
+
+def random_weight(kind: str, n: int, k: int, seed: int = 0) -> native.Packed | torch.Tensor:
+    """An (n, k) weight of random values in `kind`'s stored form, packed for its kernel (f32: oneDNN's
+    prepacked float32 weight, what a projection without a stored form runs on)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = (n, k // 32)
+    if kind in ("q4", "q5", "q5k"):
+        q = torch.randint(0, 16 if kind == "q4" else 32, (n, k), generator=g, dtype=torch.uint8)
+        scale = torch.rand(groups, generator=g) * 0.01
+        offset = -torch.rand(groups, generator=g) * 0.1
+        if kind != "q5k":  # Q4_0 / Q5_0 keep their scales in float16, Q5_K's are float32 products
+            scale, offset = scale.half(), offset.half()
+        return native.pack_q4(q, scale, offset) if kind == "q4" else native.pack_q5(q, scale, offset)
+    if kind == "q8b":
+        q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        return native.pack_q8_blocked(q8, torch.rand(groups, generator=g) * 0.01)
+    w = torch.randn(n, k, generator=g) * 0.05
+    if kind == "f32":
+        return torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    return native.pack_half(w.to({"f16": torch.float16, "bf16": torch.bfloat16}[kind]))
+
+
+def _nbytes(w: native.Packed | torch.Tensor, n: int, k: int) -> int:
+    return n * k * 4 if isinstance(w, torch.Tensor) else w.nbytes
+
+
+def _copies(w: native.Packed | torch.Tensor, nbytes: int, total_bytes: int) -> list[native.Packed | torch.Tensor]:
+    """Enough copies of `w` to fill total_bytes (at least 2), so a loop over them streams from memory."""
+    count = max(2, -(-total_bytes // nbytes))
+    if isinstance(w, torch.Tensor):
+        return [w.clone() for _ in range(count)]
+    fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
+    tensors = [name for name, v in fields.items() if isinstance(v, torch.Tensor)]
+    return [dataclasses.replace(w, **{name: fields[name].clone() for name in tensors}) for _ in range(count)]
+
+
+def _gemms(lib: Any, x: torch.Tensor, weights: list[native.Packed | torch.Tensor]) -> None:
+    for w in weights:
+        if isinstance(w, torch.Tensor):
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        else:
+            native.matmul(lib, x, w, None, torch.get_num_threads())
+
+
+def bench_gemm_kinds(
+    lib: Any, n: int, k: int, kinds: list[str], rows: list[int], repeats: int, copy_mib: int
+) -> list[dict[str, Any]]:
+    """Each kind's GEMM at (n, k), called in turn per repeat (a, b, c, a, b, c, ...) so every kind sees
+    the same moments of a shared machine; per call the best time, GB/s of its weight bytes, and the bits
+    a weight takes in that form (scales and padding included)."""
+    one = {kind: random_weight(kind, n, k) for kind in kinds}
+    nbytes = {kind: _nbytes(w, n, k) for kind, w in one.items()}
+    weights = {kind: _copies(w, nbytes[kind], copy_mib * 2**20) for kind, w in one.items()}
+    out = []
+    for m in rows:
+        x = torch.randn(m, k)
+        fns: list[Callable[[], Any]] = [functools.partial(_gemms, lib, x, ws) for ws in weights.values()]
+        for kind, s in zip(kinds, timed_pair(fns, repeats), strict=True):
+            per_call = s / len(weights[kind])
+            out.append({"kernel": f"gemm {kind} {n}x{k}", "rows": m, "us": per_call * 1e6,
+                        "gb_per_s": nbytes[kind] / per_call / 1e9, "bits_per_weight": 8 * nbytes[kind] / (n * k)})  # fmt: skip
+    return out
+
+
+def print_rows(rows_out: list[dict[str, Any]]) -> None:
+    print(f"{'kernel':44} {'rows/ctx':>9} {'us':>10} {'rate':>14} {'bits/w':>7}")
+    for r in rows_out:
+        rate = f"{r['gb_per_s']:.2f} GB/s" if "gb_per_s" in r else f"{r['gmac_per_s']:.1f} GMAC/s"
+        bits = f"{r['bits_per_weight']:.2f}" if "bits_per_weight" in r else ""
+        print(f"{r['kernel']:44} {r.get('rows', r.get('context')):>9} {r['us']:>10.1f} {rate:>14} {bits:>7}")
+
+
 def bench_attention(model: Any, repeats: int, lib: Any) -> list[dict[str, Any]]:
     c = model.config
     h, kvh, d, bs = c.num_attention_heads, c.num_key_value_heads, c.head_dim, 16
@@ -294,12 +378,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--against", metavar="REV", help="A/B the GEMMs against this git revision's kernels")
+    ap.add_argument("--gemm", metavar="NxK", help="time only the --kinds GEMMs at this (out x in) shape")
+    ap.add_argument("--kinds", default=",".join(GEMM_KINDS), help=f"with --gemm: of {', '.join(GEMM_KINDS)}")
+    ap.add_argument("--copy-mib", type=int, default=256, help="with --gemm: MiB of weight copies per kind")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     lib = native.load()
     if lib is None:
         raise SystemExit(f"native kernels unavailable: {native.unavailable_reason()}")
+    if args.gemm:
+        n, k = (int(v) for v in args.gemm.lower().split("x"))
+        kinds = args.kinds.split(",")
+        if unknown := set(kinds) - set(GEMM_KINDS):
+            raise SystemExit(f"unknown --kinds {', '.join(sorted(unknown))} (of {', '.join(GEMM_KINDS)})")
+        timed_rows = bench_gemm_kinds(lib, n, k, kinds, rows, args.repeats, args.copy_mib)
+        print_rows(timed_rows)
+        print(json.dumps({"threads": args.threads, "kernels_timed": timed_rows}))
+        return
     llm = LLM(kv_cache_gib=0.1)
     model = llm.engine.parts.model
     results: dict[str, Any] = {"kernels": llm.engine.parts.kernels, "threads": args.threads}
@@ -319,12 +415,12 @@ def main() -> None:
     results["copy_gb_per_s"] = copy_bandwidth() / 1e9
     print(f"copy bandwidth (read + write): {results['copy_gb_per_s']:.1f} GB/s; {results['kernels']}")
     rows_out = bench_q4(model, rows, args.repeats, lib) + bench_q8(model, rows, args.repeats, lib)
+    layer: Any = model.model.layers[0]
+    down = layer.mlp.down_proj  # the shape of a projection the file stores in other forms too
+    rows_out += bench_gemm_kinds(lib, down.out_features, down.in_features, list(GEMM_KINDS), rows, args.repeats, 64)
     rows_out += bench_attention(model, args.repeats, lib) + bench_prefill_attention(model, args.repeats, lib)
     rows_out += bench_step(llm, rows, args.repeats)
-    print(f"{'kernel':44} {'rows/ctx':>9} {'us':>10} {'rate':>14}")
-    for r in rows_out:
-        rate = f"{r['gb_per_s']:.2f} GB/s" if "gb_per_s" in r else f"{r['gmac_per_s']:.1f} GMAC/s"
-        print(f"{r['kernel']:44} {r.get('rows', r.get('context')):>9} {r['us']:>10.1f} {rate:>14}")
+    print_rows(rows_out)
     results["kernels_timed"] = rows_out
     print(json.dumps(results))
 

@@ -189,8 +189,8 @@ def load_model(
     )  # fmt: skip
     stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
     if model.tp is None:
-        # the native kernels run every row of a 4-bit or Q8_0/Q6_K projection: such tensors need no
-        # float32 expansion (packing.StreamingPacker packs them from their groups; an embedding or
+        # the native kernels run every row of a projection in any stored form (4- and 5-bit groups, int8
+        # groups, F16/BF16: formats/quants.py StoredGroups): such tensors need no float32 expansion (packing.StreamingPacker packs them from their groups; an embedding or
         # lm_head in such groups stays stored too, packing.stays_stored; the rest expands as it loads)
         weights = iter_weights(files, dtype, stored, expand_stored=stored is None or native.load() is None)
     elif files.kind == "hf":

@@ -206,7 +206,7 @@ def iter_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face parameter name, CPU tensor in `dtype`) one at a time, never the whole model.
     `stored_out` collects a GGUF's own quantized groups on the way; with `expand_stored` False its
-    4-bit and int8 2-D tensors come as meta tensors, their data only in `stored_out` (see
+    2-D tensors in a stored form come as meta tensors, their data only in `stored_out` (see
     GGUFFile.iter_tensors)."""
     if files.kind == "gguf":
         yield from open_gguf(files.path).iter_tensors(dtype, stored_out, expand_stored)

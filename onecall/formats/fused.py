@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator, MutableMapping
 import torch
 
 from onecall.errors import UnsupportedModelError
-from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
+from onecall.formats.quants import StoredGroups
 from onecall.model.config import ModelConfig
 
 
@@ -51,6 +51,4 @@ def split_fused_weights(
 
 def stored_rows(groups: StoredGroups, index: torch.Tensor) -> StoredGroups:
     """The given rows of a stored weight (groups run along a row, so rows split and permute freely)."""
-    if isinstance(groups, Int4Groups):
-        return groups.select_rows(index)
-    return Int8Groups(groups.q[index], groups.scale[index], groups.group_size)
+    return groups.select_rows(index)

@@ -32,10 +32,15 @@ class GGMLType(IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
+    IQ4_XS = 23
     BF16 = 30
+    MXFP4 = 39
 
 
 # type -> (elements per block, bytes per block), for the types onecall loads
@@ -47,21 +52,26 @@ GGML_BLOCK_SIZES: dict[int, tuple[int, int]] = {
     GGMLType.Q5_0: (32, 2 + 4 + 16),  # d:f16, high bits:u32, 32 nibbles
     GGMLType.Q5_1: (32, 2 + 2 + 4 + 16),
     GGMLType.Q8_0: (32, 2 + 32),  # d:f16, 32 int8
+    GGMLType.Q2_K: (256, 16 + 64 + 2 + 2),  # 4-bit scale and min per 16, 2-bit values, d, dmin:f16
+    GGMLType.Q3_K: (256, 32 + 64 + 12 + 2),  # high bits, low 2 bits, 6-bit scales per 16, d:f16
     GGMLType.Q4_K: (256, 2 + 2 + 12 + 128),  # d, dmin:f16, 6-bit scales, 256 nibbles
     GGMLType.Q5_K: (256, 2 + 2 + 12 + 32 + 128),
     GGMLType.Q6_K: (256, 128 + 64 + 16 + 2),  # low 4 bits, high 2 bits, int8 scales, d:f16
+    GGMLType.IQ4_NL: (32, 2 + 16),  # d:f16, 32 nibbles indexing a 16-entry int8 codebook
+    GGMLType.IQ4_XS: (256, 2 + 2 + 4 + 128),  # d:f16, 6-bit scales per 32 (high 2 bits, low 4), nibbles
     GGMLType.BF16: (1, 2),
+    GGMLType.MXFP4: (32, 1 + 16),  # e8m0 exponent, 32 e2m1 nibbles
 }
 
 # every type a GGUF file may hold: id -> (name, elements per block, bytes per block). Ids 4, 5, 31-33
 # and 36-38 were removed from ggml (Q4_2, Q4_3, the Q4_0/IQ4_NL repacks): a file using one is invalid.
 GGML_TYPE_SIZES: dict[int, tuple[str, int, int]] = {
     **{int(t): (t.name, *GGML_BLOCK_SIZES[t]) for t in GGMLType},
-    9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 15: ("Q8_K", 256, 292),
+    9: ("Q8_1", 32, 40), 15: ("Q8_K", 256, 292),
     16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
-    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82),
     24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
-    29: ("IQ1_M", 256, 56), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+    29: ("IQ1_M", 256, 56), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
     40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
 }  # fmt: skip
 

@@ -42,12 +42,9 @@ from onecall.formats.gguf_layout import (
 )
 from onecall.formats.quants import (
     SUPPORTED_QUANT_TYPES,
-    Int4Groups,
-    Int8Groups,
     StoredGroups,
     dequantize,
-    int4_groups,
-    int8_groups,
+    stored_groups,
 )
 
 T = GGMLType
@@ -307,14 +304,15 @@ class GGUFFile:
         |                                        | and model/gemma.py's fold adds 1 back in float64, so |
         |                                        | the loaded norm is the file's float32 x bit for bit  |
 
-        With `stored_out`, every 4-bit (Q4_0/Q4_1/Q4_K) 2-D tensor is decoded once into Int4Groups and
-        every Q8_0/Q6_K one into Int8Groups, stored there under its name (the fast kernels' exact
-        copy: decode rows of projections, the logits), and expanded from them. Stacked experts are
-        expanded to dense tensors (model/moe.py runs them in float). With `expand_stored` False, a 2-D
-        tensor with stored groups (4-bit or int8) is yielded as a meta tensor of its shape instead (no
-        float32 copy is made): the consumer takes its data from `stored_out` (weights.load_weights
-        does: a projection the native kernels run every row of never needs the float32 copy, cold
-        start's largest cost and, for a Q8_0 file, four times its size in memory).
+        With `stored_out`, every 2-D tensor a native kernel runs as stored (quants.stored_groups: 4-bit
+        and 5-bit groups, int8 groups, F16/BF16 weights) is decoded once into its stored form, kept
+        there under its name (the fast kernels' exact copy), and expanded from it. Stacked experts are
+        expanded to dense tensors too (model/moe.py runs them in float unless the loader hands it the
+        stored groups). With `expand_stored` False, a 2-D tensor with a stored form is yielded as a
+        meta tensor of its shape instead (no float32 copy is made): the consumer takes its data from
+        `stored_out` (weights.load_weights does: a projection the native kernels run every row of
+        never needs the float32 copy, cold start's largest cost and, for a Q8_0 file, four times its
+        size in memory).
         """
         plan = self._check_loadable()
         key = key_reader(self.metadata, self.architecture)
@@ -335,29 +333,16 @@ class GGUFFile:
             if gemma and hf_name.endswith("norm.weight"):
                 yield hf_name, dequantize(raw, ggml_type, info.shape, torch.float32).double() - 1.0
                 continue
-            groups = int4_groups(raw, ggml_type, info.shape) if stored_out is not None else None
+            groups = stored_groups(raw, ggml_type, info.shape) if stored_out is not None else None
             if groups is not None and stored_out is not None:
                 if heads:
-                    q, scale, offset = (
-                        unpermute_qk_rows(t, heads) for t in (groups.q, groups.scale, groups.offset)
-                    )
-                    groups = Int4Groups(q, scale, offset, groups.group_size)
+                    rows = unpermute_qk_rows(torch.arange(info.shape[0]), heads)
+                    groups = groups.select_rows(rows)
                 stored_out[hf_name] = groups
-                if expand_stored:
+                if expand_stored:  # bit-exact with dequantize() (quants.py)
                     yield hf_name, groups.dequantize().to(dtype)
                 else:
-                    yield hf_name, torch.empty(groups.q.shape, dtype=dtype, device="meta")
-                continue
-            int8 = int8_groups(raw, ggml_type, info.shape) if stored_out is not None else None
-            if int8 is not None and stored_out is not None:
-                if heads:
-                    q, scale = (unpermute_qk_rows(t, heads) for t in (int8.q, int8.scale))
-                    int8 = Int8Groups(q, scale, int8.group_size)
-                stored_out[hf_name] = int8
-                if expand_stored:
-                    yield hf_name, int8.dequantize().to(dtype)  # bit-exact with dequantize()
-                else:
-                    yield hf_name, torch.empty(int8.q.shape, dtype=dtype, device="meta")
+                    yield hf_name, torch.empty(groups.shape, dtype=dtype, device="meta")
                 continue
             tensor = dequantize(raw, ggml_type, info.shape, dtype)
             yield hf_name, unpermute_qk_rows(tensor, heads) if heads else tensor
@@ -371,8 +356,8 @@ class GGUFFile:
         stored_out: dict[str, StoredGroups] | None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """A stacked expert tensor (num_experts, rows, cols) as one tensor per expert (a fused
-        ffn_gate_up_exps as each expert's gate and up halves); with `stored_out`, each one's 4-bit or
-        int8 groups stored under its name first, as for a 2-D weight."""
+        ffn_gate_up_exps as each expert's gate and up halves); with `stored_out`, each one's stored
+        form (quants.stored_groups) kept under its name first, as for a 2-D weight."""
         ggml_type, (num_experts, rows, cols) = T(info.ggml_type), info.shape
         halves = [(hf_name, 0, rows)]
         if hf_name.endswith(".gate_up_proj.weight"):  # each expert's rows [gate; up], gate first
@@ -381,11 +366,7 @@ class GGUFFile:
         per_expert = raw.view(num_experts, -1)  # experts outermost: each one's blocks are contiguous
         for e in range(num_experts):
             one = per_expert[e]
-            groups = None
-            if stored_out is not None:
-                groups = int4_groups(one, ggml_type, (rows, cols)) or int8_groups(
-                    one, ggml_type, (rows, cols)
-                )
+            groups = stored_groups(one, ggml_type, (rows, cols)) if stored_out is not None else None
             dense = groups.dequantize().to(dtype) if groups is not None else None
             if dense is None:
                 dense = dequantize(one, ggml_type, (rows, cols), dtype)
@@ -433,10 +414,6 @@ def unpermute_qk_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _rows(groups: StoredGroups, start: int, end: int) -> StoredGroups:
     """Rows [start, end) of stored groups (groups run along a row: a row slice is exact)."""
-    if start == 0 and end == groups.q.shape[0]:
+    if start == 0 and end == groups.shape[0]:
         return groups
-    if isinstance(groups, Int4Groups):
-        return Int4Groups(
-            groups.q[start:end], groups.scale[start:end], groups.offset[start:end], groups.group_size
-        )
-    return Int8Groups(groups.q[start:end], groups.scale[start:end], groups.group_size)
+    return groups.select_rows(slice(start, end))

@@ -1,17 +1,31 @@
-"""GGUF block formats -> float tensors: vectorized torch dequantization of ggml's quant types.
+"""GGUF block formats -> float tensors, or the stored groups the native kernels multiply by directly.
 
-Written from ggml's block layouts (ggml-quants.c's dequantize_row_* operation
-order, so results are bit-exact). The `gguf` package's numpy
-`gguf.quants.dequantize` is the oracle in tests/formats/test_gguf.py; we do not call it at
-load time because it is ~6x slower here (4.2 s vs 0.65 s for SmolLM2-135M on
-one core), which alone would break the 5 s cold-start goal. Torch ops also run
-on the model's device.
+Dequantization is written from ggml's block layouts (ggml-quants.c's dequantize_row_* operation
+order, so results are bit-exact). The `gguf` package's numpy `gguf.quants.dequantize` is the oracle
+in tests/formats/test_gguf.py; we do not call it at load time because it is ~6x slower here (4.2 s vs
+0.65 s for SmolLM2-135M on one core), which alone would break the 5 s cold-start goal. Torch ops also
+run on the model's device.
+
+The stored forms (StoredGroups), one per kernel family (kernels/cpu/fast_linear.py packs them):
+
+| container   | w[r, c] =                     | from                                                   |
+|-------------|-------------------------------|--------------------------------------------------------|
+| Int4Groups  | q * scale + offset, q 0..15   | Q4_0, Q4_1, Q4_K (groups of 32)                        |
+| Int5Groups  | q * scale + offset, q 0..31   | Q5_0, Q5_1, Q5_K (groups of 32)                        |
+| Int8Groups  | q * scale, q int8             | Q8_0, IQ4_NL, IQ4_XS, MXFP4 (32); Q6_K, Q3_K (16)      |
+| HalfWeights | float(value)                  | F16, BF16 (2-D weights)                                |
+
+F32 and Q2_K (affine per 16 elements: neither int8 symmetric groups nor groups of 32) have no stored
+form: they are expanded to float. Each stored form expands to exactly ggml's dequantization, bit for bit
+(Q4_0's q * d + (-8 d) equals (q - 8) * d: a float16 d times a small integer is exact in float32, and so
+is their sum), which tests/formats/test_stored_groups.py checks against gguf.quants.dequantize.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -44,6 +58,22 @@ def _bits(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(1)
 
 
+def _shifted(packed: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
+    """(n, k) bytes -> (n, len(shifts), k): (byte >> shift) & mask, one row per shift."""
+    shift = torch.tensor(shifts, dtype=torch.uint8).view(1, -1, 1)
+    return (packed.unsqueeze(1) >> shift) & mask
+
+
+def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """table[index] for a uint8 index of any shape (a uint8 index would be a mask to torch), in slices
+    so the int32 copy of the index stays small."""
+    flat, out = index.reshape(-1), torch.empty(index.numel(), dtype=table.dtype)
+    step = 1 << 22
+    for i in range(0, flat.numel(), step):
+        torch.index_select(table, 0, flat[i : i + step].int(), out=out[i : i + step])
+    return out.view(index.shape)
+
+
 def _q8_0(b: torch.Tensor) -> torch.Tensor:  # d:f16, qs:int8[32]
     return b[:, 2:].view(torch.int8).float().mul_(_f16(b, 0))
 
@@ -57,15 +87,19 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:  # d, m:f16, qs:u8[16]
     return _nibbles(b[:, 4:], 16).flatten(1).float().mul_(dm[:, :1]).add_(dm[:, 1:])
 
 
-def _q5_0(b: torch.Tensor) -> torch.Tensor:  # d:f16, qh:u32 (bit j = 5th bit of element j), qs:u8[16]
-    q = _nibbles(b[:, 6:], 16).flatten(1) | (_bits(b[:, 2:6]) << 4)
-    return q.float().sub_(16).mul_(_f16(b, 0))
+def _q5_32(b: torch.Tensor, qh_at: int) -> torch.Tensor:
+    """Q5_0 / Q5_1 values (n, 32) uint8 in 0..31: nibbles after the u32 at `qh_at`, whose bit j is
+    element j's 5th bit."""
+    return _nibbles(b[:, qh_at + 4 :], 16).flatten(1) | (_bits(b[:, qh_at : qh_at + 4]) << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:  # d:f16, qh:u32, qs:u8[16]
+    return _q5_32(b, 2).float().sub_(16).mul_(_f16(b, 0))
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:  # d, m:f16, qh:u32, qs:u8[16]
     dm = _f16(b, 0, 2)
-    q = _nibbles(b[:, 8:], 16).flatten(1) | (_bits(b[:, 4:8]) << 4)
-    return q.float().mul_(dm[:, :1]).add_(dm[:, 1:])
+    return _q5_32(b, 4).float().mul_(dm[:, :1]).add_(dm[:, 1:])
 
 
 def _k4_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,39 +120,131 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:  # d, dmin:f16, scales:u8[12], qs:u8
     return q.mul_(scale).sub_(offset).flatten(1)
 
 
+def _q5_k_values(b: torch.Tensor) -> torch.Tensor:
+    """Q5_K values (n, 8, 32) uint8 in 0..31, per sub-block: bit s of qh[l] is the 5th bit of element
+    l of sub-block s; the nibbles as Q4_K's."""
+    high = _shifted(b[:, 16:48], list(range(8)), 1)
+    return _nibbles(b[:, 48:], 32).view(-1, 8, 32) | (high << 4)
+
+
 def _q5_k(b: torch.Tensor) -> torch.Tensor:  # d, dmin:f16, scales:u8[12], qh:u8[32], qs:u8[128]
     scale, offset = _k4_scales(b)
-    # bit s of qh[l] is the 5th bit of element l of sub-block s
-    high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
-    q = (_nibbles(b[:, 48:], 32).view(-1, 8, 32) | (high << 4)).float()
+    return _q5_k_values(b).float().mul_(scale).sub_(offset).flatten(1)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:  # scales:u8[16], qs:u8[64], d, dmin:f16
+    """Per 16: d * (scale & 15) * q - dmin * (scale >> 4), q in 0..3: element 128h + 32s + l is bits
+    2s..2s+1 of qs[32h + l]."""
+    sc, dm = b[:, :16], _f16(b, 80, 2)
+    q = _shifted(b[:, 16:80].reshape(-1, 32), [0, 2, 4, 6], 3).view(-1, 16, 16).float()
+    scale = (dm[:, :1] * (sc & 0xF).float()).unsqueeze(-1)
+    offset = (dm[:, 1:] * (sc >> 4).float()).unsqueeze(-1)
     return q.mul_(scale).sub_(offset).flatten(1)
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:  # ql:u8[128], qh:u8[64], scales:i8[16], d:f16
-    q, scale = _int8_q6_k(b)  # 16 groups of 16 elements, one scale each
-    return q.view(-1, 16, 16).float().mul_(scale.unsqueeze(-1)).flatten(1)
+def _int8_q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks -> (q (n, 256) int8 in [-32, 31], scale (n, 16) float32), w = q * scale per 16.
+    Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]; element 32k + l of the half
+    takes nibble (k >= 2) of ql[l + 32 (k % 2)] and 2-bit pair k of qh[l]."""
+    low4 = _nibbles(b[:, :128].reshape(-1, 64), 32).transpose(1, 2).reshape(-1, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high2 = (b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
+    q = (low4 | (high2 << 4)).view(-1, 256).view(torch.int8) - 32
+    return q, _f16(b, 208) * b[:, 192:208].view(torch.int8).float()
+
+
+def _int8_q3_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K blocks (hmask:u8[32], qs:u8[64], scales:u8[12], d:f16) -> (q (n, 256) int8 in -4..3, scale
+    (n, 16) float32 = d * (s - 32)) per 16. Element 128h + 32s + l takes bits 2s..2s+1 of qs[32h + l],
+    minus 4 unless bit e // 32 of hmask[e % 32] is set; the 6-bit scales are low nibbles (scales 0-7:
+    bytes 0-7 low, 8-15: bytes 0-7 high) with 2 high bits from bytes 8-11 (scale 4s + j: bits 2s.. of
+    byte 8 + j)."""
+    low = _shifted(b[:, 32:96].reshape(-1, 32), [0, 2, 4, 6], 3).view(-1, 256)
+    high = _shifted(b[:, :32], list(range(8)), 1).view(-1, 256)
+    q = low.view(torch.int8) - ((1 - high) << 2).view(torch.int8)
+    sc = b[:, 96:108]
+    lo = _shifted(sc[:, :8], [0, 4], 0xF).flatten(1)
+    hi = _shifted(sc[:, 8:12], [0, 2, 4, 6], 3).flatten(1)
+    return q, _f16(b, 108) * ((lo | (hi << 4)).float() - 32)
+
+
+# IQ4_NL's (and IQ4_XS's) non-linear codebook, and MXFP4's e2m1 values doubled (so they are integers:
+# the block's scale is halved to match), as ggml-common.h's kvalues_iq4nl and kvalues_mxfp4
+_IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                           dtype=torch.int8)  # fmt: skip
+_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+
+
+def _int8_iq4_nl(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_NL blocks (d:f16, qs:u8[16], element j low nibble, j + 16 high) -> codebook values, d."""
+    return _lookup(_IQ4_VALUES, _nibbles(b[:, 2:], 16).flatten(1)), _f16(b, 0)
+
+
+def _int8_iq4_xs(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_XS blocks (d:f16, scales_h:u16, scales_l:u8[4], qs:u8[128]) -> codebook values (n, 256),
+    scale (n, 8) = d * (s - 32) per 32: sub-block i's 6-bit s is nibble i of scales_l plus bits 2i,
+    2i + 1 of scales_h; its 16 bytes of qs hold elements 0-15 (low nibbles) and 16-31 (high)."""
+    scales_h = b[:, 2].int() | (b[:, 3].int() << 8)
+    high = (scales_h.unsqueeze(-1) >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3
+    low = _shifted(b[:, 4:8], [0, 4], 0xF).transpose(1, 2).flatten(1)
+    scale = _f16(b, 0) * ((low.int() | (high << 4)) - 32).float()
+    return _lookup(_IQ4_VALUES, _nibbles(b[:, 8:], 16).flatten(1)), scale
+
+
+def _int8_mxfp4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 blocks (e:u8, qs:u8[16] as IQ4_NL's) -> doubled e2m1 values, 2^(e - 128): ggml's
+    e8m0_to_fp32_half, a float32 built from its bits (subnormal for e < 2)."""
+    e = b[:, :1].int()
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return _lookup(_MXFP4_VALUES, _nibbles(b[:, 1:], 16).flatten(1)), bits.view(torch.float32)
+
+
+# type -> (to int8 values and scales per block, group size)
+_INT8: dict[T, tuple[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], int]] = {
+    T.Q6_K: (_int8_q6_k, 16), T.Q3_K: (_int8_q3_k, 16), T.IQ4_NL: (_int8_iq4_nl, 32),
+    T.IQ4_XS: (_int8_iq4_xs, 32), T.MXFP4: (_int8_mxfp4, 32),
+}  # fmt: skip
+
+
+def _from_int8(kind: T) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Dequantization of an int8-group type: float(q) * scale, ggml's order for each of them."""
+    convert, group = _INT8[kind]
+
+    def run(b: torch.Tensor) -> torch.Tensor:
+        q, scale = convert(b)
+        return q.view(b.shape[0], -1, group).float().mul_(scale.unsqueeze(-1)).flatten(1)
+
+    return run
 
 
 _FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 _BLOCK_DEQUANT: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1,
-    T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+    T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q2_K: _q2_k, **{t: _from_int8(t) for t in _INT8},
 }  # fmt: skip
 SUPPORTED_QUANT_TYPES = frozenset(_FLOAT_TYPES) | frozenset(_BLOCK_DEQUANT)
 
 
-@dataclass(frozen=True)
-class Int4Groups:
-    """A 4-bit weight as ggml stores it, before expansion: w[r, c] = q[r, c] * scale[r, g] + offset[r, g]
-    with g = c // group_size. Q4_0, Q4_1 and Q4_K all have this form with groups of 32 (Q4_K's
-    super-block scales are folded into per-group scale/offset in float32), so a kernel that
-    multiplies by int4 groups directly (kernels/cpu/fast_linear.py) runs these files' own weights.
-    """
+# ---------------------------------------------------------------- stored forms
 
-    q: torch.Tensor  # (rows, cols) uint8 in [0, 15]
+_A = TypeVar("_A", bound="_AffineGroups")
+
+
+@dataclass(frozen=True)
+class _AffineGroups:
+    """w[r, c] = q[r, c] * scale[r, g] + offset[r, g] with g = c // group_size, q unsigned in 0 ..
+    2^bits - 1 (Int4Groups, Int5Groups)."""
+
+    bits: ClassVar[int]
+    q: torch.Tensor  # (rows, cols) uint8 in [0, 2^bits)
     scale: torch.Tensor  # (rows, cols // group_size) float32
     offset: torch.Tensor  # (rows, cols // group_size) float32
     group_size: int = 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.q.shape
+        return rows, cols
 
     def dequantize(self) -> torch.Tensor:
         """(rows, cols) float32: the weight these groups stand for."""
@@ -126,21 +252,42 @@ class Int4Groups:
         w = self.q.view(rows, -1, self.group_size).float()  # in place from here: one pass, no temporaries
         return w.mul_(self.scale.unsqueeze(-1)).add_(self.offset.unsqueeze(-1)).view(rows, cols)
 
-    @staticmethod
-    def cat(groups: list[Int4Groups]) -> Int4Groups:
+    @classmethod
+    def cat(cls: type[_A], groups: list[_A]) -> _A:
         """Stack the row blocks of separately stored projections (q, k, v / gate, up), in order."""
-        assert groups and len({g.group_size for g in groups}) == 1, "one group size per fused weight"
+        assert groups and all(type(g) is cls for g in groups), f"only {cls.__name__} stack into one"
+        assert len({g.group_size for g in groups}) == 1, "one group size per fused weight"
         if len(groups) == 1:
             return groups[0]
-        return Int4Groups(
+        return cls(
             torch.cat([g.q for g in groups]),
             torch.cat([g.scale for g in groups]),
             torch.cat([g.offset for g in groups]),
             groups[0].group_size,
         )
 
-    def select_rows(self, index: torch.Tensor) -> Int4Groups:
-        return Int4Groups(self.q[index], self.scale[index], self.offset[index], self.group_size)
+    def select_rows(self: _A, index: torch.Tensor | slice) -> _A:
+        return type(self)(self.q[index], self.scale[index], self.offset[index], self.group_size)
+
+
+@dataclass(frozen=True)
+class Int4Groups(_AffineGroups):
+    """A 4-bit weight as ggml stores it, before expansion: q in [0, 15]. Q4_0, Q4_1 and Q4_K all have
+    this form with groups of 32 (Q4_K's super-block scales are folded into per-group scale/offset in
+    float32), so a kernel that multiplies by int4 groups directly (kernels/cpu/fast_linear.py) runs
+    these files' own weights."""
+
+    bits: ClassVar[int] = 4
+
+
+@dataclass(frozen=True)
+class Int5Groups(_AffineGroups):
+    """A 5-bit weight as ggml stores it: q in [0, 31], groups of 32. Q5_0 is d * (q - 16) (scale d,
+    offset -16 d, both exact in float16), Q5_1 d * q + m, Q5_K d * sc * q - dmin * m per 32-element
+    sub-block (scale and offset the float32 products ggml forms). The native q5 kernel multiplies by
+    them directly: the nibbles as the q4 kernel packs them plus a plane of 5th bits."""
+
+    bits: ClassVar[int] = 5
 
 
 @dataclass(frozen=True)
@@ -148,11 +295,21 @@ class Int8Groups:
     """A weight as signed integer groups with one scale each: w[r, c] = q[r, c] * scale[r, c // group_size].
     Q8_0 is this with groups of 32 (the stored float16 scales, widened); Q6_K with groups of 16 (q - 32
     in [-32, 31], scale = the super-block's d times the sub-block's int8 scale: a product exact in
-    float32). The native int8 kernel (FastLMHead, FastLinear's decode rows) multiplies by these directly."""
+    float32); Q3_K with groups of 16 (q in -4..3, d * (s - 32)); IQ4_NL and IQ4_XS with groups of 32 (the
+    codebook's int8 values, d or d * (s - 32)); MXFP4 with groups of 32 (e2m1 doubled, 2^(e - 128)).
+    The native int8 kernel (FastLMHead, FastLinear) multiplies by these directly."""
 
     q: torch.Tensor  # (rows, cols) int8
     scale: torch.Tensor  # (rows, cols // group_size) float32
     group_size: int = 32
+
+    def __post_init__(self) -> None:  # another form's values taken for int8 ones would be silently wrong
+        assert self.q.dtype == torch.int8, f"Int8Groups holds int8 values, not {self.q.dtype}"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.q.shape
+        return rows, cols
 
     def dequantize(self) -> torch.Tensor:
         """(rows, cols) float32: the weight these groups stand for (bit-exact with ggml's dequantize)."""
@@ -160,8 +317,59 @@ class Int8Groups:
         w = self.q.view(rows, -1, self.group_size).float()
         return w.mul_(self.scale.unsqueeze(-1)).view(rows, cols)
 
+    @staticmethod
+    def cat(groups: list[Int8Groups]) -> Int8Groups:
+        """Stack row blocks (q, k, v / gate, up), in order; one group size."""
+        assert groups and len({g.group_size for g in groups}) == 1, "one group size per fused weight"
+        if len(groups) == 1:
+            return groups[0]
+        return Int8Groups(torch.cat([g.q for g in groups]), torch.cat([g.scale for g in groups]),
+                          groups[0].group_size)  # fmt: skip
 
-StoredGroups = Int4Groups | Int8Groups  # a checkpoint's own quantized groups, kept for the fast kernels
+    def select_rows(self, index: torch.Tensor | slice) -> Int8Groups:
+        return Int8Groups(self.q[index], self.scale[index], self.group_size)
+
+
+@dataclass(frozen=True)
+class HalfWeights:
+    """A 2-D weight the file stored as F16 or BF16, kept in that dtype: the native half GEMM reads it
+    (widening each value to float32 exactly), so no float32 copy of it is made."""
+
+    values: torch.Tensor  # (rows, cols) float16 or bfloat16
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.values.shape
+        return rows, cols
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float()
+
+    @staticmethod
+    def cat(parts: list[HalfWeights]) -> HalfWeights:
+        assert parts and len({p.values.dtype for p in parts}) == 1, "one dtype per fused weight"
+        return parts[0] if len(parts) == 1 else HalfWeights(torch.cat([p.values for p in parts]))
+
+    def select_rows(self, index: torch.Tensor | slice) -> HalfWeights:
+        return HalfWeights(self.values[index])
+
+
+# a checkpoint's own stored weights, kept for the fast kernels (by Hugging Face name)
+StoredGroups = Int4Groups | Int5Groups | Int8Groups | HalfWeights
+
+
+def cat_rows(parts: list[StoredGroups]) -> StoredGroups | None:
+    """Row blocks stored in one form (container, group size, dtype) stacked into one, in order (q, k, v /
+    gate, up of one projection); None when they are not all one form."""
+    first = parts[0]
+    if isinstance(first, HalfWeights):
+        halves = [p for p in parts if isinstance(p, HalfWeights) and p.values.dtype == first.values.dtype]
+        return HalfWeights.cat(halves) if len(halves) == len(parts) else None
+    if any(type(p) is not type(first) or p.group_size != first.group_size for p in parts):  # type: ignore[union-attr]
+        return None
+    if isinstance(first, Int8Groups):
+        return Int8Groups.cat(parts)  # type: ignore[arg-type]
+    return type(first).cat(parts)  # type: ignore[arg-type]
 
 
 def _groups_q4_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,45 +387,84 @@ def _groups_q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return _nibbles(b[:, 16:], 32).reshape(-1, 32), scale.reshape(-1, 1), -offset.reshape(-1, 1)
 
 
-_INT4_GROUPS: dict[T, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
-    T.Q4_0: _groups_q4_0, T.Q4_1: _groups_q4_1, T.Q4_K: _groups_q4_k,
+def _groups_q5_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = _f16(b, 0)
+    return _q5_32(b, 2), d, d * -16
+
+
+def _groups_q5_1(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dm = _f16(b, 0, 2)
+    return _q5_32(b, 4), dm[:, :1], dm[:, 1:]
+
+
+def _groups_q5_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scale, offset = _k4_scales(b)
+    return _q5_k_values(b).reshape(-1, 32), scale.reshape(-1, 1), -offset.reshape(-1, 1)
+
+
+# type -> its container and the (q, scale, offset) per group of 32 of its blocks
+_AFFINE: dict[T, tuple[type[_AffineGroups], Callable[[torch.Tensor], tuple[torch.Tensor, ...]]]] = {
+    T.Q4_0: (Int4Groups, _groups_q4_0), T.Q4_1: (Int4Groups, _groups_q4_1), T.Q4_K: (Int4Groups, _groups_q4_k),
+    T.Q5_0: (Int5Groups, _groups_q5_0), T.Q5_1: (Int5Groups, _groups_q5_1), T.Q5_K: (Int5Groups, _groups_q5_k),
 }  # fmt: skip
 
 
-def int4_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int4Groups | None:
-    """Raw data of a 2-D 4-bit tensor -> its Int4Groups (no expansion), or None for other types."""
-    if ggml_type not in _INT4_GROUPS or len(shape) != 2:
+def _affine_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], bits: int) -> _AffineGroups | None:
+    if ggml_type not in _AFFINE or len(shape) != 2 or _AFFINE[ggml_type][0].bits != bits:
         return None
+    container, decode = _AFFINE[ggml_type]
     _, type_size = GGML_BLOCK_SIZES[ggml_type]
-    q, scale, offset = _INT4_GROUPS[ggml_type](raw.view(-1, type_size))  # per group of 32
+    q, scale, offset = decode(raw.view(-1, type_size))  # per group of 32
     rows, cols = shape
-    return Int4Groups(q.reshape(rows, cols), scale.reshape(rows, -1), offset.reshape(rows, -1))
+    return container(q.reshape(rows, cols), scale.reshape(rows, -1), offset.reshape(rows, -1))
+
+
+def int4_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int4Groups | None:
+    """Raw data of a 2-D 4-bit tensor (Q4_0/Q4_1/Q4_K) -> its Int4Groups (no expansion), or None for
+    other types."""
+    groups = _affine_groups(raw, ggml_type, shape, 4)
+    assert groups is None or isinstance(groups, Int4Groups)
+    return groups
+
+
+def int5_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int5Groups | None:
+    """Raw data of a 2-D 5-bit tensor (Q5_0/Q5_1/Q5_K) -> its Int5Groups, or None for other types."""
+    groups = _affine_groups(raw, ggml_type, shape, 5)
+    assert groups is None or isinstance(groups, Int5Groups)
+    return groups
 
 
 def int8_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int8Groups | None:
-    """Raw data of a 2-D Q8_0 or Q6_K tensor -> its Int8Groups (one copy of the int8 values), or None
-    for other types."""
-    if ggml_type not in (T.Q8_0, T.Q6_K) or len(shape) != 2:
+    """Raw data of a 2-D tensor of a type that is exactly int8 groups (Q8_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS,
+    MXFP4) -> its Int8Groups (one int8 per value), or None for other types."""
+    if (ggml_type not in _INT8 and ggml_type != T.Q8_0) or len(shape) != 2:
         return None
     _, type_size = GGML_BLOCK_SIZES[ggml_type]
     blocks = raw.view(-1, type_size)
     rows, cols = shape
-    if ggml_type == T.Q6_K:
-        q, scale = _int8_q6_k(blocks)
-        return Int8Groups(q.view(rows, cols), scale.view(rows, cols // 16), group_size=16)
-    q = blocks[:, 2:].contiguous().view(torch.int8).view(rows, cols)  # after 2 bytes of float16 scale
-    return Int8Groups(q, _f16(blocks, 0).view(rows, cols // 32))
+    if ggml_type == T.Q8_0:  # the int8 values after 2 bytes of float16 scale, as they are
+        return Int8Groups(blocks[:, 2:].contiguous().view(torch.int8).view(rows, cols), _f16(blocks, 0).view(rows, -1))
+    convert, group = _INT8[ggml_type]
+    q, scale = convert(blocks)
+    return Int8Groups(q.reshape(rows, cols), scale.reshape(rows, cols // group), group)
 
 
-def _int8_q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q6_K blocks -> (q (n, 256) int8 in [-32, 31], scale (n, 16) float32), w = q * scale per 16.
-    Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]; element 32k + l of the half
-    takes nibble (k >= 2) of ql[l + 32 (k % 2)] and 2-bit pair k of qh[l]."""
-    low4 = _nibbles(b[:, :128].reshape(-1, 64), 32).transpose(1, 2).reshape(-1, 2, 4, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    high2 = (b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
-    q = (low4 | (high2 << 4)).view(-1, 256).view(torch.int8) - 32
-    return q, _f16(b, 208) * b[:, 192:208].view(torch.int8).float()
+def half_weights(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> HalfWeights | None:
+    """Raw data of a 2-D F16 or BF16 tensor -> HalfWeights (a view of `raw`: no copy), else None."""
+    if ggml_type not in (T.F16, T.BF16) or len(shape) != 2:
+        return None
+    return HalfWeights(raw.view(_FLOAT_TYPES[ggml_type]).view(shape))
+
+
+def stored_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> StoredGroups | None:
+    """Raw data of a 2-D tensor -> the stored form a native kernel runs (the table above), or None
+    where there is none (F32, Q2_K, a tensor that is not 2-D): it is expanded to float."""
+    return (
+        int4_groups(raw, ggml_type, shape)
+        or int5_groups(raw, ggml_type, shape)
+        or int8_groups(raw, ggml_type, shape)
+        or half_weights(raw, ggml_type, shape)
+    )
 
 
 def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

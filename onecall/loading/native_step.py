@@ -13,9 +13,11 @@ the same order over the same values from C, so:
   gathered in C (token ids and positions are checked against the tables' sizes there first).
 
 `NativeDecodeStep.build(model)` returns None (and the per-op path stays the only one) for a model it
-cannot run: a projection without a native copy (not stored as Q4_0/Q4_1/Q4_K groups of 32 nor as
-Q8_0/Q6_K int8 groups, or stored in mixed types), norms with different eps, or the native kernels
-unavailable. Qwen3's per-head q/k norms run inside the RoPE pass on both paths.
+cannot run: a projection whose rows do not all run on native GEMMs (a part not stored in a form one
+runs, quants.py's table; parts in several forms are fine: a Q4_K_M file's q/k beside its v run as a
+chain of parts, kernels.h's Q4Weight), norms with different eps, or the native kernels unavailable. Qwen3's per-head q/k norms run inside the RoPE pass on both paths.
+A token embedding kept as 5-bit groups or 16-bit floats (which onecall_decode_layers does not gather)
+is looked up first, as the per-op path looks it up, and handed over as a float32 table of those rows.
 """
 
 from __future__ import annotations
@@ -38,40 +40,59 @@ from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP
 
 
-def _q4_weight(linear: nn.Module) -> native.Q4Weight | None:
+def _part(w: native.Packed, bias: int, n: int, k: int) -> native.Q4Weight:
+    """kernels.h's Q4Weight for one part of a projection, n rows, in the layout its kernel reads."""
+    if isinstance(w, (native.Q4Packed, native.Q5Packed)):
+        f16 = int(w.scale.dtype == torch.float16)
+        act8 = int(isinstance(w, native.Q4Packed) and w.act8)
+        q5 = int(isinstance(w, native.Q5Packed))
+        return native.Q4Weight(
+            w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias, n, k, f16, 0, act8, q5, 0, None
+        )
+    if isinstance(w, native.Q8Blocked):
+        return native.Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), 0, bias, n, k, 0, w.group_size, 0, 0, 0, None)
+    half = 2 if w.values.dtype == torch.bfloat16 else 1
+    return native.Q4Weight(w.values.data_ptr(), 0, 0, bias, n, k, 0, 0, 0, 0, half, None)
+
+
+def _q4_weight(linear: nn.Module, keep: list[native.Q4Weight]) -> native.Q4Weight | None:
     """The projection's native decode weight (kernels.h's Q4Weight, mirrored in native_abi.py and
-    checked against the header at load): its q4 copy, or its int8 groups when one part covers
-    every row (a projection stored in mixed types has none: the per-op path runs it part by part)."""
+    checked against the header at load): its q4 copy, or its parts (5-bit or int8 groups, 16-bit floats,
+    4-bit ones beside them) as a chain, the first holding the whole projection's bias. The chain's later
+    links are appended to `keep`, which must outlive the step (the first is copied into its layer)."""
     if not isinstance(linear, FastLinear):
         return None
     bias = 0 if linear.bias is None else linear.bias.data_ptr()
-    n, k = linear.out_features, linear.in_features
-    if linear.q4 is not None:
-        w = linear.q4
-        f16 = int(w.scale.dtype == torch.float16)
-        return native.Q4Weight(
-            w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias, n, k, f16, 0, int(w.act8)
-        )
-    if len(linear.parts) == 1 and isinstance(g := linear.parts[0][2], native.Q8Blocked):
-        return native.Q4Weight(g.qs.data_ptr(), g.scale.data_ptr(), 0, bias, n, k, 0, g.group_size, 0)
-    return None
+    k = linear.in_features
+    parts = [(0, linear.out_features, linear.q4)] if linear.q4 is not None else linear.parts
+    if not parts:
+        return None
+    chain = [_part(w, bias if i == 0 else 0, end - start, k) for i, (start, end, w) in enumerate(parts)]
+    for this, following in zip(chain, chain[1:]):
+        this.next = ctypes.addressof(following)
+    keep.extend(chain[1:])
+    return chain[0]
 
 
 class NativeDecodeStep:
     """Runs DecoderModel's layers and final norm for an all-decode step in one native call."""
 
-    def __init__(self, lib: ctypes.CDLL, layers: Array[native.DecodeLayer], model: DecoderModel) -> None:
+    def __init__(
+        self, lib: ctypes.CDLL, layers: Array[native.DecodeLayer], model: DecoderModel, links: list[native.Q4Weight]
+    ) -> None:
         first = cast(DecoderLayer, model.layers[0])
         attn = first.self_attn
         self._lib = lib
         self._layers = layers  # the tensors these structs point at are the model's own
+        self._links = links  # the parts after the first of projections stored in parts: the layers point here
         self._final_norm = model.norm
-        embed = (
-            model.embed_tokens
-        )  # build() checked it: float32 rows, or int8 / 4-bit groups (fast_embedding.py)
+        embed = model.embed_tokens  # build() checked it: float32 rows, or a StoredEmbedding
         self._embed_f32 = embed.weight if isinstance(embed, nn.Embedding) else None
-        self._embed_groups = embed.table if isinstance(embed, StoredEmbedding) else None
-        self._vocab = embed.num_embeddings
+        table = embed.table if isinstance(embed, StoredEmbedding) else None
+        # int8 / 4-bit groups the C step gathers itself; other tables are looked up here first
+        self._embed_groups = table if isinstance(table, (native.Q8Blocked, native.Q4Packed)) else None
+        self._embed_first = embed if table is not None and self._embed_groups is None else None
+        self._vocab = int(cast(int, embed.num_embeddings))
         self._scale = attn.scale
         self._num_heads, self._num_kv_heads, self._head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self._hidden = first.input_layernorm.weight.shape[0]
@@ -98,6 +119,7 @@ class NativeDecodeStep:
         ):
             return None  # the step gathers its rows in C: from a float32 table or int8 / 4-bit groups
         structs = []
+        links: list[native.Q4Weight] = []  # the later parts of projections stored in parts
         for layer in layers:
             attn, mlp = layer.self_attn, cast(MLP, layer.mlp)  # checked above: every MLP is dense
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -108,14 +130,14 @@ class NativeDecodeStep:
                 return None
             if any(n.eps != model.norm.eps for n in norms) or qk_norm and qk_norm[2] != model.norm.eps:
                 return None  # the step takes one eps
-            weights = [_q4_weight(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            weights = [_q4_weight(p, links) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(w is None for w in weights):
                 return None
             q_norm, k_norm = (qk_norm[0].data_ptr(), qk_norm[1].data_ptr()) if qk_norm else (None, None)
             window, softcap = attn.sliding_window or 0, attn.logit_softcap or 0.0
             norm_ptrs = (norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), q_norm, k_norm)
             structs.append(native.DecodeLayer(*norm_ptrs, window, softcap, *weights))
-        return cls(lib, (native.DecodeLayer * len(structs))(*structs), model)
+        return cls(lib, (native.DecodeLayer * len(structs))(*structs), model, links)
 
     def accepts(self, meta: AttentionMetadata, kv_cache: PagedKVCache, num_rows: int) -> bool:
         """Whether this step is one it runs exactly like the per-op path: every row a one-query sequence
@@ -153,13 +175,16 @@ class NativeDecodeStep:
         m = input_ids.shape[0]
         out = torch.empty(m, self._hidden)
         k, v = kv_cache.k, kv_cache.v
-        f32, g = self._embed_f32, self._embed_groups
+        f32, g, vocab = self._embed_f32, self._embed_groups, self._vocab
+        if self._embed_first is not None:  # the rows the per-op path looks up, as a table of M rows
+            f32, vocab = self._embed_first(input_ids).contiguous(), m
+            input_ids = torch.arange(m)
         rc = self._lib.onecall_decode_layers(
             self._layers, len(self._layers), input_ids.data_ptr(), None if f32 is None else f32.data_ptr(),
             None if g is None else g.qs.data_ptr(), None if g is None else g.scale.data_ptr(),
             g.offset.data_ptr() if isinstance(g, native.Q4Packed) else None,
             int(g.scale.dtype == torch.float16) if isinstance(g, native.Q4Packed) else g.group_size if g else 0,
-            self._vocab, m, self._hidden, self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate,
+            vocab, m, self._hidden, self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate,
             self._final_norm.eps, self._scale, positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
             cos_table.shape[0], meta.slot_mapping.data_ptr(), k.data_ptr(), v.data_ptr(),
             k[0].numel(), int(k.dtype == torch.float16), d.block_tables.data_ptr(), d.block_tables.shape[1],

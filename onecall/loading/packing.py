@@ -1,9 +1,9 @@
 """The fast kernels' side of a DecoderLM: which projections to pack, packing them, swapping them in.
 
 A DecoderLM is the forward (model/decoder.py). On the fast path (float32 CPU, EngineConfig.kernels
-"fast"), every projection becomes a FastLinear (kernels/cpu/fast_linear.py: the checkpoint's own 4-bit
-groups for every row, else oneDNN-prepacked float32 for prompt rows and stored int8 groups for decode
-rows), the logits a FastLMHead, and the small ops between them native passes (kernels/cpu/native.py).
+"fast"), every projection becomes a FastLinear (kernels/cpu/fast_linear.py: the checkpoint's own stored
+weights for every row where a native kernel takes them, 4-bit, 5-bit, int8 groups or 16-bit floats,
+else oneDNN-prepacked float32), the logits a FastLMHead, and the small ops between them native passes (kernels/cpu/native.py).
 Either while the checkpoint streams in (a StreamingPacker from `new_packer`, fed by
 weights.load_weights, then `install`) or after a dense load (`enable_fast_kernels`).
 `weight_bytes_read` counts what a step then streams from memory.
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
+from onecall.formats.quants import StoredGroups
 from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_embedding import StoredEmbedding
-from onecall.kernels.cpu.fast_linear import FastLinear, FastLMHead, pack_q4_groups, runs_stored_only
+from onecall.kernels.cpu.fast_linear import FastLinear, FastLMHead, pack_stored, runs_stored_only
 from onecall.kernels.select import fast_kernels_supported
 from onecall.loading.native_step import NativeDecodeStep
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
@@ -47,8 +47,8 @@ class StreamingPacker:
     packed on a worker thread (torch's packing ops release the GIL) while loading goes on. So no
     dense float32 copy of the projections is ever a parameter: each lives only until packed, and
     cold start pays neither their first-touch page faults nor a copy (about 0.4 s for
-    SmolLM2-135M's 424 MB on this machine). A projection whose parts are all 4-bit groups the native
-    kernel runs needs no float32 weight at all: its parts may arrive as meta tensors (a GGUF loader
+    SmolLM2-135M's 424 MB on this machine). A projection whose parts are all stored weights the native
+    kernels run (fast_linear.runs_stored_only) needs no float32 weight at all: its parts may arrive as meta tensors (a GGUF loader
     that did not expand them, GGUFFile.iter_tensors(expand_stored=False)) and are packed from the stored
     groups alone; any other meta part is expanded from its stored groups here. `finish` installs the
     modules and packs the logits.
@@ -168,8 +168,9 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
         raise RuntimeError(f"{EMBEDDING} was left to its stored groups, but no stored embedding took them")
     pieces = []
     every_row = [m for m in modules if m.every_row]  # every row on the stored groups' native kernels
-    if every_row:
-        kind = "/".join(sorted({(m.decode_kernel or "").removeprefix("native ") for m in every_row}))
+    if every_row:  # the kernels they run, e.g. "int4+int5+int8" for a Q4_K_M file's fallbacks
+        forms = {k for m in every_row for k in (m.decode_kernel or "").removeprefix("native ").split("+")}
+        kind = "+".join(sorted(forms))
         acts = ", int8 activations" if any(m.int8_activations for m in every_row) else ""
         pieces.append(f"native {kind} ({len(every_row)} of {len(modules)} projections, every row{acts})")
     rest = [m for m in modules if not m.every_row]  # prompt rows on oneDNN, decode rows maybe stored groups
@@ -197,7 +198,7 @@ def stays_stored(model: DecoderLM, name: str, groups: StoredGroups | None) -> bo
     return (
         model.tp is None
         and model.model.norm.weight.device.type == "cpu"
-        and tuple(groups.q.shape) == (embed.num_embeddings, embed.embedding_dim)
+        and groups.shape == (embed.num_embeddings, embed.embedding_dim)
         and runs_stored_only(groups)
     )
 
@@ -209,19 +210,18 @@ def _stored_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> S
         return None
     if model.lm_head is None:  # tied: look rows up in the logits head's own bytes
         head = model.fast_lm_head
-        table = None if not isinstance(head, FastLMHead) or not head.from_stored else head.q8 or head.q4
+        table = head.table if isinstance(head, FastLMHead) and head.from_stored else None
         return None if table is None else StoredEmbedding(table)
-    if isinstance(groups, Int4Groups):
-        return StoredEmbedding(pack_q4_groups(groups))
-    assert isinstance(groups, Int8Groups)
-    return StoredEmbedding(native.pack_q8_blocked(groups.q, groups.scale, groups.group_size))
+    assert groups is not None
+    table = pack_stored(groups)
+    return None if table is None else StoredEmbedding(table)
 
 
 @torch.no_grad()
 def enable_fast_kernels(model: DecoderLM, stored_weights: Mapping[str, StoredGroups] | None = None) -> str:
     """Swap every projection for a FastLinear (and the logits for a FastLMHead) after a dense
     load_weights (a model built with pack_on_load has them already). `stored_weights` (Hugging Face
-    name -> Int4Groups or Int8Groups) are the checkpoint's own quantized weights; a fused projection
+    name -> quants.StoredGroups) are the checkpoint's own stored weights; a fused projection
     runs decode rows on stored groups only when every one of its parts has them.
 
     The small ops are the model's own (DecoderLM.ops): build it with kernels="fast" for the whole fast

@@ -4,7 +4,7 @@ The loaders (formats/checkpoint.py: GGUF, safetensors) yield (name, tensor) pair
 Face's checkpoints; `load_weights` copies each into our parameters, stacking the separate q/k/v and
 gate/up tensors into the fused projections (DecoderLM.PROJECTION_PARTS, part_rows). On the fast path
 (DecoderLM built with pack_on_load) projections go to loading/packing.py's packer instead, as they
-arrive, and no dense projection weight is ever allocated; MoE experts a GGUF stored in 4-bit groups
+arrive, and no dense projection weight is ever allocated; MoE experts a GGUF stored in a native form
 are not copied either: their layer runs them from the groups (model/moe.py, _use_stored_experts).
 
 Three rewrites happen on the way in, all to Hugging Face-named tensors, before anything else sees them
@@ -27,9 +27,9 @@ from torch import nn
 
 from onecall.errors import UnsupportedModelError
 from onecall.formats.fused import split_fused_weights, stored_rows
-from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
+from onecall.formats.quants import StoredGroups, cat_rows
 from onecall.kernels.cpu import native
-from onecall.kernels.cpu.experts import ExpertGroups, native_experts, pack_int4
+from onecall.kernels.cpu.experts import ExpertGroups, for_kernel, native_experts
 from onecall.kernels.cpu.fast_linear import runs_stored_only
 from onecall.loading.packing import EMBEDDING, LM_HEAD, install, new_packer, stays_stored
 from onecall.model.config import ModelConfig
@@ -135,7 +135,7 @@ def load_weights(
         # not `stored_weights or {}`: the dict the weight iterator fills is still empty here
         packer = new_packer(model, {} if stored_weights is None else stored_weights)
     loaded: set[str] = set()
-    # a GGUF's 4-bit experts, packed for the int4 kernel as they arrive instead of copied
+    # a GGUF's quantized experts, packed for their native kernel as they arrive instead of copied
     experts = None
     if packer is not None and stored_weights is not None and model.config.moe is not None and native.load():
         experts = _ExpertGroups(stored_weights, model.int8_activations)
@@ -200,7 +200,8 @@ def load_weights(
 
 
 class _ExpertGroups:
-    """A GGUF's quantized expert weights as they stream in (4-bit groups of 32, Q8_0/Q6_K int8 groups),
+    """A GGUF's quantized expert weights as they stream in (any stored form the native kernels run:
+    fast_linear.runs_stored_only),
     taken from the stored groups and packed for the native kernels as soon as an expert's weight is
     whole (down at once, gate_up when both halves are in), so no more than a layer's unpacked halves are
     ever held, and never copied into the float32 parameters: model/moe.py runs every row of a packed
@@ -230,22 +231,18 @@ class _ExpertGroups:
             del self.stored[name]
             self.halves[name] = groups
             return True
-        if type(other) is not type(groups) or other.group_size != groups.group_size:
+        gate, up = (groups, other) if part == "gate_proj" else (other, groups)
+        both = cat_rows([gate, up])
+        if both is None:
             return False  # stored in two forms: this half is copied, the waiting one filled by finish()
         del self.stored[name], self.halves[partner]
-        gate, up = (groups, other) if part == "gate_proj" else (other, groups)
-        if isinstance(gate, Int4Groups) and isinstance(up, Int4Groups):
-            self.packed[(base, 0)] = self._pack(Int4Groups.cat([gate, up]))
-        else:
-            assert isinstance(gate, Int8Groups) and isinstance(up, Int8Groups)
-            cat = Int8Groups(torch.cat((gate.q, up.q)), torch.cat((gate.scale, up.scale)), gate.group_size)
-            self.packed[(base, 0)] = self._pack(cat)
+        self.packed[(base, 0)] = self._pack(both)
         return True
 
     def _pack(self, groups: StoredGroups) -> ExpertGroups:
-        if isinstance(groups, Int4Groups):
-            return pack_int4(groups, self.act8)
-        return native.pack_q8_blocked(groups.q, groups.scale, groups.group_size)
+        packed = for_kernel(groups, groups.shape, self.act8)
+        assert packed is not None, "runs_stored_only said a native kernel takes these groups"
+        return packed
 
     def finish(self, table: dict[str, tuple[torch.Tensor, int, int]]) -> dict[tuple[str, int], ExpertGroups]:
         """Fill the float32 slice of every half whose partner was stored in another form; the packed
@@ -260,9 +257,9 @@ class _ExpertGroups:
 def _use_stored_experts(
     model: DecoderLM, stored: Mapping[str, StoredGroups], packed: Mapping[tuple[str, int], ExpertGroups]
 ) -> str:
-    """Hand every MoE layer its experts' own groups (kernels/cpu/experts.py): the packed 4-bit ones,
-    else int8 groups (gate and up stacked as the parameter is, when both are int8), per expert and
-    weight. Returns what that gave, for DecoderLM.kernels ("native int4 (3 of 3 MoE layers)"), or ""."""
+    """Hand every MoE layer its experts' own groups (kernels/cpu/experts.py): the ones packed as they
+    streamed in, else the stored ones (gate and up stacked as the parameter is, when stored in one form),
+    per expert and weight. Returns what that gave, for DecoderLM.kernels ("native int4 (3 of 3 MoE layers)"), or ""."""
     moe_layers, used, kinds = 0, 0, set()
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
@@ -274,16 +271,8 @@ def _use_stored_experts(
         for e in range(mlp.experts.num_experts):
             base = f"model.layers.{i}.mlp.experts.{e}"
             gate, up = stored.get(f"{base}.gate_proj.weight"), stored.get(f"{base}.up_proj.weight")
-            int8 = None
-            if (
-                isinstance(gate, Int8Groups)
-                and isinstance(up, Int8Groups)
-                and gate.group_size == up.group_size
-            ):
-                int8 = Int8Groups(
-                    torch.cat((gate.q, up.q)), torch.cat((gate.scale, up.scale)), gate.group_size
-                )
-            gate_up.append(packed.get((base, 0), int8))
+            both = cat_rows([gate, up]) if gate is not None and up is not None else None
+            gate_up.append(packed.get((base, 0), both))
             down.append(packed.get((base, 1), stored.get(f"{base}.down_proj.weight")))
         held = native_experts(gate_up, down, mlp.experts.weight_shapes, model.int8_activations)
         if held is not None and mlp.experts.use_stored(held):

@@ -135,6 +135,57 @@ def _pack_q6_k() -> tuple[bytes, np.ndarray]:
     return raw, expected
 
 
+def _pack_2bit(q: np.ndarray) -> bytes:  # element 128h + 32s + l in bits 2s..2s+1 of byte 32h + l
+    return bytes(sum(int(q[128 * h + 32 * s + j] & 3) << (2 * s) for s in range(4)) for h in range(2) for j in range(32))
+
+
+def _pack_q2_k() -> tuple[bytes, np.ndarray]:
+    """Per 16 elements a byte: scale (low nibble), min (high); d * scale * q - dmin * min, q in 0..3."""
+    d, dmin, sc, q = abs(_scale()), abs(_scale()), rng.integers(0, 256, 16), rng.integers(0, 4, 256)
+    raw = bytes(sc.astype(np.uint8)) + _pack_2bit(q) + _f16_bytes(d) + _f16_bytes(dmin)
+    sub = np.arange(256) // 16
+    expected = (_f16(d) * (sc[sub] & 15).astype(f32)) * q.astype(f32) - _f16(dmin) * (sc[sub] >> 4).astype(f32)
+    return raw, expected
+
+
+def _pack_q3_k() -> tuple[bytes, np.ndarray]:
+    """Values q - 4 for q in 0..7: bit 2 of q in hmask (element 32j + l: bit j of byte l), the low two
+    bits as Q2_K's; 16 six-bit scales s (value d * (s - 32)): low nibbles in bytes 0-7 (scales 0-7 low,
+    8-15 high), their top two bits in bytes 8-11 (scale 4k + j at bits 2k of byte 8 + j)."""
+    d, s, q = _scale(), rng.integers(0, 64, 16), rng.integers(0, 8, 256)
+    hmask = bytes(sum(int(q[32 * j + e] >> 2) << j for j in range(8)) for e in range(32))
+    scales = [int(s[i] & 15) | int(s[i + 8] & 15) << 4 for i in range(8)]
+    scales += [sum(int(s[4 * k + j] >> 4) << (2 * k) for k in range(4)) for j in range(4)]
+    raw = hmask + _pack_2bit(q) + bytes(scales) + _f16_bytes(d)
+    return raw, (_f16(d) * (s[np.arange(256) // 16] - 32).astype(f32)) * (q - 4).astype(f32)
+
+
+_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=f32)
+
+
+def _pack_iq4_nl() -> tuple[bytes, np.ndarray]:
+    d, q = _scale(), rng.integers(0, 16, 32)
+    return _f16_bytes(d) + _pack_32_nibbles(q), _f16(d) * _IQ4[q]
+
+
+def _pack_iq4_xs() -> tuple[bytes, np.ndarray]:
+    """8 sub-blocks of 32 with 6-bit scales s (d * (s - 32)): the low nibbles two a byte, the top two
+    bits of sub-block i at bits 2i of a u16; each sub-block's codebook indices as IQ4_NL's."""
+    d, s, q = _scale(), rng.integers(0, 64, 8), rng.integers(0, 16, 256)
+    scales_h = struct.pack("<H", sum(int(s[i] >> 4) << (2 * i) for i in range(8)))
+    scales_l = bytes(int(s[2 * j] & 15) | int(s[2 * j + 1] & 15) << 4 for j in range(4))
+    qs = b"".join(_pack_32_nibbles(q[32 * i : 32 * i + 32]) for i in range(8))
+    expected = (_f16(d) * (s[np.arange(256) // 32] - 32).astype(f32)) * _IQ4[q]
+    return _f16_bytes(d) + scales_h + scales_l + qs, expected
+
+
+def _pack_mxfp4() -> tuple[bytes, np.ndarray]:
+    """An e8m0 exponent byte e (2^(e - 127)), 32 e2m1 values as IQ4_NL's nibbles."""
+    e, q = int(rng.integers(110, 140)), rng.integers(0, 16, 32)
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=f32)
+    return bytes([e]) + _pack_32_nibbles(q), np.ldexp(f32(1), e - 127).astype(f32) * e2m1[q]
+
+
 def _pack_f32() -> tuple[bytes, np.ndarray]:
     x = rng.standard_normal(1).astype(f32)
     return x.tobytes(), x
@@ -153,7 +204,8 @@ def _pack_bf16() -> tuple[bytes, np.ndarray]:
 PACKERS: dict[T, Callable[[], tuple[bytes, np.ndarray]]] = {
     T.F32: _pack_f32, T.F16: _pack_f16, T.BF16: _pack_bf16,
     T.Q8_0: _pack_q8_0, T.Q4_0: _pack_q4_0, T.Q4_1: _pack_q4_1, T.Q5_0: _pack_q5_0, T.Q5_1: _pack_q5_1,
-    T.Q4_K: _pack_q4_k, T.Q5_K: _pack_q5_k, T.Q6_K: _pack_q6_k,
+    T.Q4_K: _pack_q4_k, T.Q5_K: _pack_q5_k, T.Q6_K: _pack_q6_k, T.Q2_K: _pack_q2_k, T.Q3_K: _pack_q3_k,
+    T.IQ4_NL: _pack_iq4_nl, T.IQ4_XS: _pack_iq4_xs, T.MXFP4: _pack_mxfp4,
 }  # fmt: skip
 
 
@@ -195,10 +247,10 @@ def test_dequantize_hand_packed_blocks(qtype: T, tmp_path: Path) -> None:
 
 
 def test_unsupported_quant_type_is_refused_by_name(tmp_path: Path) -> None:
-    raw = np.zeros((2, 84), dtype=np.uint8)  # one Q2_K block (256 elements, 84 bytes) per row
-    _write_raw_gguf(tmp_path / "q2k.gguf", "llama", {"blk.0.ffn_up.weight": (raw, T.Q2_K)})
-    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up\.weight.*Q2_K"):
-        next(GGUFFile(tmp_path / "q2k.gguf").iter_tensors(torch.float32))
+    raw = np.zeros((2, 74), dtype=np.uint8)  # one IQ2_XS block (256 elements, 74 bytes) per row
+    _write_raw_gguf(tmp_path / "iq2.gguf", "llama", {"blk.0.ffn_up.weight": (raw, T.IQ2_XS)})
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up\.weight.*IQ2_XS"):
+        next(GGUFFile(tmp_path / "iq2.gguf").iter_tensors(torch.float32))
 
 
 def test_unknown_tensor_name_is_refused(tmp_path: Path) -> None:

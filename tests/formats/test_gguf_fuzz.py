@@ -192,9 +192,9 @@ _GLOBAL_KEYS = ["general.alignment", "split.count", "split.no", "tokenizer.ggml.
 _TENSORS = ["token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
             "blk.0.attn_norm.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_inp.weight",
             "rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"]  # fmt: skip
-_TYPE_IDS = [0, 0, 0, 1, 30, 8, 2, 12, 14, 10]  # mostly F32; Q2_K (10) cannot be loaded
+_TYPE_IDS = [0, 0, 0, 1, 30, 8, 2, 12, 14, 17]  # mostly F32; IQ2_XS (17) cannot be loaded
 _TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 12: (256, 144), 14: (256, 210),
-               10: (256, 84)}  # fmt: skip
+               17: (256, 74)}  # fmt: skip
 _RANGES = {0: (0, 255), 1: (-128, 127), 2: (0, 2**16 - 1), 3: (-(2**15), 2**15 - 1), 4: (0, 2**32 - 1),
            5: (-(2**31), 2**31 - 1), 10: (0, 2**64 - 1), 11: (-(2**63), 2**63 - 1)}  # fmt: skip
 

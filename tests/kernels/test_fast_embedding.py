@@ -135,13 +135,39 @@ def _never(model: DecoderLM, module: torch.nn.Module) -> None:
 
 
 def test_an_embedding_in_other_types_stays_float32(tmp_path: Path) -> None:
-    """A Q5_0 embedding has no groups the native kernels take: the loader fills the float32 table."""
+    """An F32 embedding has no stored form (quants.stored_groups): the loader fills the float32 table."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=True)
-    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q5_0)
+    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.F32)
     fast, ref = _load(path, fast=True), _load(path, fast=False)
     embed, ref_embed = fast.model.embed_tokens, ref.model.embed_tokens
     assert isinstance(embed, torch.nn.Embedding) and isinstance(ref_embed, torch.nn.Embedding)
     assert torch.equal(embed.weight, ref_embed.weight)
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.BF16], ids=lambda t: t.name)
+def test_a_5bit_or_16bit_embedding_is_kept_as_stored(tmp_path: Path, qtype: T) -> None:
+    """A Q5_0 (5-bit groups) or BF16 (16-bit floats) tied embedding is looked up in the logits head's
+    own bytes, each row the float32 table's bit for bit, and the native decode step (which looks these
+    tables up before its one call) gives the per-op path's bits."""
+    config = tiny_hf_config("qwen3", tie_word_embeddings=True)
+    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=qtype)
+    fast, ref = _load(path, fast=True), _load(path, fast=False)
+    embed, head = fast.model.embed_tokens, fast.fast_lm_head
+    assert isinstance(embed, StoredEmbedding) and head is not None and embed.table is head.table
+    ids = torch.arange(config["vocab_size"])
+    assert torch.equal(embed(ids), ref.model.embed_tokens(ids))
+    assert fast.native_step is not None, fast.kernels
+    c = fast.config
+    cache = PagedKVCache(c.num_hidden_layers, 40, BLOCK, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    cache.k.zero_(), cache.v.zero_()
+    tables = _scrambled_tables(40)
+    _prefill(fast, cache, tables)
+    lens = [n + 1 for n in PROMPT_LENS]
+    per_op_cache = copy.deepcopy(cache)
+    got = _decode(fast, cache, tables, lens)
+    fast.native_step = None
+    assert torch.equal(got, _decode(fast, per_op_cache, tables, lens))
+    assert torch.equal(cache.k, per_op_cache.k) and torch.equal(cache.v, per_op_cache.v)
 
 
 def test_groups_no_stored_embedding_takes_are_a_clear_error(

@@ -224,12 +224,12 @@ def _decode_fields(**changes: object) -> list[tuple[str, object]]:
         (_q4_fields(n=ctypes.c_int32), None, r"Q4Weight\.n: kernels.h declares int64_t .* the ctypes mirror has c_int"),
         # the same size as the float it replaces: only the header's types tell
         (None, _decode_fields(softcap=ctypes.c_int32), r"DecodeLayer\.softcap: kernels.h declares float"),
-        (_q4_fields(act8=None), None, r"Q4Weight\.act8: in kernels.h, missing from the ctypes mirror"),
+        (_q4_fields(next=None), None, r"Q4Weight\.next: in kernels.h, missing from the ctypes mirror"),
         (_q4_fields() + [("extra", ctypes.c_int64)], None, r"Q4Weight\.extra: the ctypes mirror's field where"),
         (None, [f if f[0] != "window" else ("sliding_window", f[1]) for f in _decode_fields()],
          r"DecodeLayer\.sliding_window: the ctypes mirror's field where kernels.h has window"),
         # right names and types, packed: the compiled layout tells, at the first field that moves
-        (None, "pack", r"DecodeLayer\.qkv: offset, size \(48, 72\) in C, \(44, 72\) in ctypes"),
+        (None, "pack", r"DecodeLayer\.qkv: offset, size \(48, 96\) in C, \(44, 96\) in ctypes"),
     ],
 )  # fmt: skip
 def test_a_mirror_that_disagrees_is_a_load_error(lib: KernelLibrary, q4: object, layer: object, match: str) -> None:

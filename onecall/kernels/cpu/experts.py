@@ -1,9 +1,10 @@
 """A MoE layer's experts on the native kernels: each expert weight in the checkpoint's own groups.
 
-A quantized GGUF stores every expert's gate, up and down weights in groups (Q4_0/Q4_1/Q4_K: 4-bit;
-Q8_0/Q6_K: int8). NativeExperts holds, per expert, gate_up (rows [gate; up]) and down in the form
-their kernel reads (native.Q4Packed, native.Q8Blocked), or None where that weight runs on its
-float32 copy (groups the kernels do not take: a group size or a K they do not run). Every row, decode
+A quantized GGUF stores every expert's gate, up and down weights in a stored form (quants.py's table:
+4-bit or 5-bit groups, int8 groups, among them gpt-oss's MXFP4, or 16-bit floats). NativeExperts holds,
+per expert, gate_up (rows [gate; up]) and down in the layout their kernel reads (native.Packed:
+fast_linear.pack_stored), or None where that weight runs on its float32 copy (a form the kernels do
+not take: a group size or a K they do not run). Every row, decode
 and prompt alike, of a held weight runs on its kernel (csrc/gemm.c), as FastLinear's stored parts do.
 model/moe.py's Experts asks it through kernels/ops.py's ExpertKernels.
 """
@@ -15,10 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
-from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
+from onecall.formats.quants import Int4Groups, StoredGroups
 from onecall.kernels.cpu import native
+from onecall.kernels.cpu.fast_linear import pack_stored
 
-ExpertGroups = native.Q4Packed | native.Q8Blocked  # one expert weight in the form its kernel reads
+ExpertGroups = native.Packed  # one expert weight in the layout its kernel reads
+_PACKED = (native.Q4Packed, native.Q5Packed, native.Q8Blocked, native.HalfPacked)  # native.Packed's members
 
 
 class NativeExperts:
@@ -40,23 +43,15 @@ class NativeExperts:
         return None if groups is None else groups.nbytes
 
     def kinds(self) -> set[str]:
-        """ "int4" and/or "int8": the kernels the held weights run on."""
-        return {
-            "int4" if isinstance(g, native.Q4Packed) else "int8"
-            for pair in self.weights
-            for g in pair
-            if g is not None
-        }
+        """ "int4", "int5", "int8", "f16", "bf16": the kernels the held weights run on."""
+        return {native.kind(g) for pair in self.weights for g in pair if g is not None}
 
     def project(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor | None:
         """rows (n, in) float32 through that weight, (n, out); None where it runs in float32."""
         groups = self.weights[expert][which]
         if groups is None:
             return None
-        x, threads = rows.contiguous(), torch.get_num_threads()
-        if isinstance(groups, native.Q8Blocked):
-            return native.q8_blocked_gemm(self._lib, x, groups, None, threads)
-        return native.q4_gemm(self._lib, x, groups, None, threads)
+        return native.matmul(self._lib, rows.contiguous(), groups, None, torch.get_num_threads())
 
 
 def native_experts(
@@ -83,17 +78,14 @@ def native_experts(
 def for_kernel(
     groups: StoredGroups | ExpertGroups | None, shape: tuple[int, int], act8: bool = False
 ) -> ExpertGroups | None:
-    """One expert weight's groups in the native kernels' form, or None if they do not run it."""
-    rows, cols = shape
-    if isinstance(groups, (native.Q4Packed, native.Q8Blocked)):
+    """One expert weight's groups in the native kernels' layout, or None if they do not run it."""
+    if isinstance(groups, _PACKED):
         return groups if (groups.out_features, groups.in_features) == shape else None
-    if groups is None or tuple(groups.q.shape) != (rows, cols) or cols % 32:
+    if groups is None or groups.shape != shape:
         return None
-    if isinstance(groups, Int8Groups) and groups.group_size in (16, 32):
-        return native.pack_q8_blocked(groups.q, groups.scale, groups.group_size)
-    if isinstance(groups, Int4Groups) and groups.group_size == 32:
-        return pack_int4(groups, act8)
-    return None
+    if isinstance(groups, Int4Groups):
+        return pack_int4(groups, act8) if groups.group_size == 32 and shape[1] % 32 == 0 else None
+    return pack_stored(groups, act8)
 
 
 def pack_int4(groups: Int4Groups, act8: bool = False) -> native.Q4Packed:

@@ -3,17 +3,19 @@
 Decode on a CPU is bound by how fast the weights stream through the cores; torch's default
 float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection:
 
-* a weight the checkpoint stored in 4-bit groups of 32 (GGUF Q4_0/Q4_1/Q4_K, see quants.Int4Groups)
-  or int8 groups (Q8_0, groups of 32; Q6_K, groups of 16: quants.Int8Groups), or in parts of those
-  (Q4_K_M files keep v in Q6_K beside q/k in Q4_K): every row, decode and prompt alike, runs the
-  native kernels on the file's own weights (kernels/cpu/native.py, csrc/gemm.c: int16 activations
-  per group of 32, exact integer dot products; int8 ones with int8_activations for 4-bit groups), at
-  an eighth (4-bit) or a quarter (int8) of float32's bytes. At a prompt's many rows the kernels are
-  compute-bound, near oneDNN's float32 GEMM (benchmarks/bench_kernels.py; docs/benchmarks.md);
-  one kernel for every row makes a row's result independent of the batch by construction, and no
-  float32 copy is ever made for such a weight (cold start, and memory: a Q8_0 file's float32 copy
-  would be four times its size). A projection in parts runs one call per part and takes the per-op
-  path, not the one-call decode step (loading/native_step.py takes whole projections only).
+* a weight the checkpoint stored in a form a native kernel multiplies by directly (quants.py's table:
+  4-bit groups of 32, Q4_0/Q4_1/Q4_K; 5-bit groups of 32, Q5_0/Q5_1/Q5_K; int8 groups, Q8_0, Q6_K,
+  Q3_K, IQ4_NL, IQ4_XS, MXFP4; 16-bit floats, F16/BF16), or in parts of those (Q4_K_M files keep v in
+  Q6_K beside q/k in Q4_K, or in Q8_0 beside Q5_0 where a width is not a multiple of 256): every row,
+  decode and prompt alike, runs the native kernels on the file's own weights (kernels/cpu/native.py,
+  csrc/gemm*.c: int16 activations per group of 32 and exact integer dot products for the groups, int8
+  ones with int8_activations for 4-bit groups; float32 accumulation for 16-bit floats), at an eighth
+  (4-bit) to a half (16-bit) of float32's bytes. At a prompt's many rows the kernels are compute-bound,
+  near oneDNN's float32 GEMM (benchmarks/bench_kernels.py; docs/benchmarks.md); one kernel for every row
+  makes a row's result independent of the batch by construction, and no float32 copy is ever made for
+  such a weight (cold start, and memory: a Q8_0 file's float32 copy would be four times its size). A
+  projection in parts runs one call per part (the one-call decode step, loading/native_step.py, runs
+  the same parts as a chain).
 * otherwise, prompt rows: oneDNN with the float32 weight prepacked once into its blocked layout
   (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`). Same float32 math as the
   reference, only the summation order differs; a row's result does not depend on how many rows
@@ -26,8 +28,8 @@ rows are decode tokens (`forward(x, decode_rows)`: the step's AttentionMetadata.
 the layers pass on; the rest are prompt tokens), so a request's tokens go through the same kernels
 whatever else shares its batch (batch invariance; tests/engine/test_batch_invariance.py). A call
 told nothing (decode_rows None: tests, the attention probe) counts as decode when it has at most
-INT4_MAX_ROWS rows. The logits (FastLMHead) of a weight stored as Q8_0 or Q6_K
-run the same native int8 kernel, of one stored as Q4_0/Q4_1/Q4_K the 4-bit one.
+INT4_MAX_ROWS rows. The logits (FastLMHead) of a weight stored in one of those forms run on its
+kernel too.
 
 The reference path (`kernels="reference"`) is the oracle the tests compare against.
 """
@@ -40,7 +42,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from onecall.formats.quants import Int4Groups, Int8Groups, StoredGroups
+from onecall.formats.quants import HalfWeights, Int4Groups, Int5Groups, Int8Groups, StoredGroups, cat_rows
 from onecall.kernels.cpu import native
 
 # A call not told its decode rows counts as decode up to this many rows.
@@ -77,20 +79,40 @@ def _native() -> ctypes.CDLL | None:
     return native.load()
 
 
+_STORED = (Int4Groups, Int5Groups, Int8Groups, HalfWeights)  # quants.StoredGroups' members
+
+
 def runs_stored_only(stored: StoredGroups | Sequence[tuple[int, int, StoredGroups]]) -> bool:
     """Whether a FastLinear over these stored groups runs every row on the native kernels (then it
-    needs no float32 weight): every part 4-bit groups of 32 or int8 groups of 32 or 16 (Q8_0, Q6_K),
-    along a multiple of 32, and the kernels built."""
-    parts = [g for _, _, g in stored] if not isinstance(stored, (Int4Groups, Int8Groups)) else [stored]
+    needs no float32 weight): every part one the kernels take (_native_groups) and the kernels built."""
+    parts = [stored] if isinstance(stored, _STORED) else [g for _, _, g in stored]
     return bool(parts) and all(_native_groups(g) for g in parts) and _native() is not None
 
 
 def _native_groups(g: StoredGroups) -> bool:
-    if g.q.shape[1] % 32:
+    """4-bit or 5-bit groups of 32 and int8 groups of 32 or 16 along a multiple of 32; 16-bit floats."""
+    if isinstance(g, HalfWeights):
+        return g.values.dtype in (torch.float16, torch.bfloat16)
+    if g.shape[1] % 32:
         return False
+    if isinstance(g, Int8Groups):
+        return g.group_size in (16, 32)
+    return g.group_size == 32
+
+
+def pack_stored(g: StoredGroups, act8: bool = False) -> native.Packed | None:
+    """A checkpoint's stored weight in the layout of its native kernel (None: none takes it): 4-bit groups
+    in the q4 layout (act8: q4a8), 5-bit in q5's, int8 in q8b's, 16-bit floats in h16's, scales and
+    offsets as compact as exact (compact_scales). Projections, the logits head, experts, embeddings."""
+    if not _native_groups(g):
+        return None
     if isinstance(g, Int4Groups):
-        return g.group_size == 32
-    return isinstance(g, Int8Groups) and g.group_size in (16, 32)
+        return pack_q4_groups(g, act8)
+    if isinstance(g, Int5Groups):
+        return native.pack_q5(g.q, *compact_scales(g.scale.float(), g.offset.float()))
+    if isinstance(g, Int8Groups):
+        return native.pack_q8_blocked(g.q, g.scale, g.group_size)
+    return native.pack_half(g.values)
 
 
 class FastLinear(nn.Module):
@@ -116,9 +138,9 @@ class FastLinear(nn.Module):
         self.every_row = stored is not None and runs_stored_only(stored)
         if weight is None:  # no float32 copy exists (the loader did not expand the stored groups)
             assert stored is not None and self.every_row, "without a weight, groups the native kernels run"
-            parts = [(0, 0, stored)] if isinstance(stored, (Int4Groups, Int8Groups)) else list(stored)
-            self.out_features = sum(g.q.shape[0] for _, _, g in parts)
-            self.in_features = parts[0][2].q.shape[1]
+            parts = [(0, 0, stored)] if isinstance(stored, _STORED) else list(stored)
+            self.out_features = sum(g.shape[0] for _, _, g in parts)
+            self.in_features = parts[0][2].shape[1]
         else:
             assert weight.device.type == "cpu" and weight.dtype == torch.float32, (
                 "FastLinear is a float32 CPU path"
@@ -135,9 +157,9 @@ class FastLinear(nn.Module):
         # torch's int4 kernel: packed weight and (in / group, out, 2) bfloat16 scales and zeros
         self.int4_weight: torch.Tensor | None = None
         self.int4_scale_zeros: torch.Tensor | None = None
-        # by parts (int8 groups, maybe beside int4 ones): native kernels, one call per part
-        self.parts: list[tuple[int, int, native.Q4Packed | native.Q8Blocked]] = []
-        if isinstance(stored, (Int4Groups, Int8Groups)):
+        # by parts (any stored forms but all-4-bit): native kernels, one call per part
+        self.parts: list[tuple[int, int, native.Packed]] = []
+        if isinstance(stored, _STORED):
             stored = [(0, self.out_features, stored)]
         if stored:
             self._pack_stored(list(stored))
@@ -154,19 +176,15 @@ class FastLinear(nn.Module):
             self._pack_int4(Int4Groups.cat([g for _, _, g in parts]))  # type: ignore[misc]
             return
         lib = _native()
-        if lib is None or self.in_features % 32:
-            return  # int8 groups run on the native kernel only: oneDNN takes every row
-        packed: list[tuple[int, int, native.Q4Packed | native.Q8Blocked]] = []
+        if lib is None:
+            return  # these forms run on the native kernels only: oneDNN takes every row
+        packed: list[tuple[int, int, native.Packed]] = []
         for start, end, g in _merge_runs(parts):
-            assert tuple(g.q.shape) == (end - start, self.in_features), (
-                "stored groups do not match the weight"
-            )
-            if isinstance(g, Int8Groups) and g.group_size in (16, 32):
-                packed.append((start, end, native.pack_q8_blocked(g.q, g.scale, g.group_size)))
-            elif isinstance(g, Int4Groups) and g.group_size == 32:
-                packed.append((start, end, pack_q4_groups(g, self.act8)))
-            else:
+            assert g.shape == (end - start, self.in_features), "stored groups do not match the weight"
+            p = pack_stored(g, self.act8)
+            if p is None:
                 return
+            packed.append((start, end, p))
         self.parts, self._lib = packed, lib
 
     def _pack_int4(self, g: Int4Groups) -> None:
@@ -202,13 +220,13 @@ class FastLinear(nn.Module):
 
     @property
     def decode_kernel(self) -> str | None:
-        """What decode rows run on: "native int4", "torch int4", "native int8", "native int4+int8" (a
-        fused projection stored in two types), or None (oneDNN float32)."""
+        """What decode rows run on: "native int4", "torch int4", "native int5", "native int8", "native
+        bf16", "native int4+int8" (a fused projection stored in two types), ..., or None (oneDNN float32)."""
         if self.q4 is not None:
             return "native int4"
         if self.int4_weight is not None:
             return "torch int4"
-        kinds = {"int8" if isinstance(g, native.Q8Blocked) else "int4" for _, _, g in self.parts}
+        kinds = {native.kind(g) for _, _, g in self.parts}
         return f"native {'+'.join(sorted(kinds))}" if kinds else None
 
     def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
@@ -242,12 +260,11 @@ class FastLinear(nn.Module):
         if self.parts:
             assert self._lib is not None
             x2 = x2.contiguous()
+            if len(self.parts) == 1:  # the bias added in the kernel: the same float32 add as below
+                return native.matmul(self._lib, x2, self.parts[0][2], self.bias, threads)
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             for start, end, g in self.parts:
-                if isinstance(g, native.Q8Blocked):
-                    y[:, start:end] = native.q8_blocked_gemm(self._lib, x2, g, None, threads)
-                else:
-                    y[:, start:end] = native.q4_gemm(self._lib, x2, g, None, threads)
+                y[:, start:end] = native.matmul(self._lib, x2, g, None, threads)
             if self.bias is not None:
                 y += self.bias
             return y
@@ -278,23 +295,15 @@ class FastLinear(nn.Module):
 
 
 def _merge_runs(parts: list[tuple[int, int, StoredGroups]]) -> list[tuple[int, int, StoredGroups]]:
-    """Adjacent parts of one kind and group size as one (q, k and v all Q8_0: one int8 part), so a
+    """Adjacent parts of one form (quants.cat_rows) as one (q, k and v all Q8_0: one int8 part), so a
     projection stored in one type runs one kernel call."""
     merged: list[tuple[int, int, StoredGroups]] = []
     for start, end, g in parts:
-        if merged:
-            p_start, _, prev = merged[-1]
-            if isinstance(prev, Int8Groups) and isinstance(g, Int8Groups) and prev.group_size == g.group_size:
-                merged[-1] = (
-                    p_start,
-                    end,
-                    Int8Groups(torch.cat((prev.q, g.q)), torch.cat((prev.scale, g.scale)), g.group_size),
-                )
-                continue
-            if isinstance(prev, Int4Groups) and isinstance(g, Int4Groups) and prev.group_size == g.group_size:
-                merged[-1] = (p_start, end, Int4Groups.cat([prev, g]))
-                continue
-        merged.append((start, end, g))
+        both = cat_rows([merged[-1][2], g]) if merged else None
+        if both is not None:
+            merged[-1] = (merged[-1][0], end, both)
+        else:
+            merged.append((start, end, g))
     return merged
 
 
@@ -318,28 +327,25 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class FastLMHead(nn.Module):
-    """The logits projection on the checkpoint's own groups where it stored the (possibly tied) output
-    weight so: the native int8 kernel for int8 groups (`stored`: the file's own Q8_0 or Q6_K groups;
-    without them, a Q8_0 weight is found by re-quantizing the weight), the native 4-bit kernel for 4-bit
-    groups of 32 (Q4_0/Q4_1/Q4_K: a quarter of int8's bytes, 1/7 of float32's), else a oneDNN-prepacked
-    float32 copy. Both native kernels round activations to int16 steps per group of 32, as the
-    projections' 4-bit kernel does (its tolerance: tests/kernels/test_native_kernels.py)."""
+    """The logits projection on the checkpoint's own stored weight where it stored the (possibly tied)
+    output weight in a form a native kernel runs (`stored`, packed by pack_stored: int8 groups on the
+    q8b kernel, 4-bit groups on q4's, 5-bit on q5's, F16/BF16 on the half GEMM); without them, a Q8_0
+    weight is found by re-quantizing the float weight; else a oneDNN-prepacked float32 copy. The
+    group kernels round activations to int16 steps per group of 32, as the projections' do (their
+    tolerances: tests/kernels/test_native_kernels.py, test_quant_kernels.py)."""
 
     def __init__(self, weight: torch.Tensor, stored: StoredGroups | None = None) -> None:
         super().__init__()
         w = weight.detach().float().contiguous()
         self.num_weights = w.numel()
-        self.q8: native.Q8Blocked | None = None
-        self.q4: native.Q4Packed | None = None
+        self.table: native.Packed | None = None  # the weight in its native kernel's layout
         self.packed: torch.Tensor | None = None
-        self.from_stored = False  # q8 / q4 hold the checkpoint's own groups (bit-exact), no re-quantization
-        usable = stored is not None and tuple(stored.q.shape) == tuple(w.shape) and runs_stored_only(stored)
-        if usable and isinstance(stored, Int8Groups):
-            self.q8 = native.pack_q8_blocked(stored.q, stored.scale, stored.group_size)
-            self.from_stored = True
-        elif usable and isinstance(stored, Int4Groups):
-            self.q4 = pack_q4_groups(stored)
-            self.from_stored = True
+        self.from_stored = False  # table holds the checkpoint's own weight (bit-exact), no re-quantization
+        usable = stored is not None and stored.shape == tuple(w.shape) and runs_stored_only(stored)
+        if usable:
+            assert stored is not None
+            self.table = pack_stored(stored)
+            self.from_stored = self.table is not None
         elif w.is_meta:  # the loader skipped the float32 matrix only for groups the rule above takes
             raise ValueError(
                 "the output weight was left to its stored groups, but they are not ones the native kernels run"
@@ -348,30 +354,33 @@ class FastLMHead(nn.Module):
             q, scale = native.quantize_q8_groups(w)
             err = (q.view(w.shape[0], -1, 32).float() * scale.unsqueeze(-1)).view_as(w).sub_(w).abs_().max()
             if float(err) <= _Q8_EXACT_RTOL * float(w.abs().max()):
-                self.q8 = native.pack_q8_blocked(q, scale)
-        if self.q8 is None and self.q4 is None:
+                self.table = native.pack_q8_blocked(q, scale)
+        if self.table is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _ONEDNN_PACK_ROWS)
 
     @property
+    def q8(self) -> native.Q8Blocked | None:
+        return self.table if isinstance(self.table, native.Q8Blocked) else None
+
+    @property
+    def q4(self) -> native.Q4Packed | None:
+        return self.table if isinstance(self.table, native.Q4Packed) else None
+
+    @property
     def kernel(self) -> str:
-        return (
-            "native q8" if self.q8 is not None else "native q4" if self.q4 is not None else "onednn float32"
-        )
+        """ "native q8", "native q4", "native q5", "native f16", "native bf16" or "onednn float32"."""
+        if self.table is None:
+            return "onednn float32"
+        kind = native.kind(self.table)
+        return f"native {kind.replace('int', 'q')}"
 
     def weight_bytes_read(self) -> int:
-        if self.q8 is not None:
-            return self.q8.nbytes
-        if self.q4 is not None:
-            return self.q4.nbytes
-        return self.num_weights * 4
+        return self.num_weights * 4 if self.table is None else self.table.nbytes
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.float().contiguous()
-        lib = _native()
-        if self.q8 is not None:
+        if self.table is not None:
+            lib = _native()
             assert lib is not None
-            return native.q8_blocked_gemm(lib, x, self.q8, None, torch.get_num_threads())
-        if self.q4 is not None:
-            assert lib is not None
-            return native.q4_gemm(lib, x, self.q4, None, torch.get_num_threads())
+            return native.matmul(lib, x, self.table, None, torch.get_num_threads())
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")

@@ -2,10 +2,12 @@
 
 Why native code at all: on an AVX2 CPU, torch's own int4 kernel expands 4-bit weights to floats
 and runs float FMAs; it is compute-bound well below the memory bandwidth (measured in the README's
-kernel table). The kernels in csrc/ multiply the GGUF's own 4-bit and int8 groups by int16-quantized
-activations with exact integer dot products (llama.cpp's idea, at a finer activation step; int8
-steps with int8_activations), and read the paged KV cache in place for decode attention and for
-causal prefill attention (a flash-style tiled kernel, prefill_attention.c).
+kernel table). The kernels in csrc/ multiply the GGUF's own 4-bit, 5-bit and int8 groups by
+int16-quantized activations with exact integer dot products (llama.cpp's idea, at a finer activation
+step; int8 steps with int8_activations), its F16 / BF16 weights as they are (float32 accumulation), and
+read the paged KV cache in place for decode attention and for causal prefill attention (a flash-style
+tiled kernel, prefill_attention.c). Each stored form has its layout here (Q4Packed, Q5Packed,
+Q8Blocked, HalfPacked: `Packed`), a pack_* function and its GEMM; `matmul` and `rows` pick by layout.
 
 Every function here takes the library (`load()`: None where it cannot run, with the reason in
 `unavailable_reason()`) and contiguous CPU tensors, and checks the shapes it relies on. The library's
@@ -107,6 +109,124 @@ def q4_gemm(
 
 
 @dataclass(frozen=True)
+class Q5Packed:
+    """A 5-bit weight (N, K) in the q5 kernel's layout (csrc/gemm_q5.c: rows in units of 16, N padded to
+    whole units): qs (N16 / 16, K / 32, 320) uint8, each unit's group the q4 layout's 256 bytes of low
+    nibbles then 16 uint32 words of 5th bits; scale and offset (N16 / 16, K / 32, 2, 8) float32 or
+    float16."""
+
+    qs: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset))
+
+
+def pack_q5(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q5Packed:
+    """(N, K) uint8 values 0..31 with (N, K / 32) scales and offsets (float32, or float16 where exact) ->
+    the q5 kernel's layout. w = q * scale + offset per group of 32."""
+    n, k = q.shape
+    low = pack_q4(q & 15, scale, offset)  # the nibbles, scales and offsets exactly as q4 lays them out
+    n16, g = low.qs.shape[0] * 16, k // 32
+    high = (q >> 4).to(torch.uint8)
+    if n16 > n:
+        high = torch.cat((high, high.new_zeros(n16 - n, k)))
+    # bit b + 8h + 16j of word (unit, group, block k, pair c) is the 5th bit of row 16 unit + 8k + b,
+    # column 32 group + 16h + 2c + j: (unit, k, b, G, h, c, j) -> (unit, G, k, c, j, h, b), then each
+    # run of 8 bits (b) is one byte of the little-endian word
+    bits = high.view(n16 // 16, 2, 8, g, 2, 8, 2).permute(0, 3, 1, 5, 6, 4, 2).reshape(-1, 8)
+    words = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    qs = torch.cat((low.qs.view(n16 // 16, g, 256), words.view(n16 // 16, g, 64)), dim=-1)
+    return Q5Packed(qs.contiguous(), low.scale, low.offset, n, k)
+
+
+def q5_gemm(
+    lib: ctypes.CDLL, x: torch.Tensor, w: Q5Packed, bias: torch.Tensor | None, num_threads: int
+) -> torch.Tensor:
+    """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_q5; activations
+    rounded to int16 steps per group of 32, as the q4 kernel does."""
+    m, k = x.shape
+    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
+    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    rc = lib.onecall_q5_gemm(
+        x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.out_features,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(w.scale.dtype == torch.float16),
+    )  # fmt: skip
+    if rc == -1:
+        raise MemoryError("onecall_q5_gemm: out of memory for the activation buffer")
+    assert rc == 0, f"onecall_q5_gemm refused K {k} (rc {rc})"
+    return y
+
+
+def q5_rows(lib: ctypes.CDLL, w: Q5Packed, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape, int64) of the (N, K) table packed by pack_q5, dequantized: (*ids.shape, K)
+    float32, each value float(q) * scale + offset (an embedding lookup on 5-bit groups)."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.shape[0], w.in_features, dtype=torch.float32)
+    rc = lib.onecall_q5_rows(
+        w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.out_features, w.in_features,
+        int(w.scale.dtype == torch.float16), flat.data_ptr(), flat.shape[0], out.data_ptr(),
+    )  # fmt: skip
+    if rc == -3:
+        raise IndexError(f"a token id outside the embedding's {w.out_features} rows")
+    assert rc == 0, f"onecall_q5_rows refused K {w.in_features} (rc {rc})"
+    return out.view(*ids.shape, w.in_features)
+
+
+@dataclass(frozen=True)
+class HalfPacked:
+    """A weight (N, K) of 16-bit floats in the h16 layout (csrc/gemm_half.c: rows in units of 16, N padded
+    to whole units): values (N16 / 16, K, 16) float16 or bfloat16, column by column within a unit."""
+
+    values: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * 2
+
+
+def pack_half(w: torch.Tensor) -> HalfPacked:
+    """(N, K) float16 or bfloat16 -> the h16 layout (a copy of the same values, reordered)."""
+    n, k = w.shape
+    assert w.dtype in (torch.float16, torch.bfloat16)
+    n16 = -(-n // 16) * 16
+    if n16 > n:
+        w = torch.cat((w, w.new_zeros(n16 - n, k)))
+    return HalfPacked(w.view(n16 // 16, 16, k).transpose(1, 2).contiguous(), n, k)
+
+
+def half_gemm(
+    lib: ctypes.CDLL, x: torch.Tensor, w: HalfPacked, bias: torch.Tensor | None, num_threads: int
+) -> torch.Tensor:
+    """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_half: each
+    weight widened to float32 exactly, float32 accumulation in order along K."""
+    m, k = x.shape
+    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
+    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    lib.onecall_half_gemm(
+        x.data_ptr(), m, k, w.values.data_ptr(), w.out_features, None if bias is None else bias.data_ptr(),
+        y.data_ptr(), num_threads, int(w.values.dtype == torch.bfloat16),
+    )  # fmt: skip
+    return y
+
+
+def half_rows(w: HalfPacked, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape, int64) of the (N, K) table packed by pack_half, widened to float32 (exact):
+    (*ids.shape, K). An id outside the table is an IndexError."""
+    flat = ids.reshape(-1).to(torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.out_features):
+        raise IndexError(f"a token id outside the embedding's {w.out_features} rows")
+    rows = w.values[flat // 16, :, flat % 16]  # (M, K)
+    return rows.float().view(*ids.shape, w.in_features)
+
+
+@dataclass(frozen=True)
 class Q8Blocked:
     """An int8 weight (N, K) in the q8b layout (csrc: rows in units of 16, N padded to whole units):
     qs (N16 / 16, K / 32, 2, 16, 8, 2) int8, scale (N16 / 16, K / group_size, 2, 8) float32."""
@@ -185,6 +305,40 @@ def q8_blocked_gemm(
         raise MemoryError("onecall_q8b_gemm: out of memory for the activation buffer")
     assert rc == 0, f"onecall_q8b_gemm refused group size {w.group_size} or K {k} (rc {rc})"
     return y
+
+
+# A weight in the layout its native GEMM reads (packed from the checkpoint's own stored form)
+Packed = Q4Packed | Q5Packed | Q8Blocked | HalfPacked
+
+
+def matmul(lib: ctypes.CDLL, x: torch.Tensor, w: Packed, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
+    """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), on W's own kernel."""
+    if isinstance(w, Q4Packed):
+        return q4_gemm(lib, x, w, bias, num_threads)
+    if isinstance(w, Q5Packed):
+        return q5_gemm(lib, x, w, bias, num_threads)
+    if isinstance(w, Q8Blocked):
+        return q8_blocked_gemm(lib, x, w, bias, num_threads)
+    return half_gemm(lib, x, w, bias, num_threads)
+
+
+def kind(w: Packed) -> str:
+    """What a packed weight holds, for logs and DecoderLM.kernels: int4, int5, int8, f16 or bf16."""
+    if isinstance(w, HalfPacked):
+        return "bf16" if w.values.dtype == torch.bfloat16 else "f16"
+    return {Q4Packed: "int4", Q5Packed: "int5", Q8Blocked: "int8"}[type(w)]
+
+
+def rows(lib: ctypes.CDLL, w: Packed, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape) of a packed (N, K) table as float32, (*ids.shape, K): each value exactly the
+    file's dequantized one (an embedding lookup). IndexError for an id outside the table."""
+    if isinstance(w, Q4Packed):
+        return q4_rows(lib, w, ids)
+    if isinstance(w, Q5Packed):
+        return q5_rows(lib, w, ids)
+    if isinstance(w, Q8Blocked):
+        return q8_blocked_rows(lib, w, ids)
+    return half_rows(w, ids)
 
 
 def paged_decode_attention(

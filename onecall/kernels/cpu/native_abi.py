@@ -313,7 +313,8 @@ class KernelLibrary(ctypes.CDLL):
 
 # ---- the structs Python fills, mirrored (checked against kernels.h and the compiler at load) ----
 class Q4Weight(ctypes.Structure):
-    """kernels.h's Q4Weight: one projection of the native decode step, 4-bit or int8 groups."""
+    """kernels.h's Q4Weight: one projection of the native decode step, 4-bit, 5-bit or int8 groups or
+    16-bit floats."""
 
     _fields_ = [
         ("qs", ctypes.c_void_p),
@@ -325,6 +326,9 @@ class Q4Weight(ctypes.Structure):
         ("f16", ctypes.c_int64),
         ("q8_group", ctypes.c_int64),
         ("act8", ctypes.c_int64),
+        ("q5", ctypes.c_int64),
+        ("half", ctypes.c_int64),
+        ("next", ctypes.c_void_p),
     ]
 
 

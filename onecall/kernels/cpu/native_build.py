@@ -37,7 +37,9 @@ from onecall.kernels.cpu import native_abi
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (  # one library, one cache key
-    _CSRC / "gemm.c",  # the quantized GEMMs (q4, q4a8, q8b) and their activation quantization
+    _CSRC / "gemm.c",  # the quantized GEMMs (q4, q4a8, q8b)
+    _CSRC / "gemm_q5.c",  # the 5-bit GEMM (q5) and rows of a 5-bit table
+    _CSRC / "gemm_half.c",  # the F16 / BF16 GEMM
     _CSRC / "decode_attention.c",  # paged decode attention
     _CSRC / "decode_step.c",  # the small fused ops and the whole decode step (onecall_decode_layers)
     _CSRC / "prefill_attention.c",  # causal prefill attention
@@ -47,7 +49,7 @@ _SOURCES = (  # one library, one cache key
 )
 _HEADER = _CSRC / "kernels.h"  # everything the library exports, and the structs Python fills
 # included by the sources: part of the cache key, not compiled alone
-_HEADERS = (_HEADER, _CSRC / "simd.h")
+_HEADERS = (_HEADER, _CSRC / "simd.h", _CSRC / "act_quant.h")
 # -ffp-contract=off: float arithmetic runs as written (FMAs only where the code asks for one), so two
 # paths that should give the same bits (float16 vs float32 scales, a row alone vs in a batch) do.
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c11", "-ffp-contract=off")

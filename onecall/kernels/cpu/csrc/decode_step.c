@@ -121,11 +121,12 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
 
 /* ---- a whole decode step, every layer in one call ----------------------------------------------
  *
- * The per-op path (model/layers.py) calls the kernels (gemm.c, decode_attention.c, the ops above) one
- * by one from Python, about twenty calls a layer. For a step where every row is a decode row on the
- * 4-bit kernel, this runs the same kernels in the same order on the same values, from C: a decode row
- * gets the same bits either way (tests/kernels/test_native_step.py checks it bitwise), and the step
- * costs one call into C instead of hundreds of Python-level dispatches.
+ * The per-op path (model/layers.py) calls the kernels (gemm*.c, decode_attention.c, the ops above) one
+ * by one from Python, about twenty calls a layer. For a step where every row is a decode row and every
+ * projection's parts run on native GEMMs (4-bit, 5-bit, int8 groups, 16-bit floats), this runs the same
+ * kernels in the same order on the same values, from C: a decode row gets the same bits either way
+ * (tests/kernels/test_native_step.py checks it bitwise), and the step costs one call into C instead of
+ * hundreds of Python-level dispatches.
  *
  * Per layer, as DecoderLayer.forward does it: x = norm(h += r); qkv = x W_qkv (+b); q/k norms (Qwen3),
  * RoPE + K/V store; a = attention(q); h += a W_o and x = norm(h); r = silu(x W_gate) * (x W_up) W_down. After
@@ -140,13 +141,43 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  * kernels.h.
  */
 
-static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int num_threads) {
+/* One part of a projection (its own n rows) on its kernel, with `bias` (or NULL) */
+static int part_apply(const Q4Weight *w, const float *bias, const float *x, int64_t M, float *y, int num_threads) {
+    if (w->half)
+        return onecall_half_gemm(x, M, w->k, (const uint16_t *)w->qs, w->n, bias, y, num_threads, w->half == 2);
+    if (w->q5)
+        return onecall_q5_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, bias, y, num_threads, (int)w->f16);
     if (w->q8_group)
-        return onecall_q8b_gemm(x, M, w->k, (const int8_t *)w->qs, (const float *)w->scale, w->n, w->bias, y,
+        return onecall_q8b_gemm(x, M, w->k, (const int8_t *)w->qs, (const float *)w->scale, w->n, bias, y,
                                 num_threads, (int)w->q8_group);
     if (w->act8)
-        return onecall_q4a8_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
-    return onecall_q4_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, w->bias, y, num_threads, (int)w->f16);
+        return onecall_q4a8_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, bias, y, num_threads, (int)w->f16);
+    return onecall_q4_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, bias, y, num_threads, (int)w->f16);
+}
+
+/* y (M, N) = x W^T (+ bias) for a projection of one part or a chain of them (kernels.h's Q4Weight): each
+ * part into a scratch buffer, copied into its columns, then the bias added, as FastLinear's per-op path
+ * does it (the same float32 additions, so the same bits). */
+static int q4_apply(const Q4Weight *w, const float *x, int64_t M, float *y, int num_threads) {
+    if (!w->next) return part_apply(w, w->bias, x, M, y, num_threads);
+    int64_t N = 0, widest = 0;
+    for (const Q4Weight *p = w; p; p = p->next) {
+        N += p->n;
+        widest = p->n > widest ? p->n : widest;
+    }
+    float *part = malloc(sizeof(float) * (size_t)(M * widest));
+    if (!part) return -1;
+    int rc = 0;
+    int64_t col = 0;
+    for (const Q4Weight *p = w; p && rc == 0; col += p->n, p = p->next) {
+        if ((rc = part_apply(p, NULL, x, M, part, num_threads))) break;
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * N + col, part + m * p->n, sizeof(float) * (size_t)p->n);
+    }
+    free(part);
+    if (rc == 0 && w->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * N + n] += w->bias[n];
+    return rc;
 }
 
 /* Its contract (shapes, return codes) is kernels.h's. */

@@ -40,77 +40,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "act_quant.h"
 #include "kernels.h"
 #include "simd.h"
 
-#define ACT_MAX 32767.0f /* activations are quantized to int16 steps of absmax / ACT_MAX per group */
-
-typedef struct {
-    int16_t *q;  /* (M, K) */
-    float *d;    /* (M, G): activation step per group */
-    float *sum;  /* (M, G): float32 sum per group */
-} QuantRows;
-
-static void free_rows(QuantRows *r) {
-    free(r->q);
-    free(r->d);
-    free(r->sum);
-}
-
-static int alloc_rows(int64_t M, int64_t K, QuantRows *r) {
-    const int64_t G = K / 32;
-    r->q = malloc(sizeof(int16_t) * (size_t)(M * K));
-    r->d = malloc(sizeof(float) * (size_t)(M * G));
-    r->sum = malloc(sizeof(float) * (size_t)(M * G));
-    if (!r->q || !r->d || !r->sum) {
-        free_rows(r);
-        return -1;
-    }
-    return 0;
-}
-
-/* A group's step d = absmax / qmax and *inv = 1 / d where that is a normal float (a group of zeros, or
- * of values so small that 1 / d would overflow, quantizes to zeros: it adds nothing); d = NaN when the
- * group holds a NaN or infinities of both signs (its float32 sum is NaN), so every output it feeds is
- * NaN as in float32 math, rather than the NaN turning into an integer. */
-static inline float group_step(float amax, float qmax, float sum, float *inv) {
-    const float d = amax / qmax;
-    *inv = d >= FLT_MIN ? 1.0f / d : 0.0f;
-    return isnan(sum) ? NAN : d;
-}
-
-/* Quantize row m of x (M, K) to int16 per group of 32: step d = absmax / ACT_MAX, q = round-to-nearest-even(x / d)
- * (the default rounding mode, as nearbyintf), and the group's float32 sum (fixed order: 8 lanes, then
- * a fixed horizontal sum). */
-static inline void quantize_row(const float *x, int64_t m, int64_t K, QuantRows *r) {
-    const int64_t G = K / 32;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t g = 0; g < G; g++) {
-        const float *p = x + m * K + g * 32;
-        const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
-        const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
-        const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                       _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-        const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-        float inv;
-        const float d = group_step(hmax8(a), ACT_MAX, sum, &inv);
-        const __m256 iv = _mm256_set1_ps(inv);
-        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv));
-        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
-        /* packs works per 128-bit lane: 0xD8 puts the four quarters back in order */
-        int16_t *out = r->q + m * K + g * 32;
-        _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
-        _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8));
-        r->d[m * G + g] = d;
-        r->sum[m * G + g] = sum;
-    }
-}
-
-/* 8 scales or offsets of one group (one per weight row of a block), as float32 */
-static inline __attribute__((always_inline)) __m256 load8(const void *p, const int f16) {
-    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_loadu_ps((const float *)p);
-}
+/* QuantRows, quantize_row (the int16 activation steps), load8 and Q4_ROW_CHUNK: act_quant.h */
 
 #ifndef Q4_PREFETCH
 #define Q4_PREFETCH 16 /* groups ahead that the weight stream is prefetched */
@@ -129,7 +63,6 @@ static inline __attribute__((always_inline)) __m256 load8(const void *p, const i
  * adds does not matter. Every output goes through the same operations in the same order whatever MT, M
  * and the thread count are: batch invariance. */
 #define Q4_PAIR_TILE 3  /* rows per tile: 2 x 3 int32 accumulators + weights stay in registers (4: 0-5% slower) */
-#define Q4_ROW_CHUNK 64 /* activation rows per pass over the weights (64 x K int16: 72-192 KiB for K 576-1536) */
 static inline __attribute__((always_inline)) void q4_unit_tile(const int MT, const QuantRows *r, int64_t m0,
                                                                int64_t u, int64_t K, int64_t N, const uint8_t *qs,
                                                                const void *scale, const void *offset,

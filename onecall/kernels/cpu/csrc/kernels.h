@@ -1,11 +1,12 @@
 /* onecall's native CPU kernels: the one declaration of everything the library exports.
  *
- * The library: gemm.c (the quantized GEMMs), decode_attention.c (paged decode attention),
- * decode_step.c (the small fused ops and the whole decode step), prefill_attention.c (causal prefill
- * attention), embedding.c (rows of a quantized table), argmax.c (the greedy pick over logits), layout.c
- * (the layout of the structs below), with simd.h's shared helpers. Built at first use by
- * kernels/cpu/native_build.py (every source compiled at once, then linked into one shared library),
- * cached on disk, loaded with ctypes after torch, so these loops run on torch's libgomp thread pool.
+ * The library: gemm.c (the quantized GEMMs), gemm_q5.c (the 5-bit one), gemm_half.c (F16 / BF16
+ * weights), decode_attention.c (paged decode attention), decode_step.c (the small fused ops and the
+ * whole decode step), prefill_attention.c (causal prefill attention), embedding.c (rows of a quantized
+ * table), argmax.c (the greedy pick over logits), layout.c (the layout of the structs below), with
+ * simd.h's and act_quant.h's shared helpers. Built at first use by kernels/cpu/native_build.py (every
+ * source compiled at once, then linked into one shared library), cached on disk, loaded with ctypes
+ * after torch, so these loops run on torch's libgomp thread pool.
  *
  * This header is the truth about the interface, and three checks hold everything else to it:
  *   - the C: every source includes it, so a definition that differs from its prototype does not compile,
@@ -47,6 +48,29 @@ int onecall_q4a8_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, c
  * group size other than 16 or 32, or K % 32 != 0. */
 int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *scale, int64_t N,
                      const float *bias, float *y, int num_threads, int group_size);
+
+/* ---- gemm_q5.c: 5-bit groups (Q5_0, Q5_1, Q5_K), layout at the top of gemm_q5.c ---- */
+
+/* y (M, N) = x (M, K) @ W^T (+ bias (N,) unless NULL), W 5-bit groups of 32 in the q5 layout (N padded to
+ * whole units of 16 rows there; only N rows written), activations quantized per group of 32 to int16
+ * steps as onecall_q4_gemm's. scale, offset: float32, or IEEE half when f16_scales. 0 on success, -1 out
+ * of memory, -2 K % 32 != 0. */
+int onecall_q5_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, const void *offset,
+                    int64_t N, const float *bias, float *y, int num_threads, int f16_scales);
+
+/* out (M, K) = rows ids[0 .. M) (int64) of an (N, K) table in the q5 layout, dequantized (float(q) * scale
+ * + offset; scale and offset float32, or IEEE half when f16). 0 on success, -2 K % 32 != 0, -3 an id
+ * outside 0 .. N - 1. */
+int onecall_q5_rows(const uint8_t *qs, const void *scale, const void *offset, int64_t N, int64_t K, int f16,
+                    const int64_t *ids, int64_t M, float *out);
+
+/* ---- gemm_half.c: F16 / BF16 weights, layout at the top of gemm_half.c ---- */
+
+/* y (M, N) = x (M, K) @ W^T (+ bias (N,) unless NULL), W 16-bit floats in the h16 layout (N padded to whole
+ * units of 16 rows there; only N rows written): IEEE half, or bfloat16 when bf16; each value widened to
+ * float32 exactly, float32 accumulation. 0 on success (it always succeeds: no buffers). */
+int onecall_half_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias,
+                      float *y, int num_threads, int bf16);
 
 /* ---- decode_attention.c, prefill_attention.c: attention over the paged KV cache, read in place ---- */
 
@@ -92,16 +116,23 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
                         const float *k_norm, float norm_eps, const float *cos, const float *sin,
                         const int64_t *slot_mapping, void *k_cache, void *v_cache, int kv_f16);
 
-/* One projection of the decode step: 4-bit (q8_group 0: onecall_q4_gemm, or onecall_q4a8_gemm with
- * act8) or int8 groups (q8_group 32 or 16: onecall_q8b_gemm). A (n, k) weight. */
+/* One projection of the decode step, a (n, k) weight: 4-bit groups (q8_group, q5, half all 0:
+ * onecall_q4_gemm, or onecall_q4a8_gemm with act8), int8 groups (q8_group 32 or 16: onecall_q8b_gemm),
+ * 5-bit groups (q5 1: onecall_q5_gemm) or 16-bit floats (half 1: IEEE half, 2: bfloat16, in qs:
+ * onecall_half_gemm). A projection stored in parts of different forms (a Q4_K_M file's q/k beside its
+ * v) is a chain: this struct its first n rows, `next` the Q4Weight of the rows after them, and so on;
+ * the first part's bias is then the whole projection's, added once every part is in. */
 typedef struct {
-    const uint8_t *qs;  /* the q4 (or q4a8) layout; int8: the q8b layout */
-    const void *scale;  /* q4: float32, or IEEE half when f16; int8: float32 */
-    const void *offset; /* q4 only */
-    const float *bias;  /* (n,) or NULL */
+    const uint8_t *qs;  /* the q4 (or q4a8) layout; int8: the q8b layout; q5: the q5 layout; half: h16 */
+    const void *scale;  /* q4, q5: float32, or IEEE half when f16; int8: float32; half: unused */
+    const void *offset; /* q4, q5 only */
+    const float *bias;  /* (n,) or NULL; a chain's first part: the whole projection's */
     int64_t n, k, f16;
-    int64_t q8_group; /* 0: 4-bit; 32 or 16: int8 groups of that size */
+    int64_t q8_group; /* 0: not int8; 32 or 16: int8 groups of that size */
     int64_t act8;     /* 4-bit only: the q4a8 layout, run with int8 activations */
+    int64_t q5;       /* 1: 5-bit groups in the q5 layout */
+    int64_t half;     /* 1: IEEE half, 2: bfloat16 weights in the h16 layout */
+    const void *next; /* the next part (a Q4Weight), or NULL: this part is the projection's last */
 } Q4Weight;
 
 /* One decoder layer of the decode step: its two norm weights, its q/k norm weights (or NULL), its
