@@ -190,6 +190,14 @@ class GGUFFile:
         arch = self.metadata.get("general.architecture")
         self.architecture: str = arch if isinstance(arch, str) else ""
 
+    def release_pages(self) -> None:
+        """Let the kernel drop the file's pages from this process once the weights are loaded: a packed
+        copy does not read them again, and what still does (a 16-bit weight kept as a view of the file,
+        the tokenizer) faults them back in from the page cache. Resident memory then counts the weights
+        once, not the file beside its packed copy."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+
     def _parse(self) -> tuple[dict[str, Any], list[TensorInfo]]:
         """Phases: 1. header, 2. key/values, 3. tensor directory, 4. aligned data offsets."""
         cur = _Cursor(self._mmap)
