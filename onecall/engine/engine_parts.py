@@ -15,6 +15,7 @@ rank's pool has the same block ids. Rank 0 keeps the scheduler and the tokenizer
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import time
@@ -158,10 +159,8 @@ def release_load_memory(files: ModelFiles) -> None:
     ~0.7 GB (docs/benchmarks.md)."""
     if files.kind == "gguf":
         open_gguf(files.path).release_pages()
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim this way
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim this way
-        pass
 
 
 def check_vocab(tokenizer: Tokenizer, model_config: ModelConfig, name: str) -> None:
