@@ -524,3 +524,57 @@ def tiny_hybrid_hf(family: str = "qwen3_5", seed: int = 0, **overrides: Any) -> 
             else:
                 p.copy_(0.15 * torch.randn_like(p))
     return hf
+
+
+# ---------------------------------------------------------------- a hybrid as a user's folder
+def write_tiny_hybrid_chat_folder(path: str | Path, seed: int = 0, num_reply_words: int = 256) -> Path:
+    """tiny_hybrid_hf("qwen3_5") as a user's Hugging Face folder, one that `onecall lab --model PATH`
+    (or LLM(model=PATH)) loads and chats with: save_pretrained's config.json, generation_config.json
+    and safetensors; the embedded SmolLM2's tokenizer as tokenizer.json (onecall.text.byte_level
+    rebuilds it from the GGUF's vocabulary, merges and pre-tokenizer name, and `tokenizers` writes it
+    out); a tokenizer_config.json with its BOS and EOS, no BOS added, and SmolLM2's own chat template
+    (ChatML with a default system prompt). The vocabulary is SmolLM2's (49,152), the context 2,048
+    tokens (the lab's 10-turn chat passes 500).
+
+    The output head is untied and zero but for `num_reply_words` whole-word tokens (" the", " book":
+    "Ġ" and three or more lowercase letters, each the one token its text encodes to), random as the
+    rest: greedy replies are words that the tokenizer gives back from their text. A fully random head
+    writes byte-level fragments that re-tokenize differently once a client re-sends the reply as text,
+    so no turn would continue the cached path. EOS is never the argmax: every reply runs to max_tokens."""
+    import re
+
+    from onecall.formats.checkpoint import resolve_model
+    from onecall.formats.gguf import open_gguf
+    from onecall.text.byte_level import byte_level_from_gguf
+
+    meta = open_gguf(resolve_model(None).path).metadata
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    tokenizer = byte_level_from_gguf(
+        tokens, meta["tokenizer.ggml.merges"], meta["tokenizer.ggml.token_type"], meta["tokenizer.ggml.pre"]
+    )
+
+    def one_token(i: int, word: str) -> bool:
+        return tokenizer.encode(" " + word, add_special_tokens=False).ids == [i]
+
+    words = [i for i, t in enumerate(tokens) if re.fullmatch("Ġ[a-z]{3,}", t) and one_token(i, t[1:])]
+    words = words[:num_reply_words]
+    assert len(words) == num_reply_words
+    bos, eos = meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]
+    hf = tiny_hybrid_hf(
+        "qwen3_5", seed=seed, vocab_size=len(tokens), max_position_embeddings=2048, tie_word_embeddings=False,
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=eos,
+    )  # fmt: skip
+    with torch.no_grad():
+        head = torch.zeros_like(hf.lm_head.weight)
+        gen = torch.Generator().manual_seed(seed)
+        head[words] = 0.15 * torch.randn(len(words), head.shape[1], generator=gen)
+        hf.lm_head.weight.copy_(head)
+    folder = Path(path)
+    hf.save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "bos_token": tokens[bos], "eos_token": tokens[eos], "pad_token": tokens[eos], "add_bos_token": False,
+        "chat_template": meta["tokenizer.chat_template"],
+    }  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder

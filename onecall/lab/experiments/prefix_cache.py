@@ -17,6 +17,16 @@ The report's words name what ran: the model, its own template, the think block a
 
 Turn 1 may reuse tokens an earlier call left in the shared cache (the default system prompt): the
 cache is per server, not per conversation.
+
+A hybrid model (LLM.info.state_bytes_per_sequence > 0: linear-attention layers with a fixed state per
+sequence beside the attention layers' KV) resumes a hit only where a snapshot of that state exists
+(docs/design.md, "Prefix caching for a hybrid model"): the hit is the KV match cut back to the longest
+snapshot inside it. For one, each turn also records the trace's KV match (`num_kv_matched_tokens`),
+where the state resumed (`state_resumed_at`, = num_cached_tokens), the matched tokens recomputed for
+want of a snapshot between the two, and which snapshot it was, as far as this chat's own turns tell
+(a turn's finish: its prompt and fed reply tokens; a prompt's end; a prompt's last 64-token boundary);
+the report adds the state's size, the snapshot count and what the 64-token granularity cost per turn
+with each template. A model without a linear state gets the report it always had.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ TEMPLATES = ("own", "qwen3-style")  # "own": the model's template; the others ar
 MAX_REPLY_TOKENS, QUICK_MAX_REPLY_TOKENS = 40, 8
 QUICK_TURNS = 4
 SEED_PREFILLED_RESENT, SEED_PREFILLED_CACHED = 5549, 999  # over the seed's 10 turns, on Qwen3-8B
+# A hybrid's aligned state snapshot: the last multiple of this many tokens inside each prompt (the
+# engine's SNAPSHOT_ALIGN, onecall/engine/state_slots.py; LLM.info does not carry it)
+SNAPSHOT_ALIGN = 64
 
 
 @dataclass
@@ -60,6 +73,11 @@ class _Previous:
     @property
     def end(self) -> int:
         return self.num_prompt_tokens + self.num_reply_tokens
+
+    @property
+    def aligned(self) -> int:
+        """A hybrid's aligned snapshot in this prompt: its last SNAPSHOT_ALIGN boundary (0: none)."""
+        return (self.num_prompt_tokens - 1) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
 
 
 def run(ctx: LabContext) -> ExperimentResult:
@@ -78,6 +96,14 @@ def run(ctx: LabContext) -> ExperimentResult:
         "templates": chats,
         "think_block": think_block(ctx.llm, get_named_template("qwen3-style")),
     }
+    info = ctx.llm.info
+    if info.state_bytes_per_sequence > 0:  # a hybrid: what its state costs (a model without one: no key)
+        results["hybrid"] = {
+            "state_bytes_per_sequence": info.state_bytes_per_sequence,
+            "kv_bytes_per_token": info.kv_bytes_per_token,
+            "state_snapshots": info.state_snapshots,
+            "snapshot_align": SNAPSHOT_ALIGN,
+        }
     model = ctx.llm.info.model_name
     return ExperimentResult(
         NAME,
@@ -115,28 +141,29 @@ def _chat(
     first_token = SamplingParams(temperature=0.0, max_tokens=1)  # cache off: prefill + TTFT are enough
     turns: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []
-    previous: _Previous | None = None
+    earlier: list[_Previous] = []  # this chat's turns so far (a hybrid's snapshots are named by them)
     for k in range(num_turns):
         ctx.progress(f"{template} template: turn {k + 1}/{num_turns}")
         messages.append({"role": "user", "content": USER_TURNS[k]})
         on = ctx.llm.chat(messages, reply_params, chat_template=source)[0]
         off = off_llm.chat(messages, first_token, chat_template=source)[0]
-        turns.append(_turn(ctx.llm, k + 1, on, off, previous))
-        previous = _Previous(on.num_prompt_tokens, max(len(on.token_ids) - 1, 0))
+        turns.append(_turn(ctx.llm, k + 1, on, off, earlier))
+        earlier.append(_Previous(on.num_prompt_tokens, max(len(on.token_ids) - 1, 0)))
         messages.append({"role": "assistant", "content": on.text})
     return turns
 
 
 def _turn(
-    llm: LLM, k: int, on: RequestOutput, off: RequestOutput, previous: _Previous | None
+    llm: LLM, k: int, on: RequestOutput, off: RequestOutput, earlier: list[_Previous]
 ) -> dict[str, Any]:
     """One turn's figures, and where (and why) its prompt left the cached path."""
     t, d = on.trace, on.trace.divergence
+    previous = earlier[-1] if earlier else None
+    # A hybrid's hit is cut back to a state snapshot: its KV match is the token match
+    kv_matched = t.num_cached_tokens if t.num_kv_matched_tokens is None else t.num_kv_matched_tokens
     # The prompt matched the cache up to the divergence, or (no divergence) as far as the cache went.
     match_len = (
-        d["index"]
-        if d is not None
-        else t.num_cached_tokens + t.num_dropped_cache_tokens + int(t.cache_match_capped)
+        d["index"] if d is not None else kv_matched + t.num_dropped_cache_tokens + int(t.cache_match_capped)
     )
     divergence = None
     if d is not None:
@@ -146,6 +173,15 @@ def _turn(
         ]
         divergence = {**d, "prompt_token_text": text[0], "cached_token_text": text[1]}
     cause, tokens_early, tokens_lost = _cause(match_len, previous)
+    hybrid: dict[str, Any] = {}
+    if t.state_resumed_at is not None:
+        hybrid = {
+            "num_kv_matched_tokens": kv_matched,
+            "state_resumed_at": t.state_resumed_at,
+            # matched in the KV cache but prefilled again: no state snapshot between the two
+            "num_recomputed_tokens": kv_matched - t.state_resumed_at,
+            "resumed_from": _resumed_from(t.state_resumed_at, earlier),
+        }
     return {
         "turn": k,
         "num_prompt_tokens": on.num_prompt_tokens,
@@ -161,7 +197,23 @@ def _turn(
         "cause": cause,
         "tokens_early": tokens_early,  # before the end of the previous prompt
         "tokens_lost": tokens_lost,  # of what the previous call left cached (its prompt and reply)
+        **hybrid,
     }
+
+
+def _resumed_from(resumed_at: int, earlier: list[_Previous]) -> dict[str, Any]:
+    """Which state snapshot a hybrid resumed from, as far as this chat's turns tell: {"snapshot":
+    "finish" (after a turn's prompt and fed reply), "prompt end", "aligned" (a prompt's last
+    SNAPSHOT_ALIGN boundary), "other" (another call's) or "none" (from scratch), "turn": the turn's
+    number or None}. The latest turn first, a finish before a prompt end before a boundary."""
+    if resumed_at == 0:
+        return {"snapshot": "none", "turn": None}
+    for j in range(len(earlier), 0, -1):
+        p = earlier[j - 1]
+        for kind, at in (("finish", p.end), ("prompt end", p.num_prompt_tokens), ("aligned", p.aligned)):
+            if resumed_at == at:
+                return {"snapshot": kind, "turn": j}
+    return {"snapshot": "other", "turn": None}
 
 
 def _cause(match_len: int, previous: _Previous | None) -> tuple[str, int | None, int | None]:
@@ -182,7 +234,7 @@ def _ms(seconds: float | None) -> float | None:
 
 def _totals(turns: list[dict[str, Any]]) -> dict[str, Any]:
     last = turns[-1]
-    return {
+    totals: dict[str, Any] = {
         "prefilled_cache_on": sum(t["prefilled_cache_on"] for t in turns),
         "prefilled_cache_off": sum(t["prefilled_cache_off"] for t in turns),
         "prompt_tokens_sent": sum(t["num_prompt_tokens"] for t in turns),
@@ -190,6 +242,9 @@ def _totals(turns: list[dict[str, Any]]) -> dict[str, Any]:
         "last_turn_ttft_ms_cache_off": last["ttft_ms_cache_off"],
         "tokens_early_after_turn_1": sorted({t["tokens_early"] for t in turns[1:]}),
     }
+    if "state_resumed_at" in last:  # a hybrid: KV-matched tokens prefilled again, for want of a snapshot
+        totals["recomputed_tokens"] = sum(t["num_recomputed_tokens"] for t in turns)
+    return totals
 
 
 def _plots(ctx: LabContext, chats: dict[str, Any]) -> list[Any]:
@@ -226,7 +281,7 @@ def _seed_rows(model: str, results: dict[str, Any]) -> list[SeedRow]:
     short = "" if num_turns == len(USER_TURNS) else f"{num_turns} turns (quick form); "
     early = ", ".join(str(e) for e in qwen["tokens_early_after_turn_1"]) or "-"
     resent = "fewer" if own["prefilled_cache_off"] < SEED_PREFILLED_RESENT else "more"
-    return [
+    rows = [
         SeedRow(
             f"tokens prefilled over {num_turns} turns, re-sent / cached",
             f"{SEED_PREFILLED_RESENT:,} / {SEED_PREFILLED_CACHED:,}",
@@ -248,6 +303,19 @@ def _seed_rows(model: str, results: dict[str, Any]) -> list[SeedRow]:
             f"({_pieces(block['tokens'])}); in Qwen3's, <think> and </think> are single tokens",
         ),
     ]
+    hybrid = results.get("hybrid")
+    if hybrid is not None:
+        rows.append(
+            SeedRow(
+                "hybrid: KV-matched tokens recomputed for want of a state snapshot, own / qwen3-style",
+                "- (Qwen3-8B has no linear-attention layers)",
+                f"{own['recomputed_tokens']:,} / {qwen['recomputed_tokens']:,}",
+                f"{short}{model} carries a {hybrid['state_bytes_per_sequence']:,}-byte state per sequence; "
+                "a hit resumes only at a snapshot of it: a turn's finish, a prompt's end or its last "
+                f"{hybrid['snapshot_align']}-token boundary",
+            )
+        )
+    return rows
 
 
 def _pieces(tokens: list[str]) -> str:
@@ -267,7 +335,10 @@ def _markdown(model: str, results: dict[str, Any]) -> str:
         "the prompt left the cached path (from the trace); none means the cache simply ran out, after the "
         "previous reply."
     ]
+    hybrid = results.get("hybrid")
     header = ["turn", "prompt", "cached", "prefilled on / off", "TTFT on / off", "divergence", "cause"]
+    if hybrid is not None:  # the hit (cached) is where the state resumed, within the KV match
+        header[2:3] = ["KV match", "cached (state resumed at)", "resumed from"]
     for template, chat in chats.items():
         rows = []
         for t in chat["turns"]:
@@ -277,11 +348,15 @@ def _markdown(model: str, results: dict[str, Any]) -> str:
                 if d is None
                 else (f"@{d['index']}: `{d['prompt_token_text']!r}` vs cached `{d['cached_token_text']!r}`")
             )
+            cached: list[Any] = [t["num_cached_tokens"]]
+            if hybrid is not None:
+                prev = chat["turns"][t["turn"] - 2] if t["turn"] > 1 else None
+                cached = [t["num_kv_matched_tokens"], t["state_resumed_at"], _resumed_from_text(t, prev)]
             rows.append(
                 [
                     t["turn"],
                     t["num_prompt_tokens"],
-                    t["num_cached_tokens"],
+                    *cached,
                     f"{t['prefilled_cache_on']} / {t['prefilled_cache_off']}",
                     f"{_fmt_ms(t['ttft_ms_cache_on'])} / {_fmt_ms(t['ttft_ms_cache_off'])}",
                     where,
@@ -290,12 +365,16 @@ def _markdown(model: str, results: dict[str, Any]) -> str:
             )
         tot = chat["totals"]
         name = f"{model}'s own template" if template == "own" else f"the `{template}` template"
-        parts += [
-            f"### With {name}",
-            md_table(header, rows),
+        total = (
             f"Total prefilled: **{tot['prefilled_cache_on']:,}** tokens with the cache, "
-            f"**{tot['prefilled_cache_off']:,}** re-sent ({tot['prompt_tokens_sent']:,} prompt tokens sent).",
-        ]
+            f"**{tot['prefilled_cache_off']:,}** re-sent ({tot['prompt_tokens_sent']:,} prompt tokens sent)."
+        )
+        if hybrid is not None:
+            total += (
+                f" Of those prefilled with the cache, **{tot['recomputed_tokens']:,}** were in the KV match "
+                "but past the last state snapshot inside it, so computed again."
+            )
+        parts += [f"### With {name}", md_table(header, rows), total]
     retokenized = [
         (f"{template} turn {t['turn']}", t["divergence"])
         for template, chat in chats.items()
@@ -323,4 +402,120 @@ def _markdown(model: str, results: dict[str, Any]) -> str:
         "So each turn's prompt rewrites the end of the one before, and the cached path is lost from "
         "there: the previous reply is prefilled again every turn."
     )
+    if hybrid is not None:
+        parts += _hybrid_markdown(model, results)
     return "\n\n".join(parts)
+
+
+_SNAPSHOT_NAMES = {
+    "finish": "the finish of turn {turn} (its prompt and fed reply)",
+    "prompt end": "the prompt end of turn {turn}",
+    "aligned": "the {align}-token boundary in turn {turn}'s prompt",
+    "other": "a snapshot another call left",
+    "none": "from scratch",
+}
+
+
+def _resumed_from_text(t: dict[str, Any], prev: dict[str, Any] | None) -> str:
+    """A hybrid turn's "resumed from" cell: the snapshot, and why the hit was shorter than the match."""
+    if t["num_kv_matched_tokens"] == 0:
+        return "-"
+    r = t["resumed_from"]
+    text = _SNAPSHOT_NAMES[r["snapshot"]].format(turn=r["turn"], align=SNAPSHOT_ALIGN)
+    if t["num_recomputed_tokens"] == 0:
+        return text
+    text += (
+        f": no snapshot between {t['state_resumed_at']} and {t['num_kv_matched_tokens']}, "
+        f"{_tokens(t['num_recomputed_tokens'])} of the match recomputed"
+    )
+    skipped = _boundary_past_match(t, prev)
+    if skipped is not None:
+        text += f" (turn {t['turn'] - 1}'s {SNAPSHOT_ALIGN}-token boundary, {skipped}, lies past the match)"
+    return text
+
+
+def _boundary_past_match(t: dict[str, Any], prev: dict[str, Any] | None) -> int | None:
+    """The previous prompt's aligned snapshot when it lies past this turn's KV match (a template that
+    rewrote the prompt's end from before it), so that the state went back further; else None."""
+    if prev is None:
+        return None
+    boundary = (prev["num_prompt_tokens"] - 1) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
+    return boundary if boundary > t["num_kv_matched_tokens"] else None
+
+
+def _tokens(n: int) -> str:
+    return f"{n:,} token" if n == 1 else f"{n:,} tokens"
+
+
+def _turn_numbers(turns: list[int]) -> str:
+    return ("turn " if len(turns) == 1 else "turns ") + ", ".join(str(k) for k in turns)
+
+
+def _hybrid_markdown(model: str, results: dict[str, Any]) -> list[str]:
+    """What changes for a hybrid: its state, snapshots only, their granularity and its cost per turn."""
+    hybrid, chats, block = results["hybrid"], results["templates"], results["think_block"]
+    state, kv, align = hybrid["state_bytes_per_sequence"], hybrid["kv_bytes_per_token"], SNAPSHOT_ALIGN
+    parts = [
+        "### What changes for a hybrid model",
+        f"{model} is a hybrid: beside its attention layers' K and V ({kv:,} bytes per token), its "
+        f"linear-attention layers carry one fixed-size state per sequence, **{state:,} bytes** here (as "
+        f"much as {state / kv:,.1f} tokens of KV), and the engine keeps **{hybrid['state_snapshots']}** "
+        "snapshots of it. That state sums up every token so far and cannot be rolled back, so a cached "
+        "prefix is usable only up to a position whose state a snapshot holds: a prompt's end, its last "
+        f"multiple of {align} tokens, and after every token a finished request was fed. A hit is the KV "
+        "match cut back to the longest snapshot inside it (the trace's `num_kv_matched_tokens` and "
+        "`state_resumed_at`); the matched tokens past it are prefilled again.",
+    ]
+    for template, chat in chats.items():
+        turns, tot = chat["turns"], chat["totals"]
+        if len(turns) < 2:
+            continue
+        name = f"{model}'s own template" if template == "own" else f"the `{template}` template"
+        groups: dict[str, list[int]] = {}
+        skipped: list[str] = []
+        for prev, t in zip(turns, turns[1:], strict=False):
+            r = t["resumed_from"]
+            previous = r["turn"] == prev["turn"]
+            key = {
+                ("finish", True): "at the previous turn's finish",
+                ("finish", False): "at an earlier turn's finish",
+                ("aligned", True): f"at the previous prompt's last {align}-token boundary",
+                ("aligned", False): f"at an earlier prompt's {align}-token boundary",
+                ("prompt end", True): "at the previous prompt's end",
+                ("prompt end", False): "at an earlier prompt's end",
+            }.get((r["snapshot"], previous), _SNAPSHOT_NAMES[r["snapshot"]])
+            groups.setdefault(key, []).append(t["turn"])
+            boundary = _boundary_past_match(t, prev)
+            if boundary is not None:
+                skipped.append(
+                    f"at turn {t['turn']} the previous prompt's last boundary, {boundary}, lay past the "
+                    f"match ({t['num_kv_matched_tokens']}), so the state went back to "
+                    f"{t['state_resumed_at']}: {_tokens(t['num_recomputed_tokens'])} recomputed"
+                )
+        where = "; ".join(f"{key} in {len(ks)} ({_turn_numbers(ks)})" for key, ks in groups.items())
+        recomputed = [t["num_recomputed_tokens"] for t in turns[1:]]
+        text = (
+            f"With {name}, of turns 2-{turns[-1]['turn']} the state resumed {where}: "
+            f"{_tokens(sum(recomputed))} of their KV match recomputed "
+            f"({', '.join(str(r) for r in recomputed)} per turn)."
+        )
+        if skipped:
+            said = "; ".join(skipped)
+            text += f" {said[0].upper()}{said[1:]}."
+        parts.append(
+            text + f" Over all {len(turns)} turns it prefilled {tot['prefilled_cache_on']:,} tokens with "
+            "the cache, where a model without a linear state, reusing every matched token, would prefill "
+            f"{tot['prefilled_cache_on'] - tot['recomputed_tokens']:,}."
+        )
+    parts.append(
+        "The own template re-sends the previous turn whole, so its match runs to exactly where the "
+        "previous request stopped, which is where its finish snapshot is. The qwen3-style template "
+        f"rewrites the previous prompt's last {block['num_tokens']} tokens (the think block), before that "
+        "turn's prompt-end and finish snapshots, so its state resumes at the previous prompt's last "
+        f"{align}-token boundary when that lies before the divergence, else at an earlier prompt's, or "
+        f"from scratch (a prompt under {align} tokens has none). That is the granularity: resuming at the "
+        f"previous prompt's boundary recomputes fewer than {align} matched tokens, on top of the previous "
+        "reply that this template makes any model prefill again; when that boundary falls inside the "
+        f"rewritten block itself, the state goes back at least {align} tokens further."
+    )
+    return parts
