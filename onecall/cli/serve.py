@@ -3,6 +3,7 @@
     onecall serve --port 8000 [--model path/to/model.gguf] [--api-key KEY | --api-keys-file PATH]
                   [--shared-prefix-cache] [--open-metrics]
                   [--kv-events-endpoint tcp://127.0.0.1:5557]   # for vllm-router's kv_aware policy
+                  [--otlp-traces-endpoint http://localhost:4318/v1/traces]   # OTLP spans (otel extra)
 
 The socket is bound before the model loads (/health answers "loading" meanwhile); SIGTERM drains.
 Keys and tenants: server/tenants.py (an empty key, a bad keys file, a KV-events endpoint beyond
@@ -109,6 +110,14 @@ def add_serve_command(sub: Any) -> None:
         help="let --kv-events-endpoint bind beyond loopback (*, 0.0.0.0, an interface or a host): "
         "the events carry every cached prompt's token ids, unauthenticated",
     )
+    serve.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send each HTTP request's trace as OpenTelemetry spans (OTLP over HTTP/protobuf, e.g. "
+        "http://localhost:4318/v1/traces); a W3C traceparent header makes them part of the caller's "
+        "trace (server/otel.py; needs the otel extra)",
+    )
     serve.set_defaults(func=cmd_serve)
 
 
@@ -131,10 +140,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
     url = f"http://{a.host}:{a.port}"
     config = _server_config(a, url)  # keys and tenants: an empty key or a bad keys file stops here
     engine_config = EngineConfig(
-        **engine_kwargs(a), max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching,
-        state_snapshots=a.state_snapshots
+        **engine_kwargs(a),
+        max_num_seqs=a.max_num_seqs,
+        enable_prefix_caching=not a.no_prefix_caching,
+        state_snapshots=a.state_snapshots,
     )
     resolve_model(a.model)  # a missing file is a clear error now, not a server that never gets ready
+    if config.otlp_traces_endpoint is not None:
+        from onecall.server.otel import require_sdk
+
+        require_sdk()  # the otel extra is missing: say so now
     if a.max_waiting < 1:
         raise InvalidParameterError("max_waiting", f"must be >= 1, got {a.max_waiting}")
     if a.step_timeout < 0:
@@ -200,6 +215,7 @@ def _server_config(a: argparse.Namespace, url: str) -> ServerConfig:
         shared_prefix_cache=a.shared_prefix_cache,
         open_metrics=a.open_metrics,
         url=url,
+        otlp_traces_endpoint=a.otlp_traces_endpoint,
     )
 
 

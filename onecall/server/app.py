@@ -27,8 +27,9 @@ its counters are every tenant's traffic together; a Prometheus scrape sends it a
 and --open-metrics serves it without one (vLLM's behaviour). "key" is any tenant's key
 (server/tenants.py); a server without keys is open everywhere.
 
-Every route goes through `_route`, which checks the API key first (before the body is read),
-gives the request its id, and turns any exception into the OpenAI error body (http_errors.py):
+Every route goes through `_route`, which stamps when the request came in (the start of its OTLP
+span, server/otel.py), checks the API key first (before the body is read), gives the request its id,
+and turns any exception into the OpenAI error body (http_errors.py):
 a typed error into its 4xx, anything else into a logged 500. The engine is given either ready
 (an AsyncEngine, started in the app's lifespan) or as a loader run after the socket is up (what
 `onecall serve` does, so /health says "loading" instead of refusing connections).
@@ -39,6 +40,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
+import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -86,6 +88,7 @@ def create_app(
 
     def route(handler: Handler, *, is_open: bool = False) -> Endpoint:
         async def endpoint(request: Request) -> Response:
+            request.scope["onecall.received"] = time.perf_counter()  # the request span's start (otel.py)
             request_id = random_id()
             try:
                 if not is_open:

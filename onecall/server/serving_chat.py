@@ -72,6 +72,7 @@ async def create_chat_completion(state: ServerState, request: Request, request_i
     # 2.-3. tools, render, structured outputs, params, add
     chat_id = f"chatcmpl-{request_id}"
     req, setup, gen = await start_chat(engine, req, chat_id, prompt_param="messages")
+    gen.spans = state.request_spans(request, "chat", chat_id, stream=bool(req.stream), n=req.n)
     # 4. answer
     head = _Head(chat_id, int(time.time()), state.model_name)
     if req.stream:

@@ -19,12 +19,23 @@ may be another tenant's prompt, and its next token is theirs. The index and the 
 consumer calls it in a `finally`, so a client that disconnects, a cancelled task or an error
 mid-stream frees the KV blocks at once. The abort of each stream is queued before any await
 (AsyncEngine's guarantee), so a second cancellation cannot skip one.
+
+The OTLP hook (`onecall serve --otlp-traces-endpoint`): a route whose server exports traces sets
+`Generation.spans` (ServerState.request_spans; None otherwise). The first close() then starts one
+export task, off the response's path, which waits until every abort is confirmed (a disconnect
+cancels the streaming task, and the close() in it, midway) and hands the trace dicts (trace_dicts(),
+redacted exactly as trace()'s, without the per-token prompt texts; a choice abandoned after an output
+keeps its trace), the usage and the close time to server/otel.py, whose batch processor sends them
+from its own thread. Every route closes its Generation, streamed or not, finished or abandoned, so
+every one of them is exported.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -35,11 +46,15 @@ from fastapi import Request
 from onecall.engine.engine import RequestOutput
 from onecall.sampling_params import SamplingParams
 from onecall.server.async_engine import AsyncEngine, Prompt, RequestStream
+from onecall.server.otel import RequestSpans
 from onecall.server.protocol import PromptTokensDetails, Trace, Usage
 from onecall.server.tenants import SHARED_CACHE_SALT_SHA256
 from onecall.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
+
+logger = logging.getLogger("onecall.server")
+_EXPORTS: set[asyncio.Task[None]] = set()  # span exports in flight (Generation._schedule_export)
 
 # vLLM's floor for a logprob: JSON has no -inf.
 MIN_LOGPROB = -9999.0
@@ -74,10 +89,17 @@ class Delta:
 class Generation:
     """The n engine requests behind one HTTP request."""
 
-    def __init__(self, streams: list[RequestStream], tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self, streams: list[RequestStream], tokenizer: Tokenizer | None = None, *, per_prompt: int = 0
+    ) -> None:
         self.streams = streams
         self.tokenizer = tokenizer  # None: the trace goes out without token texts
         self.finals: list[RequestOutput | None] = [None] * len(streams)
+        # consecutive streams that share one prompt (n or best_of); 0: all of them (one prompt)
+        self.per_prompt = per_prompt or max(1, len(streams))
+        self.spans: RequestSpans | None = None  # set by the route when the server exports traces
+        self._exported = False
+        self._latest: dict[int, RequestOutput] = {}  # choice -> its last output read
 
     @classmethod
     async def start(
@@ -98,6 +120,7 @@ class Generation:
             tops = (
                 out.top_logprobs[len(out.top_logprobs) - len(ids) :] if out.top_logprobs is not None else []
             )
+            self._latest[index] = out
             if out.finished:
                 self.finals[index] = out
                 remaining -= 1
@@ -134,37 +157,80 @@ class Generation:
                 await stream.abort()
             except asyncio.CancelledError as e:  # the abort is queued already; abort the others too
                 cancelled = e
+        self._schedule_export()
         if cancelled is not None:
             raise cancelled
 
+    def _schedule_export(self) -> None:
+        """Once: export the spans from a task of their own (the response goes out first)."""
+        if self.spans is None or self._exported:
+            return
+        self._exported = True
+        task = asyncio.get_running_loop().create_task(self._export(self.spans, time.perf_counter()))
+        _EXPORTS.add(task)  # held until done (the loop keeps only a weak reference)
+        task.add_done_callback(_EXPORTS.discard)
+
+    async def _export(self, spans: RequestSpans, closed_at: float) -> None:
+        # A close() cancelled mid-way (a disconnect cancels the streaming task's scope) had its aborts
+        # queued but not confirmed; this task is outside that scope: wait for them, so the traces
+        # are final (a no-op for finished streams).
+        for stream in self.streams:
+            with contextlib.suppress(Exception):
+                await stream.abort()
+        try:
+            usage = self.usage() if any(f is not None for f in self.finals) else None
+            spans.export(self.trace_dicts(prompt_texts=False, unfinished=True), usage, closed_at)
+        except Exception:  # telemetry never fails a request; the log says why it is missing
+            logger.exception("onecall: exporting the request's spans failed")
+
     def usage(self) -> Usage:
-        """Prompt counted once (as OpenAI does for n > 1), completion tokens summed over choices."""
-        finals = [f for f in self.finals if f is not None]
-        first = finals[0]
-        completion = sum(len(f.token_ids) for f in finals)
+        """Each prompt counted once (its first finished choice's, as OpenAI does for n > 1),
+        completion tokens summed over every finished choice."""
+        prompt = cached = completion = 0
+        for k in range(0, len(self.finals), self.per_prompt):
+            done = [f for f in self.finals[k : k + self.per_prompt] if f is not None]
+            if done:
+                prompt += done[0].num_prompt_tokens
+                cached += done[0].num_cached_tokens
+            completion += sum(len(f.token_ids) for f in done)
         return Usage(
-            prompt_tokens=first.num_prompt_tokens,
+            prompt_tokens=prompt,
             completion_tokens=completion,
-            total_tokens=first.num_prompt_tokens + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
     def trace(self) -> Trace:
         """The engine trace: a dict for one choice, a list of dicts (choice order) for n > 1."""
-        traces = [f.trace.to_dict() for f in self.finals if f is not None]
-        if self.tokenizer is not None and traces:
-            # every choice shares the prompt: decode its tokens once
-            texts = [token_text(self.tokenizer, t) for t in traces[0]["prompt_token_ids"]]
-            for t in traces:
-                _add_token_texts(t, texts, self.tokenizer)
-        for t in traces:
-            _hide_shared_cached_token(t)
+        traces = [t for t in self.trace_dicts() if t is not None]
         return traces[0] if len(traces) == 1 else traces
 
+    def trace_dicts(
+        self, *, prompt_texts: bool = True, unfinished: bool = False
+    ) -> list[dict[str, Any] | None]:
+        """Each engine request's trace dict in order (None: not finished), with the divergence's
+        tokens as text, and redacted (the module doc); `prompt_texts`: also each prompt token's text.
+        `unfinished`, once closed: a choice abandoned after an output still has its trace (the
+        engine's RequestTrace, final once close() has aborted it); None only without any output."""
+        outputs = [f or (self._latest.get(i) if unfinished else None) for i, f in enumerate(self.finals)]
+        traces = [out.trace.to_dict() if out is not None else None for out in outputs]
+        decoded: dict[tuple[int, ...], list[str]] = {}  # choices share their prompt: decode it once
+        for t in traces:
+            if t is None:
+                continue
+            if self.tokenizer is not None:
+                if prompt_texts:
+                    ids = tuple(t["prompt_token_ids"])
+                    if ids not in decoded:
+                        decoded[ids] = [token_text(self.tokenizer, i) for i in ids]
+                    t["prompt_tokens"] = list(decoded[ids])
+                _add_divergence_texts(t, self.tokenizer)
+            _hide_shared_cached_token(t)
+        return traces
 
-def _add_token_texts(trace: dict[str, Any], prompt_tokens: list[str], tokenizer: Tokenizer) -> None:
-    """`prompt_tokens` (one string per prompt_token_ids entry) and the divergence's tokens as text."""
-    trace["prompt_tokens"] = list(prompt_tokens)
+
+def _add_divergence_texts(trace: dict[str, Any], tokenizer: Tokenizer) -> None:
+    """The divergence's two tokens as text."""
     divergence = trace.get("divergence")
     if divergence:  # a new dict beside the engine's fields, which keep their meaning
         trace["divergence"] = {

@@ -43,9 +43,7 @@ from onecall.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptTokensDetails,
     Trace,
-    Usage,
 )
 from onecall.server.serving_common import Generation, cancel_on_disconnect, clamp_logprob, token_text
 from onecall.server.serving_structured import compile_structured_outputs
@@ -77,7 +75,8 @@ async def create_completion(state: ServerState, request: Request, request_id: st
     cmpl_id = f"cmpl-{request_id}"
     c = len(params)  # candidates per prompt
     items = [(f"{cmpl_id}-{k}", inputs[k // c], params[k % c]) for k in range(len(prompts) * c)]
-    gen = Generation(await engine.add_requests(items), tokenizer)
+    gen = Generation(await engine.add_requests(items), tokenizer, per_prompt=c)
+    gen.spans = state.request_spans(request, "text_completion", cmpl_id, stream=bool(req.stream), n=req.n)
     echoes = [_echo_text(tokenizer, p) if req.echo else "" for p in prompts]
     # 4. answer
     head = CompletionResponse(id=cmpl_id, created=int(time.time()), model=state.model_name, choices=[])
@@ -92,8 +91,7 @@ async def create_completion(state: ServerState, request: Request, request_id: st
         for i, out in enumerate(outs)
     ]
     trace = _trace(tokenizer, chosen) if req.trace else None
-    usage = _usage(finals, c)
-    response = head.model_copy(update={"choices": choices, "usage": usage, "trace": trace})
+    response = head.model_copy(update={"choices": choices, "usage": gen.usage(), "trace": trace})
     return Response(response.model_dump_json(), media_type="application/json")
 
 
@@ -152,19 +150,6 @@ def _choice(
     )
 
 
-def _usage(finals: Sequence[RequestOutput], per_prompt: int) -> Usage:
-    """Each prompt once (its first candidate's counts), completion tokens of every candidate."""
-    firsts = finals[::per_prompt]
-    prompt = sum(f.num_prompt_tokens for f in firsts)
-    completion = sum(len(f.token_ids) for f in finals)
-    return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(f.num_cached_tokens for f in firsts)),
-    )
-
-
 def _trace(tokenizer: Tokenizer, chosen: list[list[RequestOutput]]) -> Trace:
     """The returned choices' traces, in choice order: a dict for one choice, else a list. Each
     prompt's group goes through Generation.trace(), which decodes that prompt's tokens once."""
@@ -213,8 +198,7 @@ async def _completion_events(
             last_trace = trace() if req.trace and d.is_last and not include_usage else None
             yield chunk([choice], trace=last_trace)
         if include_usage:
-            finals = [f for f in gen.finals if f is not None]
-            yield chunk([], usage=_usage(finals, req.n), trace=trace() if req.trace else None)
+            yield chunk([], usage=gen.usage(), trace=trace() if req.trace else None)
     except Exception as e:  # after the 200 went out: the error is an event, then [DONE]
         yield sse_event(http_error(e, head.id).body())
     finally:

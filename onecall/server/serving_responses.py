@@ -63,6 +63,7 @@ async def create_response(state: ServerState, request: Request, request_id: str)
     # 2. the chat pipeline: tools, template, structured outputs, params, add
     response_id = f"resp_{request_id}"
     chat, setup, gen = await start_chat(engine, chat, response_id, prompt_param="input")
+    gen.spans = state.request_spans(request, "chat", response_id, stream=bool(req.stream))
     # 3. the answer: events as the engine makes them, or the whole response
     head = _Head(response_id, f"msg_{request_id}", int(time.time()), state.model_name, req)
     if req.stream:

@@ -9,9 +9,14 @@ ServerState owns the engine's life in the server:
                   check the API key (which names the tenant: tenants.py), the model name and the
                   body size here; `parse_body` puts a request that carries a cache_salt into its
                   tenant's prefix-cache namespace (the salt the engine sees)
-    3. shutdown   the engine aborts whatever is still in flight and its thread is joined
+    3. shutdown   the engine aborts whatever is still in flight and its thread is joined; the
+                  OTLP exporter, if any, sends what it holds
 
-Routes close over one ServerState (no app.state lookups); create_app builds it.
+Routes close over one ServerState (no app.state lookups); create_app builds it. With
+`otlp_traces_endpoint` set it also makes the server's one OtlpTraceExporter (server/otel.py; without
+it no opentelemetry module is imported), and `request_spans` binds a request to it for the route's
+Generation. The served model's name is bound to the vllm: metrics' model_name label before the
+engine thread starts.
 """
 
 from __future__ import annotations
@@ -33,6 +38,13 @@ from onecall.errors import OnecallError
 from onecall.server.async_engine import AsyncEngine
 from onecall.server.http_errors import HTTPError, validation_error
 from onecall.server.metrics import Metrics
+from onecall.server.otel import (
+    TRACE_CONTEXT_HEADERS,
+    OtlpTraceExporter,
+    RequestSpans,
+    SpanRequest,
+    check_endpoint,
+)
 from onecall.server.tenants import Tenant, Tenants
 
 logger = logging.getLogger("onecall.server")
@@ -53,9 +65,12 @@ class ServerConfig:
     open_metrics: bool = False  # /metrics without a key even when keys are set
     max_body_bytes: int = MAX_BODY_BYTES
     url: str | None = None  # where the server listens, for the "serving ..." log line
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (server/otel.py); None: no export
 
     def __post_init__(self) -> None:
         self.auth  # noqa: B018 (an empty or duplicate key is refused here, before anything starts)
+        if self.otlp_traces_endpoint is not None:
+            check_endpoint(self.otlp_traces_endpoint)
 
     @functools.cached_property
     def auth(self) -> Tenants:
@@ -69,6 +84,8 @@ class ServerState:
     ) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        endpoint = config.otlp_traces_endpoint
+        self.otel = OtlpTraceExporter(endpoint) if endpoint is not None else None
         self.created = int(time.time())
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
@@ -89,6 +106,8 @@ class ServerState:
                 self._load_task.cancel()  # the worker thread finishes its load; the result is dropped
             if self.engine is not None:
                 await self.engine.shutdown()
+            if self.otel is not None:
+                await asyncio.to_thread(self.otel.shutdown)  # flushes the spans it holds
 
     async def _load(self, loader: EngineLoader) -> None:
         try:
@@ -105,12 +124,18 @@ class ServerState:
         # in the middle of some request's prefill.
         gc.collect()
         gc.freeze()
+        # the vllm: series' model_name label: the served name, before the engine thread updates them
+        self.metrics.bind_model(self.config.served_model_name or engine.engine.parts.model_name)
         engine.start()
         self.engine = engine
         where = f" on {self.config.url}" if self.config.url else ""
         parts = engine.engine.parts  # what the flags gave on this device: worth a line at startup
         logger.info("onecall: serving %s%s", self.model_name, where)
-        logger.info("onecall: %s %s, %s", parts.device, str(parts.dtype).removeprefix("torch."), parts.kernels)
+        logger.info(
+            "onecall: %s %s, %s", parts.device, str(parts.dtype).removeprefix("torch."), parts.kernels
+        )
+        if self.otel is not None:
+            logger.info("onecall: request traces go to %s (OTLP/HTTP)", self.otel.endpoint)
 
     @property
     def model_name(self) -> str:
@@ -144,6 +169,27 @@ class ServerState:
                 code="engine_dead",
             )
         return self.engine
+
+    def request_spans(
+        self, request: Request, operation: str, response_id: str, *, stream: bool, n: int = 1
+    ) -> RequestSpans | None:
+        """The OTLP export of this request, for its Generation.spans (None: the server exports none).
+        `operation` is gen_ai.operation.name ("chat", "text_completion")."""
+        if self.otel is None:
+            return None
+        tenant = request.scope.get("onecall.tenant")
+        span = SpanRequest(
+            operation=operation,
+            model=self.model_name,
+            response_id=response_id,
+            path=request.url.path,
+            stream=stream,
+            n=n,
+            received=request.scope.get("onecall.received"),
+            carrier={h: request.headers[h] for h in TRACE_CONTEXT_HEADERS if h in request.headers},
+            tenant=tenant.name if tenant is not None else None,
+        )
+        return self.otel.spans(span)
 
     # ---- per-request checks --------------------------------------------------------------------
     def authenticate(self, request: Request) -> Tenant | None:
