@@ -20,6 +20,7 @@ import torch
 
 from onecall.config import EngineConfig
 from onecall.engine.engine import Engine, RequestOutput
+from onecall.engine.state_slots import aligned_snapshot
 from onecall.errors import ContextLengthExceededError, InvalidParameterError
 from onecall.model.attention_probe import last_position_attention
 from onecall.sampling_params import SamplingParams
@@ -56,6 +57,11 @@ class ModelInfo:
     # 0 for other models
     state_bytes_per_sequence: int = 0
     state_snapshots: int = 0
+
+    def aligned_snapshot(self, num_prompt_tokens: int) -> int:
+        """A hybrid model: the prompt position of the aligned state snapshot a prompt of this length
+        leaves (engine/state_slots.py; 0: none, and always 0 for other models)."""
+        return aligned_snapshot(num_prompt_tokens) if self.state_bytes_per_sequence else 0
 
     def decode_step_bytes(self, num_positions: int) -> int:
         """Bytes a one-sequence decode step reads when it attends over `num_positions` positions:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from onecall.engine.block_manager import BlockManager, PrefixMatch
 from onecall.engine.sequence import FinishReason, Sequence, SequenceStatus
-from onecall.engine.state_slots import SNAPSHOT_ALIGN, Resume, StateSlots
+from onecall.engine.state_slots import Resume, StateSlots, aligned_snapshot
 
 
 @dataclass
@@ -169,11 +169,11 @@ class Scheduler:
         return out
 
     def _reserve_aligned_snapshot(self, item: ScheduledSeq) -> None:
-        """A prompt chunk that crosses the prompt's last SNAPSHOT_ALIGN boundary before its end: the
-        forward also writes the state there (engine/state_slots.py, "aligned")."""
+        """A prompt chunk that crosses the prompt's aligned snapshot position: the forward also writes
+        the state there (engine/state_slots.py, "aligned")."""
         assert self.state_slots is not None
         seq = item.seq
-        boundary = (seq.num_prompt_tokens - 1) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
+        boundary = aligned_snapshot(seq.num_prompt_tokens)
         if not seq.num_computed_tokens < boundary <= seq.num_computed_tokens + item.num_new_tokens:
             return
         slot = self.state_slots.reserve(seq.token_ids[:boundary], seq.params.cache_salt)

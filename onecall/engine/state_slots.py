@@ -13,11 +13,12 @@ docs/design.md, "Prefix caching for a hybrid model"):
 
     prompt end      a prompt fully computed (a request with the same system prompt or document
                     resumes there)
-    aligned         the last multiple of SNAPSHOT_ALIGN tokens inside a prompt, written by the model in
-                    the middle of the chunk that crosses it (`reserve`, confirmed once the forward ran):
-                    a template that rewrites the end of the previous prompt (Qwen3's drops the empty
-                    think block it wrote there) diverges a few tokens before the prompt end, past every
-                    other snapshot; this one is usually before the divergence
+    aligned         the last multiple of SNAPSHOT_ALIGN tokens at least SNAPSHOT_MARGIN tokens before a
+                    prompt's end (`aligned_snapshot`), written by the model in the middle of the chunk
+                    that crosses it (`reserve`, confirmed once the forward ran): a template that
+                    rewrites the end of the previous prompt (Qwen3's drops the empty think block it
+                    wrote there) diverges a few tokens before the prompt end, past every other
+                    snapshot; a rewrite of at most SNAPSHOT_MARGIN tokens always leaves this one usable
     finish          a request finished or preempted: the next turn of a chat re-sends the whole
                     transcript and resumes after the last token the model was fed
 
@@ -38,11 +39,19 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# an aligned snapshot every this many prompt tokens (the last one before a prompt's end only): a hit
-# that diverges inside a prompt recomputes at most this many of its tokens beyond the divergence
+# an aligned snapshot on a multiple of this many prompt tokens (one per prompt: its last such position
+# at least SNAPSHOT_MARGIN tokens before its end), so a hit that diverges in the prompt's last
+# SNAPSHOT_MARGIN tokens recomputes fewer than SNAPSHOT_ALIGN + SNAPSHOT_MARGIN of them
 SNAPSHOT_ALIGN = 64
+SNAPSHOT_MARGIN = 16  # Qwen3's rewritten think block is 4 to 9 tokens, by tokenizer
 _MOD = (1 << 61) - 1  # a Mersenne prime: prefix hashes stay small ints
 _BASE = 1_000_003
+
+
+def aligned_snapshot(num_prompt_tokens: int) -> int:
+    """Where a prompt of this length gets its aligned snapshot (0: none): the last multiple of
+    SNAPSHOT_ALIGN at least SNAPSHOT_MARGIN tokens before its end."""
+    return max(num_prompt_tokens - 1 - SNAPSHOT_MARGIN, 0) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
 
 
 @dataclass

@@ -153,8 +153,9 @@ def test_a_rewritten_prompt_end_resumes_at_the_aligned_snapshot(hf: Any) -> None
     """Qwen3's template drops the empty think block it wrote at the end of turn k's prompt once that
     turn is history: turn k + 1 diverges a few tokens before turn k's prompt end, past the prompt-end
     and finish snapshots. The forward wrote one more, mid-chunk, at the prompt's last 64-token boundary
-    (engine/state_slots.py): the hit resumes there, and the answer is still exactly transformers'."""
-    p1 = prompt(75, 13)
+    at least 16 tokens before its end (engine/state_slots.py): the hit resumes there, and the answer is
+    still exactly transformers'."""
+    p1 = prompt(90, 13)
     engine = hybrid_engine(hf, max_num_batched_tokens=128)
     run(engine, {"t1": p1}, 3)
     turn2 = p1[:-3] + prompt(6, 14)  # the last 3 prompt tokens rewritten, the reply not re-sent

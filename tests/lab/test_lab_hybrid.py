@@ -29,7 +29,12 @@ from tests.helpers.tiny_engine import embedded_tokenizer
 
 pytestmark = pytest.mark.slow
 
-ALIGN = 64  # the engine's aligned snapshot (onecall/engine/state_slots.py SNAPSHOT_ALIGN)
+ALIGN, MARGIN = 64, 16  # the engine's aligned snapshot (onecall/engine/state_slots.py)
+
+
+def aligned(num_prompt_tokens: int) -> int:
+    """The aligned snapshot of a prompt: the last multiple of ALIGN at least MARGIN tokens before its end."""
+    return max(num_prompt_tokens - 1 - MARGIN, 0) // ALIGN * ALIGN
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +85,7 @@ def test_hybrid_figures_per_turn(llm: LLM, lab: tuple[LabRun, dict[str, Any]]) -
         "kv_bytes_per_token": info.kv_bytes_per_token,
         "state_snapshots": info.state_snapshots,
         "snapshot_align": ALIGN,
+        "snapshot_margin": MARGIN,
     }
     for chat in res["templates"].values():
         turns = chat["turns"]
@@ -110,12 +116,12 @@ def test_hybrid_figures_per_turn(llm: LLM, lab: tuple[LabRun, dict[str, Any]]) -
         usable = [
             b
             for e in qwen[:k]
-            if 0 < (b := (e["num_prompt_tokens"] - 1) // ALIGN * ALIGN) <= e["num_prompt_tokens"] - block
+            if 0 < (b := aligned(e["num_prompt_tokens"])) <= e["num_prompt_tokens"] - block
         ]
         assert t["state_resumed_at"] == max(usable, default=0)
-        if usable and max(usable) == (prev["num_prompt_tokens"] - 1) // ALIGN * ALIGN:
+        if usable and max(usable) == aligned(prev["num_prompt_tokens"]):
             assert t["resumed_from"] == {"snapshot": "aligned", "turn": prev["turn"]}
-            assert t["num_recomputed_tokens"] < ALIGN
+            assert t["num_recomputed_tokens"] < ALIGN + MARGIN
         elif not usable:
             assert t["resumed_from"] == {"snapshot": "none", "turn": None}
     assert any(t["resumed_from"]["snapshot"] == "aligned" for t in qwen)  # the quick chat passes 64 tokens
@@ -130,8 +136,8 @@ def test_report_explains_the_hybrid_with_its_numbers(llm: LLM, lab: tuple[LabRun
     assert f"**{info.state_bytes_per_sequence:,} bytes**" in section
     assert f"({info.kv_bytes_per_token:,} bytes per token)" in section
     assert f"keeps **{info.state_snapshots}** snapshots" in section
-    assert f"its last multiple of {ALIGN} tokens" in section
-    assert f"recomputes fewer than {ALIGN} matched tokens" in section
+    assert f"its last multiple of {ALIGN} tokens at least {MARGIN} tokens before its end" in section
+    assert f"recomputes fewer than {ALIGN + MARGIN} matched tokens" in section
     assert f"last {res['think_block']['num_tokens']} tokens (the think block)" in section
     for template, chat in res["templates"].items():
         turns, tot = chat["turns"], chat["totals"]

@@ -58,9 +58,9 @@ TEMPLATES = ("own", "qwen3-style")  # "own": the model's template; the others ar
 MAX_REPLY_TOKENS, QUICK_MAX_REPLY_TOKENS = 40, 8
 QUICK_TURNS = 4
 SEED_PREFILLED_RESENT, SEED_PREFILLED_CACHED = 5549, 999  # over the seed's 10 turns, on Qwen3-8B
-# A hybrid's aligned state snapshot: the last multiple of this many tokens inside each prompt (the
-# engine's SNAPSHOT_ALIGN, onecall/engine/state_slots.py; LLM.info does not carry it)
-SNAPSHOT_ALIGN = 64
+# A hybrid's aligned state snapshot: a multiple of this many tokens inside each prompt, at least
+# SNAPSHOT_MARGIN before its end; where exactly, LLM.info.aligned_snapshot says (engine/state_slots.py)
+SNAPSHOT_ALIGN, SNAPSHOT_MARGIN = 64, 16
 
 
 @dataclass
@@ -76,8 +76,8 @@ class _Previous:
 
     @property
     def aligned(self) -> int:
-        """A hybrid's aligned snapshot in this prompt: its last SNAPSHOT_ALIGN boundary (0: none)."""
-        return (self.num_prompt_tokens - 1) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
+        """A hybrid's aligned snapshot in this prompt (0: none): LLM.info.aligned_snapshot's rule."""
+        return _aligned(self.num_prompt_tokens)
 
 
 def run(ctx: LabContext) -> ExperimentResult:
@@ -103,7 +103,10 @@ def run(ctx: LabContext) -> ExperimentResult:
             "kv_bytes_per_token": info.kv_bytes_per_token,
             "state_snapshots": info.state_snapshots,
             "snapshot_align": SNAPSHOT_ALIGN,
+            "snapshot_margin": SNAPSHOT_MARGIN,
         }
+        # the lab's rule must be the engine's: checked against the public LLM.info once per run
+        assert all(info.aligned_snapshot(n) == _aligned(n) for n in range(1, 400)), "snapshot rule changed"
     model = ctx.llm.info.model_name
     return ExperimentResult(
         NAME,
@@ -439,8 +442,13 @@ def _boundary_past_match(t: dict[str, Any], prev: dict[str, Any] | None) -> int 
     rewrote the prompt's end from before it), so that the state went back further; else None."""
     if prev is None:
         return None
-    boundary = (prev["num_prompt_tokens"] - 1) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
+    boundary = _aligned(prev["num_prompt_tokens"])
     return boundary if boundary > t["num_kv_matched_tokens"] else None
+
+
+def _aligned(num_prompt_tokens: int) -> int:
+    """Where a hybrid's aligned snapshot of a prompt of this length is (0: none)."""
+    return max(num_prompt_tokens - 1 - SNAPSHOT_MARGIN, 0) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
 
 
 def _tokens(n: int) -> str:
@@ -462,7 +470,8 @@ def _hybrid_markdown(model: str, results: dict[str, Any]) -> list[str]:
         f"much as {state / kv:,.1f} tokens of KV), and the engine keeps **{hybrid['state_snapshots']}** "
         "snapshots of it. That state sums up every token so far and cannot be rolled back, so a cached "
         "prefix is usable only up to a position whose state a snapshot holds: a prompt's end, its last "
-        f"multiple of {align} tokens, and after every token a finished request was fed. A hit is the KV "
+        f"multiple of {align} tokens at least {SNAPSHOT_MARGIN} tokens before its end, and after every "
+        "token a finished request was fed. A hit is the KV "
         "match cut back to the longest snapshot inside it (the trace's `num_kv_matched_tokens` and "
         "`state_resumed_at`); the matched tokens past it are prefilled again.",
     ]
@@ -513,9 +522,10 @@ def _hybrid_markdown(model: str, results: dict[str, Any]) -> list[str]:
         f"rewrites the previous prompt's last {block['num_tokens']} tokens (the think block), before that "
         "turn's prompt-end and finish snapshots, so its state resumes at the previous prompt's last "
         f"{align}-token boundary when that lies before the divergence, else at an earlier prompt's, or "
-        f"from scratch (a prompt under {align} tokens has none). That is the granularity: resuming at the "
-        f"previous prompt's boundary recomputes fewer than {align} matched tokens, on top of the previous "
-        "reply that this template makes any model prefill again; when that boundary falls inside the "
-        f"rewritten block itself, the state goes back at least {align} tokens further."
+        f"from scratch (a prompt under {align + SNAPSHOT_MARGIN + 1} tokens has none). That is the "
+        f"granularity: resuming at the previous prompt's boundary recomputes fewer than "
+        f"{align + SNAPSHOT_MARGIN} matched tokens, on top of the previous reply that this template makes "
+        f"any model prefill again; a rewrite of more than {SNAPSHOT_MARGIN} tokens could still reach past "
+        f"the boundary, and the state would go back at least {align} tokens further."
     )
     return parts
