@@ -180,11 +180,15 @@ def load_hf_config_dict(files: ModelFiles) -> dict[str, Any]:
     """config.json for HF folders; for GGUF, the equivalent Hugging Face-style dict from metadata."""
     if files.kind == "hf":
         config = _read_json(files.path / "config.json")
-        if "quantization_config" in config:
-            method = config["quantization_config"].get("quant_method", "?")
-            raise UnsupportedModelError(
-                f"{files.name} holds pre-quantized safetensors ({method}); use unquantized weights or a GGUF"
-            )
+        quant = config.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            # gpt-oss ships its experts in MXFP4 (*_blocks / *_scales), which the loader decodes exactly
+            # (formats/hf_config.py checks the rest of it); any other pre-quantized format is refused
+            if not (config.get("model_type") == "gpt_oss" and method == "mxfp4"):
+                raise UnsupportedModelError(
+                    f"{files.name} holds pre-quantized safetensors ({method}); use unquantized weights or a GGUF"
+                )
         return config
     return gguf_config_dict(open_gguf(files.path))
 

@@ -20,6 +20,7 @@ from onecall.model.config import (
     SLIDING,
     SUPPORTED,
     GemmaSpec,
+    GptOssSpec,
     LinearAttentionSpec,
     ModelConfig,
     MoESpec,
@@ -46,6 +47,7 @@ _REQUIRED_KEYS = (
 _DEFAULT_MAX_POSITIONS = {
     "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192, "gemma3": 131072,
     "qwen3_moe": 32768, "mixtral": 131072, "qwen3_5": 32768, "qwen3_5_moe": 32768, "qwen3_next": 32768,
+    "gpt_oss": 131072,
 }  # fmt: skip
 # transformers' default sliding_window where a family honours one (MistralConfig: 4096).
 _DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
@@ -107,6 +109,8 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     arch = _architecture(d)
     if arch == "gemma3":
         d = gemma3_rope_as_one(d)
+    if arch == "gpt_oss":
+        d = _gpt_oss_defaults(d)
     if arch == "qwen3_5_moe" and d.get("intermediate_size") is None:
         # every Qwen3.5-MoE layer is sparse: no dense MLP, whose (required) size is then never used
         d = {**d, "intermediate_size": d.get("shared_expert_intermediate_size") or 512}
@@ -123,7 +127,7 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         # transformers' Qwen3Config defaults head_dim to 128, Gemma's to 256; the others derive it.
         head_dim = {
             "qwen3": 128, "gemma2": 256, "gemma3": 256, "qwen3_moe": 128, "qwen3_5": 256, "qwen3_5_moe": 256,
-            "qwen3_next": 256,
+            "qwen3_next": 256, "gpt_oss": 64,
         }.get(arch) or _int_div(d["hidden_size"], num_heads)  # fmt: skip
     num_kv_heads = d.get("num_key_value_heads")
     max_positions = d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
@@ -140,7 +144,7 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads if num_kv_heads is None else num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=_number(d, "rms_norm_eps", _DEFAULT_RMS_NORM_EPS),
+        rms_norm_eps=_number(d, "rms_norm_eps", 1e-5 if arch == "gpt_oss" else _DEFAULT_RMS_NORM_EPS),
         rope_theta=_rope_theta(d, 1e6 if arch == "gemma3" else _DEFAULT_ROPE_THETA),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA)),
@@ -153,6 +157,60 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         moe=_moe_spec(d, arch) if arch in MOE else None,
         linear_attention=_linear_attention_spec(d) if arch in HYBRID else None,
         attn_output_gate=arch in HYBRID,  # transformers' Qwen3.5 / Qwen3-Next attention always has it
+        gpt_oss=_gpt_oss_spec(d) if arch == "gpt_oss" else None,
+    )
+
+
+# transformers' GptOssConfig: the RoPE it uses when a config.json names none (rope_theta 150000 unless
+# given), and the one quantization its checkpoints ship in (expert weights as MXFP4 blocks and scales,
+# which loading/weights.py dequantizes).
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+    "original_max_position_embeddings": 4096,
+}  # fmt: skip
+_GPT_OSS_QUANTIZATION = ("mxfp4",)
+
+
+def _gpt_oss_defaults(d: dict[str, Any]) -> dict[str, Any]:
+    """A gpt_oss config.json with transformers' GptOssConfig defaults filled in where they differ from
+    the other families': num_key_value_heads 8 when the key is absent (null: as many as the query
+    heads), rope_theta 150000, YaRN (factor 32 over 4096 positions, not truncated) when the file has
+    neither rope_scaling nor rope_parameters, attention biases on. A quantization other than MXFP4 is
+    refused by name."""
+    quant = d.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        if method not in _GPT_OSS_QUANTIZATION:
+            raise UnsupportedModelError(
+                f"gpt_oss quantization_config quant_method {method!r} is not supported; only "
+                f"{', '.join(_GPT_OSS_QUANTIZATION)} (dequantized on load) is"
+            )
+    d = dict(d)
+    if "num_key_value_heads" not in d:
+        d["num_key_value_heads"] = 8
+    params = d.get("rope_parameters")
+    if not d.get("rope_scaling") and not params:
+        d["rope_parameters"] = dict(_GPT_OSS_ROPE)
+    if (not isinstance(params, dict) or params.get("rope_theta") is None) and d.get("rope_theta") is None:
+        d["rope_theta"] = 150000.0
+    d.setdefault("attention_bias", True)
+    return d
+
+
+def _gpt_oss_spec(d: dict[str, Any]) -> GptOssSpec:
+    """transformers' GptOssConfig defaults; layer_types derived as it derives them when the file has
+    none: even layers (0, 2, ...) slide, odd ones attend to everything."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        types = [SLIDING if (i + 1) % 2 else GLOBAL for i in range(n)]
+    if not isinstance(types, (list, tuple)):
+        raise UnsupportedModelError(f"layer_types must be a list, got {types!r}")
+    return GptOssSpec(
+        layer_types=tuple(types),
+        sliding_window=d.get("sliding_window", 128),
+        swiglu_alpha=_number(d, "swiglu_alpha", 1.702),
+        swiglu_limit=_number(d, "swiglu_limit", 7.0),
     )
 
 
@@ -181,12 +239,22 @@ def _linear_attention_spec(d: dict[str, Any]) -> LinearAttentionSpec:
 
 
 def _moe_spec(d: dict[str, Any], arch: str) -> MoESpec:
-    """transformers' Qwen3MoeConfig / MixtralConfig / Qwen3NextConfig / Qwen3_5MoeTextConfig: Qwen3-MoE's
-    and Qwen3-Next's layer i is sparse unless it is in mlp_only_layers or (i + 1) % decoder_sparse_step
-    != 0; Mixtral's are all sparse, its experts as wide as intermediate_size, their top-2 always
-    renormalised; Qwen3.5-MoE's are all sparse, renormalised too. Qwen3-Next and Qwen3.5-MoE add a
-    shared expert to every sparse layer."""
+    """transformers' Qwen3MoeConfig / MixtralConfig / Qwen3NextConfig / Qwen3_5MoeTextConfig /
+    GptOssConfig: Qwen3-MoE's and Qwen3-Next's layer i is sparse unless it is in mlp_only_layers or
+    (i + 1) % decoder_sparse_step != 0; Mixtral's are all sparse, its experts as wide as
+    intermediate_size, their top-2 always renormalised; Qwen3.5-MoE's are all sparse, renormalised too.
+    gpt-oss's are all sparse, experts as wide as intermediate_size, the softmax over the top-k logits
+    (the same weights as renormalising the top k of a softmax over all). Qwen3-Next and Qwen3.5-MoE add
+    a shared expert to every sparse layer."""
     n = d["num_hidden_layers"]
+    if arch == "gpt_oss":  # num_experts is GptOssConfig's alias of num_local_experts
+        return MoESpec(
+            num_experts=d.get("num_local_experts", d.get("num_experts", 128)),
+            num_experts_per_tok=d.get("num_experts_per_tok", 4),
+            moe_intermediate_size=d["intermediate_size"],
+            norm_topk_prob=True,
+            sparse_layers=(True,) * n,
+        )
     if arch == "qwen3_5_moe":
         return MoESpec(
             num_experts=d.get("num_experts", 256),
@@ -290,11 +358,12 @@ def _attention_bias(d: dict[str, Any], arch: str) -> bool:
 
 
 def _check_unsupported_features(d: dict[str, Any], arch: str) -> None:
-    # Gemma's key is hidden_activation (hidden_act in older files); gelu with the tanh approximation
+    # Gemma's key is hidden_activation (hidden_act in older files); gelu with the tanh approximation.
+    # gpt-oss's experts run their clamped SwiGLU whatever hidden_act says (transformers never reads it).
     wanted = "gelu_pytorch_tanh" if arch in GEMMA else "silu"
     key = "hidden_activation" if d.get("hidden_activation") is not None else "hidden_act"
     act = d.get(key) or wanted
-    if act != wanted:
+    if act != wanted and arch != "gpt_oss":
         raise UnsupportedModelError(f"{key} {act!r} is not supported for {arch}; only {wanted!r} is")
     if d.get("use_bidirectional_attention"):
         raise UnsupportedModelError("use_bidirectional_attention true (an embedding model) is not supported")

@@ -11,6 +11,12 @@ ExpertKernels):
                        carried in the step's AttentionMetadata: paged decode rows, prefill chunks,
                        or the whole batch in one call
 
+Attention sinks (gpt-oss): every AttentionKernels method takes `sinks`, None or a (num_heads,) float32
+tensor of one learned logit per query head that joins each row's softmax denominator and carries no
+value: out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)), the scores s_j after the scale (and
+any soft-cap), over the row's visible keys. A kernel that does not implement them must decline
+(return None) when they are given, never attend without them.
+
 Every method may decline (None, or False for rope_store): the caller then runs its own torch code,
 which is the reference the kernels are tested against. The classes here are that reference: they
 decline everything. kernels/cpu/ops.py (the native C kernels) and kernels/cuda/fused_ops.py (Triton)
@@ -109,6 +115,7 @@ class AttentionKernels:
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Every row of the step in one call, (num_tokens, num_heads, head_dim); or None."""
         return None
@@ -124,6 +131,7 @@ class AttentionKernels:
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """n one-query sequences, q (n, num_heads, head_dim), KV read in place through the (n,
         max_blocks) int32 block tables; or None."""
@@ -141,6 +149,7 @@ class AttentionKernels:
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """One sequence's chunk q (query_len, num_heads, head_dim), causal over its seq_len keys (its
         KV one run from slot kv_start, or its `blocks`); or None."""

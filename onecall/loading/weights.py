@@ -7,7 +7,7 @@ gate/up tensors into the fused projections (DecoderLM.PROJECTION_PARTS, part_row
 arrive, and no dense projection weight is ever allocated; MoE experts a GGUF stored in a native form
 are not copied either: their layer runs them from the groups (model/moe.py, _use_stored_experts).
 
-Three rewrites happen on the way in, all to Hugging Face-named tensors, before anything else sees them
+Four rewrites happen on the way in, all to Hugging Face-named tensors, before anything else sees them
 (the stored groups of a quantized GGUF, if any, rewritten with them: the fast kernels see one layout):
 | checkpoint tensor                          | becomes                                  | why                     |
 |--------------------------------------------|------------------------------------------|-------------------------|
@@ -16,6 +16,9 @@ Three rewrites happen on the way in, all to Hugging Face-named tensors, before a
 | in_proj_qkvz / _ba; multimodal prefixes    | _a rows; model.*, vision and mtp skipped | layout (_hybrid_layout) |
 | q_proj / k_proj rows, q_norm / k_norm      | each head permuted (rope.partial_rotary_ | partial rotary runs as  |
 | (partial rotary models only)               | permutation)                             | full-width RoPE         |
+| gpt-oss mlp.experts.gate_up_proj (E, H, 2I)| (E, 2I, H) rows [gate; up] (columns 0::2,| model/gpt_oss.py's      |
+| and _bias, down_proj (E, I, H); MXFP4      | 1::2 de-interleaved), (E, H, I); MXFP4   | layout (_gpt_oss_layout)|
+| *_blocks + *_scales pairs                  | dequantized exactly (dequantize_mxfp4)   |                         |
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ def load_weights(
         weights = _moe_names(weights)
     if model.config.rotary_dim != model.config.head_dim:
         weights = _partial_rotary_layout(weights, model.config, stored_weights)
+    if model.config.gpt_oss is not None:
+        weights = _gpt_oss_layout(weights, _expert_dtype(model))
     tied = model.lm_head is None
     # a Hugging Face Gemma or Qwen3.5 checkpoint stores w, we hold 1 + w (not Qwen3.5's gated norm)
     fold_norms = model.config.gemma is not None or model.config.linear_attention is not None
@@ -384,6 +389,104 @@ def _partial_rotary_layout(
                 rows = torch.arange(tensor.shape[0]).reshape(-1, config.head_dim)[:, perm].flatten()
                 stored_weights[name] = stored_rows(stored_weights[name], rows)
         yield name, tensor
+
+
+# ---- gpt-oss: its experts' layout, and MXFP4 -------------------------------------------------------------
+# MXFP4 (OCP Microscaling, the released gpt-oss checkpoints' expert weights): groups of 32 FP4 E2M1 values
+# sharing one E8M0 scale. An E2M1 nibble is sign (bit 3), exponent (bits 2-1), mantissa (bit 0): these are
+# its 16 values. `*_blocks` (..., G, 16) uint8 holds a row's G groups, two values a byte, value 2j in the low
+# nibble of byte j and 2j + 1 in the high one; `*_scales` (..., G) uint8 the exponents e: 2^(e - 127).
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_MXFP4_ROWS_PER_CHUNK = 1 << 16  # groups dequantized at once (~8 MB of float32): bounded temporaries
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """MXFP4 blocks (..., G, 16) uint8 and scales (..., G) uint8 -> (..., G * 32) `dtype`: value 32g + 2j
+    + h of a row is E2M1(nibble h of byte j of group g) * 2^(e_g - 127).
+
+    Exact: the scale is built from its float32 bits (e << 23; e = 0 is the subnormal 2^-127, e = 255 is
+    NaN as the MX spec defines it), and every E2M1 value times a power of two is a float32 (subnormal
+    ones included) unless it passes float32's range (inf, as transformers' ldexp gives); the one
+    rounding is the cast to `dtype`, none for float32 and bfloat16 (which keep float32's exponents)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise UnsupportedModelError(
+            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}"
+        )
+    if blocks.dim() < 2 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise UnsupportedModelError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} are not (..., G, 16), (..., G)"
+        )
+    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    flat_blocks, flat_scales = blocks.reshape(-1, 16), scales.reshape(-1).to(torch.int32)
+    out = torch.empty(flat_blocks.shape[0], 32, dtype=dtype)
+    for r0 in range(0, flat_blocks.shape[0], _MXFP4_ROWS_PER_CHUNK):
+        b = flat_blocks[r0 : r0 + _MXFP4_ROWS_PER_CHUNK]
+        e = flat_scales[r0 : r0 + _MXFP4_ROWS_PER_CHUNK]
+        bits = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23)
+        scale = torch.where(e == 255, torch.nan, bits.view(torch.float32))
+        values = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(1)  # (rows, 32)
+        out[r0 : r0 + _MXFP4_ROWS_PER_CHUNK] = values * scale[:, None]
+    return out.view(*scales.shape[:-1], scales.shape[-1] * 32)
+
+
+def _expert_dtype(model: DecoderLM) -> torch.dtype:
+    """The dtype the model holds its experts in (what MXFP4 weights are dequantized to)."""
+    for name, param in model.named_parameters():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            return param.dtype
+    return torch.float32
+
+
+def _gpt_oss_layout(
+    weights: Iterable[tuple[str, torch.Tensor]], expert_dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A gpt-oss checkpoint in model/gpt_oss.py's expert layout:
+
+    | checkpoint tensor (per layer, mlp.experts.)         | becomes                                     |
+    |-----------------------------------------------------|---------------------------------------------|
+    | gate_up_proj (E, H, 2I), columns gate 0::2, up 1::2 | gate_up_proj (E, 2I, H), rows [gate; up]    |
+    | gate_up_proj_bias (E, 2I), interleaved the same way | gate_up_proj_bias (E, 2I), [gate; up]       |
+    | down_proj (E, I, H)                                 | down_proj (E, H, I)                         |
+    | X_blocks (E, out, in / 32, 16) + X_scales (MXFP4,   | X (E, out, in) dequantized to the experts'  |
+    | the (out, in) orientation; either may come first)   | dtype, gate_up's rows de-interleaved        |
+
+    transformers holds (and save_pretrained writes) the first three; the released checkpoints store
+    the weights as MXFP4 pairs (transformers' Mxfp4Dequantize gives its layout back from them)."""
+    pending: dict[str, torch.Tensor] = {}  # a *_blocks or *_scales tensor waiting for its partner
+    for name, tensor in weights:
+        if ".mlp.experts." in name and name.endswith(("_proj_blocks", "_proj_scales")):
+            base, _, kind = name.rpartition("_")
+            partner = f"{base}_{'scales' if kind == 'blocks' else 'blocks'}"
+            other = pending.pop(partner, None)
+            if other is None:
+                pending[name] = tensor
+                continue
+            blocks, scales = (tensor, other) if kind == "blocks" else (other, tensor)
+            weight = dequantize_mxfp4(blocks, scales, expert_dtype)  # (E, out, in)
+            yield base, _gate_up_rows(base, weight) if base.endswith("gate_up_proj") else weight
+        elif ".mlp.experts." in name and name.endswith(("gate_up_proj", "down_proj")):
+            if tensor.dim() != 3:
+                raise UnsupportedModelError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected 3 dims"
+                )
+            weight = tensor.transpose(1, 2)  # (E, in, out) -> (E, out, in)
+            yield name, _gate_up_rows(name, weight) if name.endswith("gate_up_proj") else weight
+        elif name.endswith(".mlp.experts.gate_up_proj_bias"):
+            yield name, _gate_up_rows(name, tensor)
+        else:
+            yield name, tensor
+    if pending:
+        unpaired = sorted(pending)
+        raise UnsupportedModelError(f"MXFP4 tensors without their blocks or scales: {', '.join(unpaired)}")
+
+
+def _gate_up_rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Dim 1 of (E, 2I, ...) interleaved [g0, u0, g1, u1, ...] -> [g0, g1, ...; u0, u1, ...]."""
+    if tensor.dim() < 2 or tensor.shape[1] % 2:
+        raise UnsupportedModelError(f"tensor {name!r} of shape {tuple(tensor.shape)} has no gate/up pairs")
+    return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Size) -> None:

@@ -24,11 +24,19 @@ for what the kernels do not take (other dtypes, head sizes) and the reference th
 against. "triton" (kernels/cuda/triton_attention.py) is the CUDA path; its numerics run on CPU under
 TRITON_INTERPRET=1 in the tests.
 
-Per-layer options, on every backend: a sliding window (Mistral, Gemma's local layers) and logit
-soft-capping (Gemma 2); see paged_attention. On "paged"/"reference" a sequence they change runs
-through `_attend_windowed` (its keys cut to the window, an explicit band mask) unless the native
-prefill kernel takes it (it applies both per row); decode rows take the
-native kernel's own window and cap; Triton masks by position and skips tiles before the window.
+Per-layer options, on every backend: a sliding window (Mistral, Gemma's local layers, gpt-oss's
+sliding layers), logit soft-capping (Gemma 2) and attention sinks (gpt-oss); see paged_attention. On
+"paged"/"reference" a sequence they change runs through `_attend_windowed` (its keys cut to the
+window, an explicit band mask) unless the native prefill kernel takes it (it applies all three per
+row); decode rows take the native kernel's own window, cap and sinks; Triton masks by position, skips
+tiles before the window and folds the sink in after the last tile.
+
+Sinks and SDPA: SDPA has no sinks, so a layer with sinks never runs it. `_attend_windowed` computes
+such a layer's softmax itself, as transformers' eager gpt-oss attention does: scores (float32),
+the mask, the head's sink appended as one more logit column, softmax, the sink's column dropped
+(its value is zero). Queries go in row chunks so the score tensor stays under _SCORE_BUDGET floats.
+The kernels fold the same sink in after their online softmax (kernels/ops.py gives the formula);
+tests/model/test_gpt_oss.py holds every path against this one.
 
 Batch invariance: on "paged" and "reference" a sequence's attention is computed by a call that
 sees only that sequence (its own query rows, its own KV, its own mask), so its result does not
@@ -39,7 +47,7 @@ only on its query, position and KV, so a prompt chunked at any boundary gives th
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +68,7 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k_new/v_new into the cache, then attend each sequence causally over its whole KV.
 
@@ -69,16 +78,18 @@ def paged_attention(
 
     Per-layer options (transformers' definitions): `sliding_window` W, a query at position t sees
     keys t - W + 1 .. t only (Mistral, Gemma's local layers); `logit_softcap` c, scores (after the
-    scale) become c * tanh(score / c) before the mask and softmax (Gemma 2).
+    scale) become c * tanh(score / c) before the mask and softmax (Gemma 2); `sinks` (num_heads,), one
+    logit per query head that joins every softmax denominator of that head with no value: out =
+    sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)) (gpt-oss; kept in float32 by its layers).
     """
-    window = Window(sliding_window, logit_softcap)
+    window = Window(sliding_window, logit_softcap, sinks)
     assert q.shape[0] == meta.num_tokens == meta.slot_mapping.shape[0], "batch does not match the metadata"
     k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]  # (num_slots, num_kv_heads, head_dim)
     if k_new is not None and v_new is not None:
         k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
     kernels = meta.kernels
-    o = kernels.whole_batch(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
+    o = kernels.whole_batch(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap, sinks)
     if o is not None:
         return o
     d = meta.decode
@@ -87,7 +98,7 @@ def paged_attention(
         q_dec = q[: len(d.seq_index)] if d.rows_are_prefix else q.index_select(0, d.rows)
         o_dec = kernels.decode(
             q_dec, k_cache, v_cache, d.block_tables, d.seq_lens, meta.block_size, scale,
-            sliding_window, logit_softcap,
+            sliding_window, logit_softcap, sinks,
         )  # fmt: skip
     done: set[int] = set()
     out: torch.Tensor | None = None
@@ -129,6 +140,7 @@ class Window:
 
     sliding_window: int | None = None
     logit_softcap: float | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False)  # (num_heads,) float32
 
     def first_key(self, s: SeqSpan) -> int:
         """The first position any of the sequence's query rows sees (0 without a window)."""
@@ -139,7 +151,7 @@ class Window:
     def applies_to(self, s: SeqSpan) -> bool:
         """Whether the sequence's attention differs from plain causal attention this step."""
         cuts = self.sliding_window is not None and s.seq_len > self.sliding_window
-        return cuts or self.logit_softcap is not None
+        return cuts or self.logit_softcap is not None or self.sinks is not None
 
     def mask(self, s: SeqSpan, first_key: int) -> torch.Tensor | None:
         """(query_len, seq_len - first_key) bool, True = attend; None when every key is visible (one
@@ -179,7 +191,7 @@ def _attend(
     if kernels.reads_prefill_chunks and query_len > 1 and s.slots is None:
         o = kernels.prefill(
             q, k_cache, v_cache, s.seq_len, s.kv_start, s.blocks, block_size, scale,
-            window.sliding_window, window.logit_softcap,
+            window.sliding_window, window.logit_softcap, window.sinks,
         )  # fmt: skip
         if o is not None:
             return o
@@ -191,7 +203,7 @@ def _attend(
     if window.applies_to(s):
         first = window.first_key(s)
         k, v = k[:, :, first:], v[:, :, first:]  # keys before `first` are outside every row's window
-        return _attend_windowed(q, k, v, window.mask(s, first), scale, window.logit_softcap)
+        return _attend_windowed(q, k, v, window.mask(s, first), scale, window.logit_softcap, window.sinks)
     if query_len == 1:
         # GQA by folding: the `group` query heads that share a KV head become `group` queries of that
         # KV head, (1, num_kv_heads, group, head_dim). One query sees every key, so no mask changes and
@@ -212,6 +224,11 @@ def _attend(
     return o.transpose(0, 1)
 
 
+# The most scores (floats) _attend_windowed's own softmax holds at once: 64 MiB of float32; a longer
+# chunk runs in groups of query rows (each row's softmax is its own, so the split changes nothing).
+_SCORE_BUDGET = 1 << 24
+
+
 def _attend_windowed(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -219,22 +236,37 @@ def _attend_windowed(
     mask: torch.Tensor | None,
     scale: float,
     logit_softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (query_len, num_heads, head_dim) over k, v (1, num_kv_heads, num_keys, head_dim) with an
     explicit (query_len, num_keys) mask (None: every key visible). SDPA when only the mask differs;
-    soft-capping changes the scores themselves, so it runs as plain matmuls and a float32 softmax
-    (transformers' eager attention), GQA by repeating each KV head for its group."""
+    soft-capping changes the scores themselves and sinks the softmax's denominator, so either runs as
+    plain matmuls and a float32 softmax (transformers' eager attention), GQA by repeating each KV head
+    for its group, a sink as one more logit column of its head whose probability is dropped."""
     query_len, num_heads, head_dim = q.shape
     qh = q.transpose(0, 1)[None]  # (1, num_heads, query_len, head_dim)
     mask = None if mask is None else mask.to(q.device)
-    if logit_softcap is None:
+    if logit_softcap is None and sinks is None:
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[0]
         return o.transpose(0, 1)
     group = num_heads // k.shape[1]
     k, v = k[0].repeat_interleave(group, dim=0), v[0].repeat_interleave(group, dim=0)
-    scores = torch.matmul(qh[0], k.transpose(1, 2)).float() * scale  # (num_heads, query_len, num_keys)
-    scores = torch.tanh(scores / logit_softcap) * logit_softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    o = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)  # (num_heads, query_len, head_dim)
-    return o.transpose(0, 1)
+    num_keys = k.shape[1]
+    sink_logits = None if sinks is None else sinks.float().view(num_heads, 1, 1)
+    out = torch.empty_like(q)
+    rows = max(1, _SCORE_BUDGET // (num_heads * (num_keys + 1)))
+    for r0 in range(0, query_len, rows):
+        r1 = min(r0 + rows, query_len)
+        scores = torch.matmul(qh[0, :, r0:r1], k.transpose(1, 2)).float() * scale  # (heads, rows, keys)
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask[r0:r1], float("-inf"))
+        if sink_logits is None:
+            probs = scores.softmax(dim=-1)
+        else:  # [scores | sink] -> softmax -> drop the sink's column
+            column = sink_logits.expand(num_heads, r1 - r0, 1)
+            probs = torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :num_keys]
+        o = torch.matmul(probs.to(v.dtype), v)  # (num_heads, rows, head_dim)
+        out[r0:r1] = o.transpose(0, 1)
+    return out

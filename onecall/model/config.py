@@ -1,5 +1,5 @@
 """ModelConfig: the hyperparameters of a decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3,
-Qwen3-MoE, Mixtral, and the hybrids Qwen3.5 / Qwen3.5-MoE / Qwen3-Next).
+Qwen3-MoE, Mixtral, gpt-oss, and the hybrids Qwen3.5 / Qwen3.5-MoE / Qwen3-Next).
 
 Built from a Hugging Face config.json dict by `model_config_from_hf` (formats/hf_config.py), which refuses (UnsupportedModelError) anything our model code would run
 silently wrong: other architectures, RoPE scalings we do not implement, per-layer sliding windows
@@ -21,7 +21,10 @@ Gemma 2/3 carry a GemmaSpec (model/gemma.py: four norms, gelu, caps, per-layer-t
 Qwen3-MoE / Mixtral a MoESpec (model/moe.py: which layers route to experts, and how), on top of
 the Llama/Qwen3 and Mistral attention they share. The hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)
 carry a LinearAttentionSpec (model/qwen35.py: which layers are Gated DeltaNet, their head shapes)
-and `attn_output_gate`; the two MoE hybrids a MoESpec with a shared expert.
+and `attn_output_gate`; the two MoE hybrids a MoESpec with a shared expert. gpt-oss carries a
+GptOssSpec (model/gpt_oss.py: sliding and full layers, attention sinks, the clamped SwiGLU experts)
+and a MoESpec (every layer sparse, experts as wide as intermediate_size); its q/k/v/o biases are
+attention_bias.
 
 RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) is parsed into a
 RopeScaling; model/rope.py turns it into the cos/sin tables.
@@ -50,11 +53,12 @@ ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED = tuple(ARCHITECTURES.values())
 GEMMA = ("gemma2", "gemma3")
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # linear-attention (Gated DeltaNet) and attention layers
-MOE = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_next")
+MOE = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_next", "gpt_oss")
 SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types values
 LINEAR = "linear_attention"  # a hybrid's Gated DeltaNet layers (its other layers are GLOBAL)
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
@@ -114,6 +118,36 @@ class GemmaSpec:
             )
         if SLIDING in self.layer_types and self.sliding_window is None:
             raise UnsupportedModelError("layer_types has sliding layers but sliding_window is null")
+
+
+@dataclass(frozen=True)
+class GptOssSpec:
+    """The gpt-oss-only hyperparameters (Hugging Face names; model/gpt_oss.py runs them): which layers
+    slide, and the experts' clamped SwiGLU. Attention sinks (a learned logit per head) are part of every
+    gpt-oss attention layer, so they need no flag; the MoE shapes are the config's MoESpec."""
+
+    layer_types: tuple[str, ...]  # per layer: SLIDING or GLOBAL
+    sliding_window: int | None  # W: a sliding layer's query at position t sees keys t - W + 1 .. t
+    swiglu_alpha: float = 1.702  # glu = gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0  # gate clamped to <= limit, up to [-limit, limit]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer_types, list):  # from to_dict()
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        bad = sorted({t for t in self.layer_types if t not in (SLIDING, GLOBAL)})
+        if bad:
+            raise UnsupportedModelError(
+                f"layer_types {bad!r} are not supported; only {SLIDING!r} and {GLOBAL!r} are"
+            )
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise UnsupportedModelError(f"sliding_window must be a positive integer or null, got {window!r}")
+        if SLIDING in self.layer_types and window is None:
+            raise UnsupportedModelError("layer_types has sliding layers but sliding_window is null")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise UnsupportedModelError(f"model config {name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -243,6 +277,7 @@ class ModelConfig:
     linear_attention: LinearAttentionSpec | None = None
     # the hybrids' full attention: o_proj reads attention * sigmoid(x W_gate^T), a gate per head and dim
     attn_output_gate: bool = False
+    gpt_oss: GptOssSpec | None = None  # gpt_oss: its own layer (model/gpt_oss.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from to_dict(): asdict flattens the nested dataclass
@@ -254,6 +289,25 @@ class ModelConfig:
             object.__setattr__(self, "moe", MoESpec(**self.moe))
         if isinstance(self.linear_attention, dict):
             object.__setattr__(self, "linear_attention", LinearAttentionSpec(**self.linear_attention))
+        if isinstance(self.gpt_oss, dict):
+            object.__setattr__(self, "gpt_oss", GptOssSpec(**self.gpt_oss))
+        if (self.gpt_oss is not None) != (self.architecture == "gpt_oss"):
+            raise UnsupportedModelError(f"{self.architecture}: a GptOssSpec is for (and required by) gpt_oss")
+        if self.gpt_oss is not None and len(self.gpt_oss.layer_types) != self.num_hidden_layers:
+            raise UnsupportedModelError(
+                f"layer_types has {len(self.gpt_oss.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        if self.gpt_oss is not None and (
+            self.moe is None
+            or not all(self.moe.sparse_layers)
+            or self.qk_norm
+            or self.partial_rotary_factor != 1.0
+            or self.sliding_window is not None
+        ):
+            raise UnsupportedModelError(
+                "gpt_oss: every layer's MLP is MoE, no q/k norm, full rotary, and its window is per layer "
+                "(GptOssSpec.sliding_window, not sliding_window)"
+            )
         if (self.linear_attention is not None) != (self.architecture in HYBRID):
             raise UnsupportedModelError(
                 f"{self.architecture}: a LinearAttentionSpec is for (and required by) {', '.join(HYBRID)}"
@@ -369,6 +423,7 @@ class ModelConfig:
         attn = h * (q + 2 * kv) + q * h
         attn += (q + 2 * kv) * self.attention_bias + h * self.o_proj_bias + 2 * d * self.qk_norm
         attn += h * q * self.attn_output_gate
+        attn += self.num_attention_heads * (self.gpt_oss is not None)  # gpt-oss: one sink per head
         dense_mlp = 3 * h * self.intermediate_size
         norms = (4 if self.gemma else 2) * h
         spec = self.linear_attention
@@ -394,6 +449,8 @@ class ModelConfig:
                 if moe and sparse
                 else dense_mlp
             )
+            if moe and sparse and self.gpt_oss is not None:  # expert biases (gate_up, down), router bias
+                total += moe.num_experts * (2 * moe.moe_intermediate_size + h + 1)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total + embed + h
 

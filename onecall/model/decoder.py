@@ -1,14 +1,16 @@
-"""DecoderLM: one pre-norm decoder for Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3 and the Qwen3.5 hybrids,
-over a paged KV cache.
+"""DecoderLM: one pre-norm decoder for Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, gpt-oss and the Qwen3.5
+hybrids, over a paged KV cache.
 
 The Llama-shaped families differ only by flags in ModelConfig (q/k/v bias, q/k norm, partial
 rotary, a sliding window), so there is one module tree, named like Hugging Face's
 (`model.layers.N.self_attn...`) except for the two fused projections, which loading/weights.py's
 load_weights fills from the separate q/k/v and gate/up tensors (PROJECTION_PARTS says which).
 Gemma 2/3 (ModelConfig.gemma) swap in model/gemma.py's model part (four norms a layer, gelu,
-per-layer-type RoPE tables) under the same names, plus an embedding scale and capped logits. The hybrids
-(ModelConfig.linear_attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are a DecoderModel whose layers are
-model/qwen35.py's (Gated DeltaNet or gated attention, each over its own cache) and whose norms are (1 + w).
+per-layer-type RoPE tables) under the same names, plus an embedding scale and capped logits. gpt-oss
+(ModelConfig.gpt_oss) is a DecoderModel whose layers are model/gpt_oss.py's (attention sinks, sliding and
+full layers, its own MoE) and whose norms keep float32 weights; the loop, RoPE and logits stay these.
+The hybrids (ModelConfig.linear_attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are a DecoderModel whose
+layers are model/qwen35.py's (Gated DeltaNet or gated attention, each over its own cache) and whose norms are (1 + w).
 
 Per step: embed -> for each layer: h += attn(norm(h)); h += mlp(norm(h)) -> norm.
 RoPE cos/sin are looked up once per step (per table) and shared by the layers; the
@@ -29,6 +31,7 @@ from onecall.kernels.select import fast_kernels_supported, layer_ops
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig
 from onecall.model.gemma import GemmaDecoderModel, GemmaRMSNorm, GemmaRotary, soft_cap
+from onecall.model.gpt_oss import gpt_oss_layers
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
 from onecall.model.moe import SparseMoE
@@ -131,6 +134,10 @@ class DecoderModel(nn.Module):
             self.layers = hybrid_layers(config, dtype, device, ops)
             self.norm: RMSNorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device, ops)
             return
+        if config.gpt_oss is not None:  # gpt-oss: model/gpt_oss.py's layers, float32-weight norms
+            self.layers = gpt_oss_layers(config, config.gpt_oss, dtype, device, ops)
+            self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device, ops)
+            return
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device, i, ops) for i in range(config.num_hidden_layers)
         )
@@ -168,7 +175,7 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.vocab_size = config.vocab_size  # the whole vocabulary: what compute_logits returns
         self.tp = tp if tp is not None and tp.world_size > 1 else None
-        if self.tp is not None and config.linear_attention is not None:
+        if self.tp is not None and (config.linear_attention is not None or config.gpt_oss is not None):
             raise UnsupportedModelError(f"{config.architecture} does not run under tensor parallel")
         if self.tp is not None:
             config = self.tp.shard_config(config)

@@ -235,3 +235,26 @@ def test_bad_gguf_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "m-00001-of-00002.gguf").write_bytes(b"GGUF")
     with pytest.raises(UnsupportedModelError, match="split GGUF"):
         resolve_model(tmp_path / "m-00001-of-00002.gguf")
+
+
+def test_only_gpt_oss_mxfp4_passes_as_pre_quantized(tmp_path: Path) -> None:
+    """A folder whose config.json carries a quantization_config is refused (pre-quantized safetensors),
+    except gpt-oss's own MXFP4 experts, which the loader decodes exactly (tests/model/test_gpt_oss.py)."""
+    from onecall.errors import UnsupportedModelError
+    from onecall.formats.checkpoint import load_hf_config_dict, resolve_model
+
+    def folder(name: str, config: dict[str, object]) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+        (path / "model.safetensors").write_bytes(b"")  # never read here
+        return path
+
+    oss = {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}
+    assert load_hf_config_dict(resolve_model(str(folder("oss", oss))))["model_type"] == "gpt_oss"
+    for name, config in [
+        ("bnb", {"model_type": "gpt_oss", "quantization_config": {"quant_method": "bitsandbytes"}}),
+        ("llama", {"model_type": "llama", "quantization_config": {"quant_method": "mxfp4"}}),
+    ]:
+        with pytest.raises(UnsupportedModelError, match="pre-quantized"):
+            load_hf_config_dict(resolve_model(str(folder(name, config))))

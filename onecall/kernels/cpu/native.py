@@ -353,13 +353,16 @@ def paged_decode_attention(
     num_threads: int,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged KV, read in place (see csrc).
 
     q (S, H, D) float32 with contiguous heads (rows may be strided: a slice of the fused qkv output);
     k_cache, v_cache (num_slots, KVH, D) float32 or float16, contiguous; block_tables (S, max_blocks) int32;
     seq_lens (S,) int32. Returns (S, H, D) float32. sliding_window: each query sees only its last
-    that many positions; logit_softcap: scores -> softcap * tanh(scores / softcap) (model/attention.py).
+    that many positions; logit_softcap: scores -> softcap * tanh(scores / softcap); sinks (H,): attention
+    sinks, one logit per query head in each softmax's denominator (model/attention.py; cast to a
+    contiguous float32 copy if it is not one).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -367,16 +370,31 @@ def paged_decode_attention(
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
-    rc = lib.onecall_paged_decode_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-        block_size, scale, sliding_window or 0, logit_softcap or 0.0, out.data_ptr(), num_threads,
-        int(k_cache.dtype == torch.float16),
-    )  # fmt: skip
+    kv_f16 = int(k_cache.dtype == torch.float16)
+    if sinks is None:
+        rc = lib.onecall_paged_decode_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+            block_size, scale, sliding_window or 0, logit_softcap or 0.0, out.data_ptr(), num_threads, kv_f16,
+        )  # fmt: skip
+    else:
+        sinks = _sinks(sinks, num_heads)
+        rc = lib.onecall_paged_decode_attention_sinks(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+            block_size, scale, sliding_window or 0, logit_softcap or 0.0, sinks.data_ptr(), out.data_ptr(),
+            num_threads, kv_f16,
+        )  # fmt: skip
     if rc == -1:
         raise MemoryError("onecall_paged_decode_attention: out of memory for partial results")
     assert rc == 0, f"onecall_paged_decode_attention refused the shapes (rc {rc})"
     return out
+
+
+def _sinks(sinks: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Attention sinks as the kernels read them: (num_heads,) float32, contiguous, on the CPU."""
+    assert sinks.shape == (num_heads,), f"one sink per query head: {tuple(sinks.shape)} for {num_heads} heads"
+    return sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
 def _attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -404,10 +422,12 @@ def prefill_attention(
     num_threads: int,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's causal attention for its query_len new rows over its seq_len positions, the KV
     read in place (csrc/prefill_attention.c). Row i is at position seq_len - query_len + i and sees
-    keys 0 .. its position (its last `sliding_window` of them with a window).
+    keys 0 .. its position (its last `sliding_window` of them with a window); `sinks` as
+    paged_decode_attention's.
 
     q (query_len, H, D) float32 with contiguous heads (rows may be strided); k_cache, v_cache
     (num_slots, KVH, D) float32 or float16, contiguous; the KV at slots kv_start + p (kv_start >= 0),
@@ -420,11 +440,13 @@ def prefill_attention(
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     out = torch.empty(query_len, num_heads, head_dim, dtype=torch.float32)
+    sinks = None if sinks is None else _sinks(sinks, num_heads)
     rc = lib.onecall_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         None if blocks is None else blocks.data_ptr(), kv_start, block_size, query_len, seq_len,
         num_heads, k_cache.shape[1], head_dim, scale, sliding_window or 0, logit_softcap or 0.0,
-        out.data_ptr(), num_threads, int(k_cache.dtype == torch.float16),
+        None if sinks is None else sinks.data_ptr(), out.data_ptr(), num_threads,
+        int(k_cache.dtype == torch.float16),
     )  # fmt: skip
     if rc == -1:
         raise MemoryError("onecall_prefill_attention: out of memory for its tile buffers")

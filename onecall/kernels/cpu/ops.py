@@ -4,7 +4,8 @@ NativeLayerOps: the fused small ops of a layer (csrc/decode_step.c holds them, c
 native.py); NativeAttention: paged decode rows and prefill chunks read in place through the block
 tables (csrc/decode_attention.c, csrc/prefill_attention.c). Each declines (None / False) what its kernel does
 not take, and the caller's torch code runs instead: a non-float32 tensor, a cache dtype outside
-native.KV_DTYPES, head shapes the attention kernels were not built for.
+native.KV_DTYPES, head shapes the attention kernels were not built for. Both attention kernels take
+attention sinks (gpt-oss: kernels/ops.py), folded into each row's softmax in C.
 """
 
 from __future__ import annotations
@@ -84,12 +85,13 @@ class NativeAttention(AttentionKernels):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         if not native.decode_attention_fits(q, k_cache):
             return None
         return native.paged_decode_attention(
             self.lib, q, k_cache, v_cache, block_tables, seq_lens, block_size, scale,
-            torch.get_num_threads(), sliding_window, logit_softcap,
+            torch.get_num_threads(), sliding_window, logit_softcap, sinks,
         )  # fmt: skip
 
     def prefill(
@@ -104,10 +106,11 @@ class NativeAttention(AttentionKernels):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         if q.shape[0] < 2 or not native.prefill_attention_fits(q, k_cache):
             return None
         return native.prefill_attention(
             self.lib, q, k_cache, v_cache, seq_len, kv_start, blocks, block_size, scale,
-            torch.get_num_threads(), sliding_window, logit_softcap,
+            torch.get_num_threads(), sliding_window, logit_softcap, sinks,
         )  # fmt: skip

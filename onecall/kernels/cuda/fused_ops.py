@@ -234,7 +234,8 @@ class TritonLayerOps(LayerOps):
 
 
 class TritonAttention(AttentionKernels):
-    """The "triton" backend: the whole step in one paged-attention launch per layer."""
+    """The "triton" backend: the whole step in one paged-attention launch per layer (attention sinks
+    included: triton_attention.py's sinks kernel)."""
 
     name = "triton"
 
@@ -247,5 +248,6 @@ class TritonAttention(AttentionKernels):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        return triton_paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, logit_softcap)
+        return triton_paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, logit_softcap, sinks)

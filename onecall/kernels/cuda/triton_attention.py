@@ -10,6 +10,12 @@ at position t sees keys 0..t), which covers a prefill chunk after a cached prefi
 (query_len 1) alike. Any head size: a tile's width is head_dim rounded up to a power of two, at least
 16 (tl.dot's least), the extra columns masked (Phi-3's 96 runs in 128-wide tiles).
 
+Attention sinks (gpt-oss): a second entry point, _paged_attention_sinks_kernel, is the same program
+(both run _attend_rows) with one learned logit per query head joining each row's softmax once its
+keys are done: with M = max(m, sink), acc and l are rescaled by exp(m - M) and l gains exp(sink - M),
+so out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)). The plain kernel keeps its own signature
+(and compiles as before: no sink argument, no sink code).
+
 Numerics: float32 queries use IEEE float32 dot products (no TF32); bfloat16/float16 ones accumulate
 in float32. A cache stored in another dtype than the queries (kv_cache_dtype) is converted to the
 queries' dtype as it is loaded, as the reference backend converts it. tests/kernels/test_triton_attention.py
@@ -32,7 +38,7 @@ from onecall.kernels.ops import PagedBatch
 
 
 @triton.jit
-def _paged_attention_kernel(
+def _attend_rows(
     q_ptr,  # (num_tokens, num_heads, head_dim)
     k_ptr,  # (num_slots, num_kv_heads, head_dim)
     v_ptr,
@@ -50,7 +56,9 @@ def _paged_attention_kernel(
     max_blocks,
     window,  # sliding window (a query at t sees t - window + 1 .. t); 0: none
     softcap,  # scores -> softcap * tanh(score / softcap); used when HAS_SOFTCAP
+    sinks_ptr,  # (num_heads,) attention sinks; read when HAS_SINKS
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16): the tiles' width
@@ -59,6 +67,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for float32 inputs: exact float32 products, no TF32
 ):
+    """One program's rows: (sequence, query head, block of BLOCK_M rows) from the launch grid."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_block = tl.program_id(2)
@@ -120,9 +129,49 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if HAS_SINKS:  # the sink joins the softmax: M = max(m, sink), everything rescaled by exp(m - M)
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_fin)  # 0 for rows that saw no key (m = -inf): only the sink is left
+        l_i = l_i * alpha + tl.exp(sink - m_fin)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = tok[:, None] * stride_o_tok + head * stride_o_head + dims[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_starts_ptr, scale,
+    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_o_tok, stride_o_head, max_blocks,
+    window, softcap,
+    HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_attend_rows without sinks (the arguments as _attend_rows documents them)."""
+    _attend_rows(
+        q_ptr, k_ptr, v_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_starts_ptr, scale,
+        stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_o_tok, stride_o_head, max_blocks,
+        window, softcap, q_ptr, HAS_SOFTCAP, False, GROUP, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, BLOCK_N,
+        PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def _paged_attention_sinks_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_starts_ptr, scale,
+    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_o_tok, stride_o_head, max_blocks,
+    window, softcap, sinks_ptr,
+    HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_attend_rows with attention sinks: sinks_ptr (num_heads,) float32."""
+    _attend_rows(
+        q_ptr, k_ptr, v_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_starts_ptr, scale,
+        stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_o_tok, stride_o_head, max_blocks,
+        window, softcap, sinks_ptr, HAS_SOFTCAP, True, GROUP, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, BLOCK_N,
+        PRECISION,
+    )  # fmt: skip
 
 
 def tile_sizes(head_dim: int, element_size: int, max_query_len: int) -> tuple[int, int, int]:
@@ -144,9 +193,11 @@ def triton_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (num_tokens, num_heads, head_dim) over the paged cache -> (num_tokens, num_heads, head_dim).
-    sliding_window, logit_softcap: as model/attention.py's paged_attention defines them."""
+    sliding_window, logit_softcap, sinks ((num_heads,), any float dtype: read as float32): as
+    model/attention.py's paged_attention defines them."""
     assert meta.block_tables is not None and meta.seq_lens_t is not None and meta.query_starts_t is not None
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -155,10 +206,14 @@ def triton_paged_attention(
     block_d, block_m, block_n = tile_sizes(head_dim, q.element_size(), meta.max_query_len)
     grid = (len(meta.seqs), num_heads, triton.cdiv(meta.max_query_len, block_m))
     kernel: Any = _paged_attention_kernel
+    extra: tuple[torch.Tensor, ...] = ()
+    if sinks is not None:
+        assert sinks.shape == (num_heads,), "one sink per query head"
+        kernel, extra = _paged_attention_sinks_kernel, (sinks.detach().to(q.device).contiguous(),)
     kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens_t, meta.query_starts_t, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        meta.block_tables.shape[1], sliding_window or 0, logit_softcap or 1.0,
+        meta.block_tables.shape[1], sliding_window or 0, logit_softcap or 1.0, *extra,
         HAS_SOFTCAP=logit_softcap is not None, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=meta.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip

@@ -6,6 +6,9 @@
  * reading K and V where they lie: position p of sequence s is slot
  * block_tables[s, p / block_size] * block_size + p % block_size of the (num_slots, KVH, D) caches.
  * GQA: query heads kvh*G .. kvh*G + G - 1 (G = H / KVH) share KV head kvh.
+ * Attention sinks (gpt-oss; sinks != NULL): head h's softmax denominator also holds exp(sinks[h]), a
+ * logit with no value, so out = sum_p exp(s_p) v_p / (sum_p exp(s_p) + exp(sinks[h])); it joins at the
+ * merge (step 4), where the running max takes it in first so no exp overflows.
  *
  * Work is split into tasks (s, chunk of ATTN_CHUNK positions), each reading its slots' K and then V
  * rows whole (all KV heads: contiguous memory) once, keeping per query head a running max, sum and
@@ -56,7 +59,7 @@ static inline int64_t window_start(int64_t len, int64_t window) {
 static inline __attribute__((always_inline)) int paged_decode_attention(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
     int64_t max_blocks, const int32_t *seq_lens, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-    float scale, int64_t window, float softcap, float *out, int num_threads, const int f16) {
+    float scale, int64_t window, float softcap, const float *sinks, float *out, int num_threads, const int f16) {
     const int64_t elem = f16 ? 2 : 4; /* bytes per cached value */
     if (H > ATTN_MAX_HEADS || H % KVH || D % 8) return -2;
     const int64_t G = H / KVH;
@@ -142,13 +145,15 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     for (int64_t s = 0; s < S; s++)
         for (int64_t h = 0; h < H; h++) {
             const float *first = part + s * max_chunks * H * stride + h * stride;
-            float m = -INFINITY;
+            /* the sink (if any) joins the max, then the denominator; no sinks: m and total as before */
+            const float sink = sinks ? sinks[h] : -INFINITY;
+            float m = sink;
             for (int64_t c = 0; c < max_chunks; c++) {
                 const float cm = first[c * H * stride];
                 m = cm > m ? cm : m;
             }
             float *o = out + (s * H + h) * D;
-            float total = 0.0f;
+            float total = sinks ? expf(sink - m) : 0.0f;
             for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
             for (int64_t c = 0; c < max_chunks; c++) {
                 const float *pc = first + c * H * stride;
@@ -172,9 +177,20 @@ int onecall_paged_decode_attention(const float *q, int64_t q_stride, const void 
                                    int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                                    float scale, int64_t window, float softcap, float *out, int num_threads,
                                    int kv_f16) {
+    return onecall_paged_decode_attention_sinks(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens,
+                                                S, H, KVH, D, block_size, scale, window, softcap, NULL, out,
+                                                num_threads, kv_f16);
+}
+
+/* The same with attention sinks: sinks (H,) float32, one logit per query head, or NULL (none). */
+int onecall_paged_decode_attention_sinks(const float *q, int64_t q_stride, const void *k_cache,
+                                         const void *v_cache, const int32_t *block_tables, int64_t max_blocks,
+                                         const int32_t *seq_lens, int64_t S, int64_t H, int64_t KVH, int64_t D,
+                                         int64_t block_size, float scale, int64_t window, float softcap,
+                                         const float *sinks, float *out, int num_threads, int kv_f16) {
     if (kv_f16)
         return paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH,
-                                      D, block_size, scale, window, softcap, out, num_threads, 1);
+                                      D, block_size, scale, window, softcap, sinks, out, num_threads, 1);
     return paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, S, H, KVH, D,
-                                  block_size, scale, window, softcap, out, num_threads, 0);
+                                  block_size, scale, window, softcap, sinks, out, num_threads, 0);
 }

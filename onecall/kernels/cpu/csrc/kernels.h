@@ -86,16 +86,27 @@ int onecall_paged_decode_attention(const float *q, int64_t q_stride, const void 
                                    float scale, int64_t window, float softcap, float *out, int num_threads,
                                    int kv_f16);
 
+/* onecall_paged_decode_attention with attention sinks (gpt-oss): sinks (H,) float32, one logit per query
+ * head that joins its softmax denominator and carries no value, out = sum_p exp(s_p) v_p / (sum_p exp(s_p)
+ * + exp(sinks[h])), s_p the scores after the scale and soft-cap; NULL: none (the call above is this one
+ * with NULL). 0 on success, -1 out of memory, -2 H > 128, H % KVH != 0 or D % 8 != 0. */
+int onecall_paged_decode_attention_sinks(const float *q, int64_t q_stride, const void *k_cache,
+                                         const void *v_cache, const int32_t *block_tables, int64_t max_blocks,
+                                         const int32_t *seq_lens, int64_t S, int64_t H, int64_t KVH, int64_t D,
+                                         int64_t block_size, float scale, int64_t window, float softcap,
+                                         const float *sinks, float *out, int num_threads, int kv_f16);
+
 /* One sequence's causal attention: out (query_len, H, D) for its query_len new rows (positions seq_len -
  * query_len .. seq_len - 1) over its keys 0 .. seq_len - 1. q: query_len rows of (H, D) floats, q_stride
  * floats apart; the KV (num_slots, KVH, D), float32 or IEEE half when kv_f16, at slots kv_start + p when
  * blocks is NULL, else at blocks[p / block_size] * block_size + p % block_size (blocks int64). window,
- * softcap: as onecall_paged_decode_attention's. 0 on success, -1 out of memory, -2 KVH < 1, H % KVH != 0,
+ * softcap: as onecall_paged_decode_attention's; sinks (H,) float32 or NULL: as
+ * onecall_paged_decode_attention_sinks'. 0 on success, -1 out of memory, -2 KVH < 1, H % KVH != 0,
  * D % 16 != 0, D > 512 or query_len outside 1 .. seq_len. */
 int onecall_prefill_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                               const int64_t *blocks, int64_t kv_start, int64_t block_size, int64_t query_len,
                               int64_t seq_len, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window,
-                              float softcap, float *out, int num_threads, int kv_f16);
+                              float softcap, const float *sinks, float *out, int num_threads, int kv_f16);
 
 /* ---- decode_step.c: the small fused row-wise ops (float32, fixed order: a row's bits never depend on
  * its batch) and the whole decode step ---- */

@@ -16,6 +16,11 @@
  *   st (PF_BK, R): scores of a key tile, transposed (key j, row rho), then their exps
  *   o (R, D): the running weighted V sums; m, l (R): running max and sum of exps (online softmax)
  *
+ * Attention sinks (gpt-oss; sinks != NULL): row rho of head h = kh * G + g ends with its running max m
+ * and sum l over its visible keys; the sink joins them once, at the end (step 7): with M = max(m, sink),
+ * out = o * exp(m - M) / (l * exp(m - M) + exp(sink - M)), the softmax over the keys and the sink
+ * (whose value is zero). Without sinks step 7 is o / l as before, bit for bit.
+ *
  * Numerics and invariance: a row's score with key j is one FMA chain over d = 0..D-1; its softmax and
  * V sums run over its visible key tiles in position order; a tile where the row sees no key is an
  * exact no-op (alpha = exp(0) = 1, every p = exp(-inf) = 0, o + 0 * v = o). So a row's bits depend
@@ -128,7 +133,8 @@ typedef struct {
     const int64_t *blocks; /* NULL: one run from kv_start */
     int64_t kv_start, block_size, query_len, seq_len, H, KVH, D, window;
     float scale, softcap;
-    float *out; /* (query_len, H, D) */
+    const float *sinks; /* (H,) or NULL */
+    float *out;         /* (query_len, H, D) */
 } Problem;
 
 static inline int64_t slot_of(const Problem *pb, int64_t p) {
@@ -224,9 +230,18 @@ static inline __attribute__((always_inline)) void prefill_task(const Problem *pb
         for (int64_t i0 = 0; i0 < R; i0 += 6)
             for (int64_t d0 = 0; d0 < D; d0 += 16) pv_tile(s->o + i0 * D, D, s->alpha + i0, s->st + i0, R, vp, nk, d0);
     }
-    /* 7. out[r, kh * G + g] = o / l (every real row saw at least key 0 of its window: l > 0) */
+    /* 7. out[r, kh * G + g] = o / l (every real row saw at least key 0 of its window: l > 0); with
+     * sinks, o * exp(m - M) / (l * exp(m - M) + exp(sink - M)), M = max(m, sink) */
     for (int64_t rho = 0; rho < rows; rho++) {
         float *dst = pb->out + ((r0 + rho / G) * pb->H + kh * G + rho % G) * D;
+        if (pb->sinks) {
+            const float sink = pb->sinks[kh * G + rho % G], m = s->m[rho], mx = sink > m ? sink : m;
+            const float alpha = expf(m - mx);
+            const __m256 w = _mm256_set1_ps(alpha / (s->l[rho] * alpha + expf(sink - mx)));
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(s->o + rho * D + d), w));
+            continue;
+        }
         const __m256 l = _mm256_set1_ps(s->l[rho]);
         for (int64_t d = 0; d < D; d += 8)
             _mm256_storeu_ps(dst + d, _mm256_div_ps(_mm256_loadu_ps(s->o + rho * D + d), l));
@@ -267,14 +282,15 @@ static inline __attribute__((always_inline)) int prefill_attention(const Problem
 /* q (query_len rows of (H, D) floats, q_stride floats apart) -> out (query_len, H, D), causal over the
  * sequence's seq_len positions (the first seq_len - query_len cached). blocks: NULL when the KV is one
  * run of slots from kv_start. window > 0: a sliding window (a row sees its last `window` positions);
- * softcap > 0: scores -> softcap * tanh(score / softcap). kv_f16: the caches hold IEEE half values.
+ * softcap > 0: scores -> softcap * tanh(score / softcap). sinks: (H,) float32 attention sinks, or NULL.
+ * kv_f16: the caches hold IEEE half values.
  * Returns 0, -1 (out of memory) or -2 (shapes not handled: the caller falls back). */
 int onecall_prefill_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                               const int64_t *blocks, int64_t kv_start, int64_t block_size, int64_t query_len,
                               int64_t seq_len, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window,
-                              float softcap, float *out, int num_threads, int kv_f16) {
+                              float softcap, const float *sinks, float *out, int num_threads, int kv_f16) {
     const Problem pb = {q, q_stride, k_cache, v_cache, blocks, kv_start, block_size, query_len, seq_len, H, KVH, D,
-                        window, scale, softcap, out};
+                        window, scale, softcap, sinks, out};
     if (kv_f16) return prefill_attention(&pb, num_threads, 1);
     return prefill_attention(&pb, num_threads, 0);
 }
