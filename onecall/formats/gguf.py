@@ -14,7 +14,7 @@ Tensor data is never copied until a tensor is requested: `iter_tensors` yields o
 dequantized, renamed tensor at a time, so the model is never held twice. What each family's
 tensors are called and what its metadata means (llama.cpp's converter, per architecture) is
 gguf_layout.py's; undoing what the converter did to the values (Q/K interleaving, Gemma's 1 + w,
-stacked experts) is iter_tensors'.
+stacked experts, the hybrids' A, conv, norms and value-head order) is iter_tensors'.
 """
 
 from __future__ import annotations
@@ -36,12 +36,16 @@ from onecall.formats.ggml_types import GGML_TYPE_SIZES, GGMLType, GGUFValueType,
 from onecall.formats.gguf_layout import (
     GEMMA_ARCHITECTURES,
     SKIPPED_TENSORS,
+    HybridLayout,
     check_loadable,
     hf_tensor_name,
+    hybrid_layout,
     key_reader,
 )
 from onecall.formats.quants import (
     SUPPORTED_QUANT_TYPES,
+    HalfWeights,
+    Int8Groups,
     StoredGroups,
     dequantize,
     stored_groups,
@@ -280,10 +284,11 @@ class GGUFFile:
         """Refuse before yielding anything: architecture, tensor names and quant types."""
         check_loadable(self.architecture, self.metadata, self.path.name)
         has_experts = bool(self.metadata.get(f"{self.architecture}.expert_count"))
+        hybrid = hybrid_layout(self.metadata, self.architecture)
         plan = []
         for info in self.tensors:
-            if info.name in SKIPPED_TENSORS:
-                continue
+            if info.name in SKIPPED_TENSORS or (hybrid is not None and hybrid.is_mtp(info.name)):
+                continue  # a hybrid's MTP blocks: the checkpoint's mtp.*, which onecall does not run
             if info.ggml_type not in SUPPORTED_QUANT_TYPES:
                 kind = ggml_type_name(info.ggml_type)
                 raise UnsupportedModelError(
@@ -311,6 +316,11 @@ class GGUFFile:
         | Gemma `*norm.weight`, stored as 1 + w  | w in float64, whatever `dtype`: x - 1 is exact there |
         |                                        | and model/gemma.py's fold adds 1 back in float64, so |
         |                                        | the loaded norm is the file's float32 x bit for bit  |
+        | a hybrid's (HybridLayout's table)      | its norms as Gemma's (not the gated ssm_norm),       |
+        |                                        | A_log = log(-ssm_a), the conv (channels, 1, kernel), |
+        |                                        | value heads back in grouped order (qwen35*: rows and |
+        |                                        | their stored groups; ssm_out's columns, its groups   |
+        |                                        | kept where the heads are whole groups)               |
 
         With `stored_out`, every 2-D tensor a native kernel runs as stored (quants.stored_groups: 4-bit
         and 5-bit groups, int8 groups, F16/BF16 weights) is decoded once into its stored form, kept
@@ -327,6 +337,7 @@ class GGUFFile:
         num_heads = key("attention.head_count", 0)
         num_kv_heads = key("attention.head_count_kv", num_heads)
         gemma = self.architecture in GEMMA_ARCHITECTURES
+        hybrid = hybrid_layout(self.metadata, self.architecture)
         for info, hf_name in plan:
             heads = 0
             if self.architecture in _PERMUTED_QK_ARCHITECTURES:
@@ -341,11 +352,20 @@ class GGUFFile:
             if gemma and hf_name.endswith("norm.weight"):
                 yield hf_name, dequantize(raw, ggml_type, info.shape, torch.float32).double() - 1.0
                 continue
+            if hybrid is not None and hf_name.endswith(_HYBRID_VALUES):  # small tensors, never stored groups
+                dense = dequantize(raw, ggml_type, info.shape, torch.float32)
+                yield hf_name, _undo_hybrid(hybrid, hf_name, dense, dtype)
+                continue
+            rows = hybrid.value_rows(hf_name) if hybrid is not None else None
+            columns = hybrid.value_columns(hf_name) if hybrid is not None else None
             groups = stored_groups(raw, ggml_type, info.shape) if stored_out is not None else None
+            if groups is not None and rows is not None:
+                groups = groups.select_rows(rows)
+            if groups is not None and columns is not None:
+                groups = _select_columns(groups, columns)
             if groups is not None and stored_out is not None:
                 if heads:
-                    rows = unpermute_qk_rows(torch.arange(info.shape[0]), heads)
-                    groups = groups.select_rows(rows)
+                    groups = groups.select_rows(unpermute_qk_rows(torch.arange(info.shape[0]), heads))
                 stored_out[hf_name] = groups
                 if expand_stored:  # bit-exact with dequantize() (quants.py)
                     yield hf_name, groups.dequantize().to(dtype)
@@ -353,6 +373,10 @@ class GGUFFile:
                     yield hf_name, torch.empty(groups.shape, dtype=dtype, device="meta")
                 continue
             tensor = dequantize(raw, ggml_type, info.shape, dtype)
+            if rows is not None:
+                tensor = tensor[rows]
+            if columns is not None:
+                tensor = tensor[:, columns]
             yield hf_name, unpermute_qk_rows(tensor, heads) if heads else tensor
 
     @staticmethod
@@ -425,3 +449,48 @@ def _rows(groups: StoredGroups, start: int, end: int) -> StoredGroups:
     if start == 0 and end == groups.shape[0]:
         return groups
     return groups.select_rows(slice(start, end))
+
+
+# a hybrid's tensors whose values (not only their order) the converter changed, all small: norms, A, the
+# conv, the shared expert's gate (HybridLayout's table)
+_HYBRID_VALUES = ("norm.weight", ".linear_attn.A_log", ".linear_attn.dt_bias", ".linear_attn.conv1d.weight",
+                  ".mlp.shared_expert_gate.weight")  # fmt: skip
+
+
+def _undo_hybrid(
+    hybrid: HybridLayout, hf_name: str, tensor: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """One of a hybrid's _HYBRID_VALUES tensors (float32, as the file holds it) as the checkpoint holds it:
+    value heads in grouped order; a (1 + w) norm as w in float64 (as Gemma's: the loader adds the 1 back
+    there, exactly); A_log = log(-ssm_a); the conv (channels, 1, kernel); the shared expert's gate
+    (1, hidden) where a file has it 1-D."""
+    if (rows := hybrid.value_rows(hf_name)) is not None:
+        tensor = tensor[rows]
+    if hf_name.endswith("norm.weight") and not hf_name.endswith(".linear_attn.norm.weight"):
+        return tensor.double() - 1.0
+    if hf_name.endswith(".linear_attn.A_log"):
+        if not bool((tensor < 0).all()):
+            raise UnsupportedModelError(f"GGUF tensor {hf_name!r} (ssm_a = -exp(A_log)) must be negative")
+        return torch.log(-tensor.double()).to(dtype)
+    if hf_name.endswith(".linear_attn.conv1d.weight") and tensor.dim() == 2:
+        tensor = tensor.unsqueeze(1)
+    elif hf_name.endswith(".mlp.shared_expert_gate.weight") and tensor.dim() == 1:
+        tensor = tensor.unsqueeze(0)
+    return tensor.to(dtype)
+
+
+def _select_columns(groups: StoredGroups, columns: torch.Tensor) -> StoredGroups | None:
+    """The given columns of a stored weight, where they move whole groups (a hybrid's ssm_out whose value
+    heads are a multiple of the group size, as every released Qwen3.5's 128 are); None where they do not
+    (the weight is then expanded, its columns picked from the float copy)."""
+    if isinstance(groups, HalfWeights):
+        return HalfWeights(groups.values[:, columns])
+    size = groups.group_size
+    blocks = columns.reshape(-1, size)
+    starts = blocks[:, 0]
+    if bool((starts % size).any()) or not torch.equal(blocks, starts[:, None] + torch.arange(size)):
+        return None
+    picked = starts // size
+    if isinstance(groups, Int8Groups):
+        return Int8Groups(groups.q[:, columns], groups.scale[:, picked], size)
+    return type(groups)(groups.q[:, columns], groups.scale[:, picked], groups.offset[:, picked], size)

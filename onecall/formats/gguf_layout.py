@@ -16,6 +16,13 @@ names -> Hugging Face parameter names, and `{arch}.*` metadata -> the config.jso
 |                      |                         | MLP), post_ffw_norm                         | query_pre_attn_scalar, layer pattern and |
 |                      |                         |                                             | Gemma 3's local RoPE base: see           |
 |                      |                         |                                             | _gemma_keys                              |
+| qwen35, qwen35moe,   | Qwen3_5ForCausalLM,     | post_attention_norm; attn_q [q_h; gate_h];  | layer types from full_attention_interval |
+| qwen3next            | Qwen3_5MoeForCausalLM,  | attn_qkv, attn_gate (ssm_in: Qwen3-Next's   | (or attention.recurrent_layers); the     |
+|                      | Qwen3NextForCausalLM    | older files), ssm_beta/_alpha (qwen35*) or  | DeltaNet's sizes from ssm.*; the MTP     |
+|                      |                         | ssm_ba (qwen3next), ssm_a, ssm_dt.bias,     | blocks past nextn_predict_layers are     |
+|                      |                         | ssm_conv1d, ssm_norm, ssm_out; MoE: experts | skipped; top-k always renormalised; the  |
+|                      |                         | plus ffn_{gate,up,down}_shexp and           | values: see HybridLayout                 |
+|                      |                         | ffn_gate_inp_shexp                          |                                          |
 
 A stacked expert tensor (num_experts, rows, cols) maps to a name with "*" for the expert index;
 formats/gguf.py yields it as one tensor per expert (the per-expert names loading/weights.py stacks).
@@ -27,15 +34,22 @@ RoPE scaling (metadata keys and factor tensors) is read by formats/gguf_rope_sca
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from onecall.errors import UnsupportedModelError
 from onecall.formats.ggml_types import GGUFView, checked_value
 from onecall.formats.gguf_rope_scaling import rope_scaling_dict
-from onecall.model.config import GLOBAL, SLIDING
+from onecall.model.config import GLOBAL, LINEAR, SLIDING
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3"})
 GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
+# Qwen3.5 (dense and MoE) and Qwen3-Next: Gated DeltaNet layers beside gated full attention
+HYBRID_ARCHITECTURES = frozenset({"qwen35", "qwen35moe", "qwen3next"})
+SUPPORTED_ARCHITECTURES = frozenset(
+    {"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", *HYBRID_ARCHITECTURES}
+)
 # Architectures llama.cpp's converter writes that onecall does not run, each named for what it is.
 REFUSED_ARCHITECTURES = {
     "clip": "a multimodal projector (mmproj) file, not a language model: pass the text model's own GGUF "
@@ -49,11 +63,18 @@ REFUSED_ARCHITECTURES = {
 _HF_CLASS = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
 }  # fmt: skip
 # block_count's bound: per-layer lists are built from it; far above any released model's (405B Llama: 126)
 _MAX_LAYERS = 4096
-_MODEL_TYPE = {"qwen3moe": "qwen3_moe"}  # config.json's model_type where it differs from the GGUF arch
+# config.json's model_type where it differs from the GGUF arch
+_MODEL_TYPE = {
+    "qwen3moe": "qwen3_moe",
+    "qwen35": "qwen3_5",
+    "qwen35moe": "qwen3_5_moe",
+    "qwen3next": "qwen3_next",
+}
 
 
 def check_loadable(arch: str, metadata: dict[str, Any], file_name: str) -> None:
@@ -102,6 +123,25 @@ _MOE_NAMES = {
     "ffn_down_exps": "mlp.experts.*.down_proj",
 }  # fmt: skip
 _LEGACY_EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+# The hybrids (HybridLayout has what the converter did to their values). gguf-py maps their
+# post_attention_layernorm (the norm before the MLP) to post_attention_norm: these archs have no ffn_norm.
+# attn_qkv / attn_gate are the DeltaNet's in_proj_qkv / in_proj_z (Qwen3-Next's in_proj_qkvz split so by
+# the converter; ssm_in is that tensor unsplit, as converters before the split wrote it, llama.cpp's
+# "legacy" path). attn_q holds q and the output gate per head ([q_h; gate_h] rows), as the checkpoint.
+_HYBRID_NAMES = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z", "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+}  # fmt: skip
+_QWEN35_NAMES = {"ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a"}
+_QWEN3NEXT_NAMES = {"ssm_ba": "linear_attn.in_proj_ba", "ssm_in": "linear_attn.in_proj_qkvz"}
+_SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}  # fmt: skip
+# (stem, suffix) -> the whole parameter name: A_log is written as blk.N.ssm_a, with no suffix (llama.cpp's
+# SSM_A_NOSCAN), dt_bias as ssm_dt's bias (the converter renames it dt_proj.bias first)
+_HYBRID_SPECIAL_NAMES = {("ssm_a", ""): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
 # Not parameters, skipped by the weight iterator on purpose: llama-3 RoPE frequency factors and Phi-3's
 # longrope factors, which gguf_config_dict reads into the config's rope_scaling instead.
 SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
@@ -112,6 +152,10 @@ def block_names(architecture: str, has_experts: bool = False) -> dict[str, str]:
     `has_experts`: a llama file with llama.expert_count > 0 (Mixtral); qwen3moe always has them."""
     if architecture in GEMMA_ARCHITECTURES:
         return _GEMMA_NORMS | _ATTENTION_NAMES | _MLP_NAMES
+    if architecture in HYBRID_ARCHITECTURES:
+        mixers = _HYBRID_NAMES | _ATTENTION_NAMES
+        mixers |= _QWEN3NEXT_NAMES if architecture == "qwen3next" else _QWEN35_NAMES
+        return mixers | (_MLP_NAMES if architecture == "qwen35" else _MOE_NAMES | _SHARED_EXPERT_NAMES)
     names = _LLAMA_NORMS | _ATTENTION_NAMES | ({} if architecture == "qwen3moe" else _MLP_NAMES)
     if architecture == "phi3":
         del names["ffn_gate"]
@@ -124,6 +168,11 @@ def block_names(architecture: str, has_experts: bool = False) -> dict[str, str]:
 def hf_tensor_name(gguf_name: str, architecture: str = "llama", has_experts: bool = False) -> str:
     """One GGUF tensor name -> its Hugging Face parameter name ("*" for a stacked expert index)."""
     parts = gguf_name.split(".")
+    is_block = len(parts) in (3, 4) and parts[0] == "blk" and parts[1].isdigit()
+    if is_block and architecture in HYBRID_ARCHITECTURES:
+        special = _HYBRID_SPECIAL_NAMES.get((parts[2], parts[3] if len(parts) == 4 else ""))
+        if special is not None:
+            return f"model.layers.{parts[1]}.{special}"
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] in ("weight", "bias"):
         _, layer, stem, kind = parts
         names = block_names(architecture, has_experts)
@@ -200,6 +249,8 @@ def gguf_config_dict(gguf: GGUFView) -> dict[str, Any]:
         config["hidden_act"] = "silu"
     if is_mixtral or arch == "qwen3moe":
         config |= _moe_keys(arch, key, config, names)
+    if (hybrid := hybrid_layout(meta, arch)) is not None:
+        config |= _hybrid_keys(hybrid, key, config, names)
     if arch == "phi3":
         config["sliding_window"] = key("attention.sliding_window") or None  # the converter writes 0 for none
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
@@ -217,10 +268,12 @@ _NULLABLE = frozenset({"sliding_window", "attn_logit_softcapping", "final_logit_
 _KEY_KINDS = {
     **dict.fromkeys(("embedding_length", "attention.head_count", "attention.head_count_kv",
                      "attention.key_length", "attention.value_length", "block_count", "context_length",
-                     "vocab_size", "rope.dimension_count", "attention.sliding_window_pattern"), "count"),
+                     "vocab_size", "rope.dimension_count", "attention.sliding_window_pattern",
+                     "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
+                     "ssm.inner_size", "full_attention_interval"), "count"),
     **dict.fromkeys(("feed_forward_length", "expert_count", "expert_used_count", "expert_feed_forward_length",
                      "expert_shared_count", "expert_shared_feed_forward_length", "expert_gating_func",
-                     "attention.sliding_window"), "size"),
+                     "attention.sliding_window", "nextn_predict_layers"), "size"),
     **dict.fromkeys(("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa",
                      "attn_logit_softcapping", "final_logit_softcapping", "expert_weights_scale"), "number"),
     "expert_weights_norm": "flag",
@@ -307,6 +360,228 @@ def _moe_keys(
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": moe_width,
         "intermediate_size": config["intermediate_size"] or moe_width,  # unused: no dense layers
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+# ---------------------------------------------------------------- the hybrids (Qwen3.5, Qwen3-Next)
+# the keys llama.cpp requires of these archs too (llama_model_qwen35*::load_arch_hparams), and what each is
+_SSM_KEYS = {
+    "ssm.conv_kernel": "the conv1d's width", "ssm.state_size": "the key head size",
+    "ssm.group_count": "the key heads", "ssm.time_step_rank": "the value heads",
+    "ssm.inner_size": "the value heads times their size",
+}  # fmt: skip
+# the checkpoint names whose value heads the qwen35 converter reordered, and the size of each head in them
+_VALUE_HEAD_ROWS = {
+    "linear_attn.in_proj_z.weight": "value", "linear_attn.in_proj_b.weight": 1,
+    "linear_attn.in_proj_a.weight": 1, "linear_attn.A_log": 1, "linear_attn.dt_bias": 1,
+}  # fmt: skip
+_VALUE_CHANNELS = ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")  # [q; k; v]: only v's rows
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """A hybrid GGUF's Gated DeltaNet (its ssm.* keys), which of its layers are which, and where the
+    values of its tensors differ from the checkpoint's (llama.cpp's Qwen3NextModel, and for qwen35 and
+    qwen35moe its _LinearAttentionVReorderBase); formats/gguf.py undoes each difference:
+
+    | the converter                                        | read back as                               |
+    |------------------------------------------------------|--------------------------------------------|
+    | ssm_a = -exp(A_log)                                  | A_log = log(-ssm_a)                        |
+    | ssm_conv1d: conv1d (channels, 1, kernel) squeezed    | (channels, 1, kernel)                      |
+    | every (1 + w) norm stored with the 1 added; not      | w, in float64 (as Gemma's norms: the loader|
+    |   ssm_norm, the gated norm: its weight is the scale  |   adds the 1 back there, so the loaded     |
+    |                                                      |   norm is the file's x bit for bit)        |
+    | qwen35*, fewer key than value heads: value heads     | grouped again: rows (value_rows) of        |
+    |   from grouped by key head (g0v0 .. g0v{r-1}, g1v0,  |   attn_qkv's v part, attn_gate, ssm_beta,  |
+    |   ...) to tiled (g0v0, g1v0, ..., g0v1, ...)         |   ssm_alpha, ssm_a, ssm_dt, the conv's v   |
+    |                                                      |   channels; columns (value_columns) of     |
+    |                                                      |   ssm_out                                  |
+    | qwen3next: in_proj_qkvz, rows [q_g; k_g; v_g; z_g]   | nothing: those are in_proj_qkv and _z as   |
+    |   per key head g, split into attn_qkv [q; k; v] and  |   Qwen3.5 has them (v and z still grouped  |
+    |   attn_gate [z], each over all heads                 |   by key head); ssm_ba is in_proj_ba as is |
+    | the MTP head (mtp.*) as blocks num_layers and on     | skipped (is_mtp), as a checkpoint's mtp.*  |
+    |   (nextn_predict_layers of them; older converters    |                                            |
+    |   dropped it)                                        |                                            |
+
+    The attention's q_proj ([q_h; gate_h] per head), the experts (stacked as every MoE's) and the shared
+    expert keep the checkpoint's values. llama.cpp marks layer i linear unless (i + 1) is a multiple of
+    full_attention_interval (default 4), or as attention.recurrent_layers says where a file has it."""
+
+    architecture: str
+    num_layers: int  # the decoder's; blocks from here on are the multi-token-prediction head
+    layer_types: tuple[str, ...]  # per layer: LINEAR or GLOBAL
+    plan_key: str  # the key layer_types were read from (for messages): full_attention_interval, ...
+    conv_kernel: int
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+    @property
+    def tiled(self) -> bool:
+        """Whether the file holds the value heads tiled (qwen35, qwen35moe with fewer key than value heads)."""
+        return self.architecture != "qwen3next" and self.key_heads != self.value_heads
+
+    def is_mtp(self, gguf_name: str) -> bool:
+        """Whether a GGUF tensor is the multi-token-prediction head's (a block past the decoder's)."""
+        parts = gguf_name.split(".")
+        return (
+            len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= self.num_layers
+        )
+
+    def _grouped(self, head_dim: int) -> torch.Tensor:
+        """Index that puts value heads stored tiled ((r, key heads, head_dim) flattened) back in grouped
+        order ((key heads, r, head_dim)): grouped[i] = tiled[index[i]]."""
+        tiled = torch.arange(self.value_heads * head_dim)
+        return (
+            tiled.reshape(self.value_heads // self.key_heads, self.key_heads, head_dim)
+            .transpose(0, 1)
+            .flatten()
+        )
+
+    def value_rows(self, hf_name: str) -> torch.Tensor | None:
+        """The rows (or the elements, of a 1-D tensor) of `hf_name` as the file holds them, in the
+        checkpoint's order; None where the order is the checkpoint's already."""
+        if not self.tiled:
+            return None
+        leaf = hf_name.split(".", 3)[-1]  # "model.layers.N.linear_attn.in_proj_z.weight" -> from linear_attn
+        if leaf in _VALUE_CHANNELS:
+            qk = 2 * self.key_heads * self.key_head_dim
+            return torch.cat((torch.arange(qk), qk + self._grouped(self.value_head_dim)))
+        size = _VALUE_HEAD_ROWS.get(leaf)
+        if size is None:
+            return None
+        return self._grouped(self.value_head_dim if size == "value" else 1)
+
+    def value_columns(self, hf_name: str) -> torch.Tensor | None:
+        """The columns of ssm_out (out_proj reads the value heads) in the checkpoint's order, or None."""
+        if not self.tiled or not hf_name.endswith(".linear_attn.out_proj.weight"):
+            return None
+        return self._grouped(self.value_head_dim)
+
+
+def hybrid_layout(meta: dict[str, Any], arch: str) -> HybridLayout | None:
+    """A hybrid GGUF's HybridLayout from its metadata (None for any other architecture); a key llama.cpp
+    requires of it that the file lacks, or sizes that do not divide, are an UnsupportedModelError naming
+    the key."""
+    if arch not in HYBRID_ARCHITECTURES:
+        return None
+    key = key_reader(meta, arch)
+    sizes = {name: key(name) for name in ("block_count", *_SSM_KEYS)}
+    if missing := [name for name, value in sizes.items() if value is None]:
+        what = ", ".join(f"{arch}.{m} ({_SSM_KEYS.get(m, 'the layer count')})" for m in missing)
+        raise UnsupportedModelError(f"{arch} GGUF lacks {what}, which the Gated DeltaNet layers need")
+    blocks = sizes["block_count"]
+    if blocks > _MAX_LAYERS:
+        raise UnsupportedModelError(
+            f"GGUF key {arch}.block_count is {blocks}; onecall reads at most {_MAX_LAYERS}"
+        )
+    num_layers = blocks - key("nextn_predict_layers", 0)
+    if num_layers <= 0:
+        raise UnsupportedModelError(
+            f"GGUF key {arch}.nextn_predict_layers leaves no decoder layers of {blocks} blocks (an MTP-only file)"
+        )
+    key_heads, value_heads = sizes["ssm.group_count"], sizes["ssm.time_step_rank"]
+    if value_heads % key_heads or sizes["ssm.inner_size"] % value_heads:
+        raise UnsupportedModelError(
+            f"GGUF keys {arch}.ssm.time_step_rank ({value_heads} value heads) must be a multiple of "
+            f"{arch}.ssm.group_count ({key_heads} key heads), and {arch}.ssm.inner_size "
+            f"({sizes['ssm.inner_size']}) of the value heads"
+        )
+    layer_types, plan_key = _layer_types(meta, arch, num_layers, blocks)
+    return HybridLayout(
+        architecture=arch,
+        num_layers=num_layers,
+        layer_types=layer_types,
+        plan_key=plan_key,
+        conv_kernel=sizes["ssm.conv_kernel"],
+        key_heads=key_heads,
+        value_heads=value_heads,
+        key_head_dim=sizes["ssm.state_size"],
+        value_head_dim=sizes["ssm.inner_size"] // value_heads,
+    )
+
+
+def _layer_types(
+    meta: dict[str, Any], arch: str, num_layers: int, blocks: int
+) -> tuple[tuple[str, ...], str]:
+    """llama.cpp's recurrent-layer flags: attention.recurrent_layers (one flag per block, or one for all)
+    where the file has it, else every full_attention_interval-th layer full attention (default 4); and
+    the key they came from."""
+    name = f"{arch}.attention.recurrent_layers"
+    if name in meta:
+        flags = meta[name] if isinstance(meta[name], list) else [meta[name]] * blocks
+        if len(flags) not in (num_layers, blocks) or not all(isinstance(f, (bool, int)) for f in flags):
+            raise UnsupportedModelError(
+                f"GGUF key {name} must be one flag per layer ({blocks}), got {meta[name]!r}"
+            )
+        return tuple(LINEAR if flag else GLOBAL for flag in flags[:num_layers]), name
+    interval = key_reader(meta, arch)("full_attention_interval", 4)
+    types = tuple(LINEAR if (i + 1) % interval else GLOBAL for i in range(num_layers))
+    return types, f"{arch}.full_attention_interval ({interval})"
+
+
+def _hybrid_keys(
+    hybrid: HybridLayout, key: Callable[..., Any], config: dict[str, Any], names: dict[str, Any]
+) -> dict[str, Any]:
+    """The config.json keys of a hybrid: the DeltaNet's sizes and layer types; the rotary fraction always
+    (transformers' default for these families is 0.25, llama.cpp's without the key the whole head); for
+    qwen35moe and qwen3next the experts as llama.cpp runs them (softmax over every expert whatever
+    expert_gating_func says, the top expert_used_count always renormalised, a sigmoid-gated shared expert
+    in every layer, no dense layers). Each layer's tensors are checked against its type, so a file whose
+    layer plan we would read wrong is refused naming the key the plan came from."""
+    arch, n = hybrid.architecture, hybrid.num_layers
+    for i, kind in enumerate(hybrid.layer_types):
+        attention, linear = f"blk.{i}.attn_q.weight" in names, f"blk.{i}.ssm_out.weight" in names
+        if kind == GLOBAL and not attention and f"blk.{i}.attn_qkv.weight" in names:
+            raise UnsupportedModelError(
+                f"{arch} GGUF: block {i}'s attention has q, k and v fused (attn_qkv), which onecall does not split"
+            )
+        if (attention, linear) != (kind == GLOBAL, kind == LINEAR):
+            has = "attention" if attention else "linear attention" if linear else "neither mixer's"
+            raise UnsupportedModelError(
+                f"{arch} GGUF: block {i} has {has} tensors, but {hybrid.plan_key} makes it a {kind} layer"
+            )
+    out: dict[str, Any] = {
+        "num_hidden_layers": n,
+        "layer_types": list(hybrid.layer_types),
+        "linear_conv_kernel_dim": hybrid.conv_kernel,
+        "linear_key_head_dim": hybrid.key_head_dim,
+        "linear_value_head_dim": hybrid.value_head_dim,
+        "linear_num_key_heads": hybrid.key_heads,
+        "linear_num_value_heads": hybrid.value_heads,
+        "partial_rotary_factor": key("rope.dimension_count", config["head_dim"]) / config["head_dim"],
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in names),
+    }
+    if arch == "qwen35":
+        return out
+    num_experts, top_k = key("expert_count"), key("expert_used_count")
+    if not num_experts or not top_k:
+        raise UnsupportedModelError(f"GGUF lacks {arch}.expert_count or {arch}.expert_used_count")
+    if key("expert_weights_scale") not in (None, 0.0, 1.0):  # 0: llama.cpp's "none"
+        raise UnsupportedModelError(
+            f"GGUF key {arch}.expert_weights_scale (scaled expert weights) is not supported"
+        )
+    widths = {}
+    for width_key, tensor in (("expert_feed_forward_length", "ffn_down_exps"),
+                              ("expert_shared_feed_forward_length", "ffn_down_shexp")):  # fmt: skip
+        # without the key, the tensor's own width (llama.cpp's fallback, n_ff / n_expert_used or n_ff,
+        # loads the file only where it equals that); the down projection is (.., hidden, width)
+        info = names.get(f"blk.0.{tensor}.weight")
+        widths[width_key] = key(width_key) or (info.shape[-1] if info is not None else None)
+        if not widths[width_key]:
+            raise UnsupportedModelError(f"GGUF lacks {arch}.{width_key} (and blk.0.{tensor}.weight)")
+    moe_width, shared_width = widths.values()
+    return out | {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": moe_width,
+        "shared_expert_intermediate_size": shared_width,
+        # unused (no dense layers); Qwen3.5-MoE's config has none, hf_config then takes the shared width
+        "intermediate_size": config["intermediate_size"] or (moe_width if arch == "qwen3next" else None),
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],

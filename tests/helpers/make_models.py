@@ -578,3 +578,264 @@ def write_tiny_hybrid_chat_folder(path: str | Path, seed: int = 0, num_reply_wor
     }  # fmt: skip
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+# ---------------------------------------------------------------- a hybrid, as llama.cpp converts it
+# llama.cpp's GGUF architecture for each hybrid config.json model_type
+_HYBRID_GGUF_ARCH = {
+    "qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
+    "qwen3_next": "qwen3next",
+}  # fmt: skip
+# GGUF tensor stems the converter always writes F32 (ModelBase.prepare_tensors' list), beside 1-D tensors
+# and norms
+_F32_STEMS = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
+# the same tensors by their checkpoint names
+_F32_NAMES = ("norm.weight", ".mlp.gate.weight", ".shared_expert_gate.weight", "conv1d.weight")
+# llama-quantize's type for a row that is not whole blocks of the one asked for (its fallbacks)
+_FALLBACK = {
+    GGMLQuantizationType.Q4_K: GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q8_0: GGMLQuantizationType.F16,
+}
+
+
+def hybrid_weight_type(
+    keep_f32: bool, shape: tuple[int, ...], weight_type: GGMLQuantizationType
+) -> GGMLQuantizationType:
+    """The type write_converted_hybrid_gguf stores a tensor of `shape` in: F32 for 1-D tensors and those
+    the converter keeps F32 (`keep_f32`), else `weight_type`, or its fallback (_FALLBACK) where a row
+    is not whole blocks of it (the converter falls back to F16 on a quantizer error, llama-quantize from
+    Q4_K to Q5_0)."""
+    if keep_f32 or len(shape) < 2 or weight_type == GGMLQuantizationType.F32:
+        return GGMLQuantizationType.F32
+    from gguf import GGML_QUANT_SIZES
+
+    qtype = weight_type
+    while shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+        qtype = _FALLBACK[qtype]
+    return qtype
+
+
+def quantize_weight(array: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """gguf's quantizer, and for Q4_K (which it lacks) quantize_q4_k."""
+    return quantize_q4_k(array) if qtype == GGMLQuantizationType.Q4_K else quantize(array, qtype)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """(..., cols) float32, cols a multiple of 256 -> ggml's Q4_K blocks (..., cols // 256 * 144) uint8:
+    per super-block of 256 a float16 d and dmin, per sub-block of 32 a 6-bit scale sc and min m (packed
+    as ggml's get_scale_min_k4 reads them), 4-bit q, the value d * sc * q - dmin * m. A plain rounding
+    quantizer (llama.cpp searches for better scales; the format is what matters here)."""
+    lead = x.shape[:-1]
+    sub = x.reshape(-1, 8, 32).astype(np.float32)  # (super-blocks, sub-blocks, 32)
+    low = np.minimum(sub.min(-1), 0.0)
+    scale, offset = (sub.max(-1) - low) / 15, -low  # per sub-block: x ~ scale * q - offset
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (offset.max(-1) / 63).astype(np.float16)
+
+    def steps(values: np.ndarray, unit: np.ndarray) -> np.ndarray:
+        unit32 = unit.astype(np.float32)[:, None]
+        safe = np.where(unit32 > 0, unit32, 1)
+        return np.where(unit32 > 0, np.clip(np.rint(values / safe), 0, 63), 0).astype(np.uint8)
+
+    sc, m = steps(scale, d), steps(offset, dmin)
+    eff_scale = d.astype(np.float32)[:, None] * sc
+    eff_offset = dmin.astype(np.float32)[:, None] * m
+    safe = np.where(eff_scale > 0, eff_scale, 1)[..., None]
+    q = np.where(eff_scale[..., None] > 0, np.clip(np.rint((sub + eff_offset[..., None]) / safe), 0, 15), 0)
+    q = q.astype(np.uint8)  # (super-blocks, 8, 32)
+    scales = np.empty((len(sub), 12), dtype=np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    # each 32-byte chunk c holds sub-block 2c in its low nibbles, 2c + 1 in its high ones
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(len(sub), 128)
+    blocks = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), scales, qs], axis=1)
+    return blocks.reshape(*lead, -1)
+
+
+def _period(layer_types: list[str]) -> int:
+    """The full_attention_interval a layer pattern has (every interval-th layer full attention)."""
+    for interval in range(1, len(layer_types) + 1):
+        if all((t == "full_attention") == ((i + 1) % interval == 0) for i, t in enumerate(layer_types)):
+            return interval
+    raise ValueError(f"layer_types {layer_types} have no full_attention_interval: llama.cpp cannot say them")
+
+
+def _tiled(t: torch.Tensor, dim: int, key_heads: int, per_key: int, head_dim: int) -> torch.Tensor:
+    """Value heads along `dim` from grouped by key head (g0v0 .. g0v{r-1}, g1v0, ...) to tiled (g0v0, g1v0,
+    ..., g0v1, ...): llama.cpp's _LinearAttentionVReorderBase._reorder_v_heads."""
+    shape = list(t.shape)
+    split = t.reshape(*shape[:dim], key_heads, per_key, head_dim, *shape[dim + 1 :])
+    return split.transpose(dim, dim + 1).reshape(shape)
+
+
+def write_converted_hybrid_gguf(
+    path: str | Path,
+    hf_state_dict: Mapping[str, torch.Tensor],
+    hf_config_dict: Mapping[str, Any],
+    weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    *,
+    split_qkvz: bool = True,
+    mtp_layers: int = 0,
+    metadata_overrides: Mapping[str, Any] | None = None,
+    extra_metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """A Qwen3.5 / Qwen3.5-MoE / Qwen3-Next transformers model (tiny_hybrid_hf's state dict and
+    config.to_dict()) as llama.cpp's convert_hf_to_gguf.py writes it (Qwen3NextModel, and for Qwen3.5
+    its _LinearAttentionVReorderBase subclasses), from the converter's source:
+
+    - names by gguf-py's TensorNameMap for the arch (post_attention_layernorm -> post_attention_norm,
+      in_proj_qkv / _z -> attn_qkv / attn_gate, in_proj_b / _a -> ssm_beta / ssm_alpha, in_proj_ba ->
+      ssm_ba, the shared expert -> *_shexp and ffn_gate_inp_shexp, A_log -> ssm_a with no suffix);
+    - A_log stored as -exp(A_log); dt_bias renamed dt_proj.bias (ssm_dt.bias); conv1d squeezed to
+      (channels, kernel); every norm but linear_attn.norm stored + 1;
+    - Qwen3-Next's in_proj_qkvz, rows [q_g; k_g; v_g; z_g] per key head, split into attn_qkv [q; k; v]
+      and attn_gate [z] (`split_qkvz` False: kept whole as ssm_in, as converters before the split did);
+    - Qwen3.5's value heads (where key heads < value heads) from grouped to tiled: in_proj_qkv's v rows,
+      in_proj_z, in_proj_b / _a, A_log, dt_bias, conv1d's v channels, out_proj's columns;
+    - experts stacked (num_experts, rows, cols) as ffn_{gate,up,down}_exps, the router, the shared
+      expert's gate and the conv F32 (the converter forces them), 1-D tensors and norms F32;
+    - metadata: TextModel's keys, expert_feed_forward_length, expert_shared_feed_forward_length, ssm.*
+      (conv_kernel, state_size = key head size, group_count = key heads, time_step_rank = value heads,
+      inner_size), full_attention_interval (the period of layer_types, which must have one),
+      rope.dimension_count = head_dim * partial_rotary_factor, Qwen3.5's rope.dimension_sections.
+    `mtp_layers`: that many multi-token-prediction blocks after the decoder's (nextn_predict_layers, as
+    newer converters keep the checkpoint's mtp.*): a copy of the first full-attention layer plus the
+    nextn.* tensors, random. `weight_type`: every other weight of 2+ dimensions (hybrid_weight_type).
+    `metadata_overrides`: `{arch}.*` keys (named without the prefix) to replace, None to leave one out.
+    Written from the converter's description, independently of onecall's reader.
+    """
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    cfg = hf_config_dict
+    arch = _HYBRID_GGUF_ARCH[cfg["model_type"]]
+    n, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rope = dict(cfg.get("rope_parameters") or {})
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    key_heads, value_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, per_key = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], value_heads // key_heads
+    tiled = arch != "qwen3next" and key_heads != value_heads
+    # 1. metadata, as TextModel, Qwen2MoeModel and Qwen3NextModel's set_gguf_parameters write it
+    meta: dict[str, Any] = {
+        "block_count": n + mtp_layers, "context_length": cfg["max_position_embeddings"],
+        "embedding_length": hidden, "feed_forward_length": cfg.get("intermediate_size"),
+        "attention.head_count": heads, "attention.head_count_kv": cfg["num_key_value_heads"],
+        "rope.freq_base": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
+        "expert_count": cfg.get("num_experts"), "expert_used_count": cfg.get("num_experts_per_tok"),
+        "attention.key_length": head_dim, "attention.value_length": head_dim,
+        "expert_feed_forward_length": cfg.get("moe_intermediate_size"),
+        "expert_shared_feed_forward_length": cfg.get("shared_expert_intermediate_size"),
+        "ssm.conv_kernel": cfg["linear_conv_kernel_dim"], "ssm.state_size": dk, "ssm.group_count": key_heads,
+        "ssm.time_step_rank": value_heads, "ssm.inner_size": dv * value_heads,
+        "full_attention_interval": _period(cfg["layer_types"]),
+        "rope.dimension_count": int(head_dim * partial),
+        "rope.dimension_sections": [11, 11, 10, 0] if arch != "qwen3next" else None,  # _Qwen35MRopeMixin's
+        "nextn_predict_layers": mtp_layers or None,
+    }  # fmt: skip
+    for key, value in (metadata_overrides or {}).items():
+        meta[key] = value
+    writer = GGUFWriter(str(path), arch)
+    writer.add_string("general.name", Path(path).stem)
+    for key, value in meta.items():
+        if value is not None:
+            _add_value(writer, f"{arch}.{key}", value)
+    for key, value in (extra_metadata or {}).items():
+        _add_value(writer, key, value)
+    # 2. tensors: the MTP blocks first copied in under their block numbers (as _Qwen35MtpMixin renames
+    # mtp.layers.0.* to the block after the decoder's)
+    state = {k: v.detach().to(torch.float32) for k, v in hf_state_dict.items()}
+    prefix = f"model.layers.{cfg['layer_types'].index('full_attention')}."
+    copied = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    for j in range(mtp_layers):
+        state |= {f"model.layers.{n + j}.{k}": v for k, v in copied.items()}
+    name_map = get_tensor_name_map(MODEL_ARCH[arch.upper()], n + mtp_layers)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, data in state.items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue  # a tied checkpoint's files hold no lm_head
+        if tiled and ".linear_attn." in name:
+            data = _tiled_value_heads(name, data, key_heads, per_key, dk, dv)
+        if name.endswith(".A_log"):
+            data = -torch.exp(data)
+        elif name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif "conv1d" in name:
+            data = data.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            data = data + 1
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        # Qwen3-Next's in_proj_qkvz: per key head [q; k; v; z] -> [q; k; v] and [z] over all heads
+        if name.endswith(".in_proj_qkvz.weight") and split_qkvz:
+            parts = data.reshape(key_heads, -1, hidden).split([dk, dk, per_key * dv, per_key * dv], dim=1)
+            tensors[f"blk.{layer}.attn_qkv.weight"] = torch.cat([p.reshape(-1, hidden) for p in parts[:3]])
+            tensors[f"blk.{layer}.attn_gate.weight"] = parts[3].reshape(-1, hidden)
+        elif name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H): each expert's [gate; up] rows
+            gate, up = data.chunk(2, dim=1)
+            tensors[f"blk.{layer}.ffn_gate_exps.weight"] = gate
+            tensors[f"blk.{layer}.ffn_up_exps.weight"] = up
+        elif name.endswith(".mlp.experts.down_proj"):
+            tensors[f"blk.{layer}.ffn_down_exps.weight"] = data
+        else:
+            found = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert found is not None, name
+            tensors[str(found)] = data
+    gen = torch.Generator().manual_seed(7)
+    for j in range(mtp_layers):  # the nextn tensors of each MTP block (random: never run here)
+        for stem, shape in (("eh_proj", (hidden, 2 * hidden)), ("enorm", (hidden,)), ("hnorm", (hidden,)),
+                            ("shared_head_norm", (hidden,))):  # fmt: skip
+            tensors[f"blk.{n + j}.nextn.{stem}.weight"] = torch.randn(shape, generator=gen)
+    for name, data in tensors.items():
+        array = data.contiguous().numpy()
+        stem = name.split(".")[2] if name.startswith("blk.") else name.split(".")[0]
+        keep_f32 = stem in _F32_STEMS or name.endswith("_norm.weight")
+        qtype = hybrid_weight_type(keep_f32, array.shape, weight_type)
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, quantize_weight(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def _tiled_value_heads(
+    name: str, data: torch.Tensor, key_heads: int, per_key: int, dk: int, dv: int
+) -> torch.Tensor:
+    """One linear_attn tensor with its value heads tiled, as _LinearAttentionVReorderBase.modify_tensors."""
+    if ".in_proj_qkv." in name or ".conv1d." in name:  # only the v rows / channels, after q and k
+        qk = 2 * key_heads * dk
+        return torch.cat([data[:qk], _tiled(data[qk:], 0, key_heads, per_key, dv)])
+    if ".in_proj_z." in name:
+        return _tiled(data, 0, key_heads, per_key, dv)
+    if ".in_proj_b." in name or ".in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
+        return _tiled(data, 0, key_heads, per_key, 1)
+    if ".out_proj." in name:
+        return _tiled(data, 1, key_heads, per_key, dv)
+    return data
+
+
+def hybrid_file_weights(
+    hf_state_dict: Mapping[str, torch.Tensor], weight_type: GGMLQuantizationType
+) -> dict[str, torch.Tensor]:
+    """The weights write_converted_hybrid_gguf(weight_type) stores, in the checkpoint's names and layout:
+    each tensor it quantizes round-tripped through that quantization (gguf's dequantizer). Quantization
+    runs along rows, so the converter's row moves (splits, stacking, value heads) commute with it, and so
+    does out_proj's column move where the value heads are whole blocks (a multiple of 32 columns: the
+    tests' quantized models), each block quantized on its own (Q4_K's super-block scales too: the same
+    32-column blocks, moved whole, give the same maxima)."""
+    from gguf.quants import dequantize
+
+    out = {}
+    for name, tensor in hf_state_dict.items():
+        data = tensor.detach().float()
+        keep_f32 = name.endswith(_F32_NAMES)
+        qtype = hybrid_weight_type(keep_f32, tuple(data.shape), weight_type)
+        if qtype != GGMLQuantizationType.F32:
+            stored = quantize_weight(data.numpy(), qtype)
+            data = torch.from_numpy(dequantize(stored, qtype).astype(np.float32)).reshape(data.shape)
+        out[name] = data
+    return out
