@@ -11,7 +11,7 @@ weights.load_weights, then `install`) or after a dense load (`enable_fast_kernel
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -55,12 +55,15 @@ class StreamingPacker:
     """
 
     def __init__(
-        self, slots: list[PackSlot], stored: Mapping[str, StoredGroups], workers: int, act8: bool = False
+        self, slots: list[PackSlot], stored: MutableMapping[str, StoredGroups], workers: int, act8: bool = False
     ) -> None:
         self.slots = slots
         self.act8 = act8  # 4-bit groups for the int8-activation kernel (DecoderLM.int8_activations)
         self._slot_of = {name: (slot, rows) for slot in slots for name, rows in slot.parts.items()}
-        self._stored = stored  # may still be filling: a part's groups are stored before it is yielded
+        # may still be filling: a part's groups are stored before it is yielded; a projection's entries
+        # leave it once handed to its packing job (which holds them until packed), so a file's unpacked
+        # groups are never all held at once (the peak of a load)
+        self._stored = stored
         self._staging: dict[int, dict[str, torch.Tensor]] = {}  # id(slot) -> the parts received so far
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers))
         self._jobs: list[tuple[PackSlot, Future[FastLinear]]] = []
@@ -83,15 +86,16 @@ class StreamingPacker:
         stored = self._stored_parts(slot)
         if stored is not None and runs_stored_only(stored):
             self._jobs.append((slot, self._pool.submit(FastLinear, None, slot.bias, stored, self.act8)))
-            return
-        if len(parts) == 1:
+        elif len(parts) == 1:
             ((name, tensor),) = parts.items()
             self.submit(slot, self._dense(name, tensor))
-            return
-        weight = torch.empty(slot.shape, dtype=torch.float32)
-        for name, (start, end) in slot.parts.items():
-            weight[start:end].copy_(self._dense(name, parts[name]))
-        self.submit(slot, weight)
+        else:
+            weight = torch.empty(slot.shape, dtype=torch.float32)
+            for name, (start, end) in slot.parts.items():
+                weight[start:end].copy_(self._dense(name, parts[name]))
+            self.submit(slot, weight)
+        for name in slot.parts:  # the job holds what it needs (see __init__)
+            self._stored.pop(name, None)
 
     def _dense(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The part as a float32 tensor: itself, or (meta) expanded from its stored groups."""
@@ -125,7 +129,7 @@ class StreamingPacker:
             self.close()
 
     @property
-    def stored(self) -> Mapping[str, StoredGroups]:
+    def stored(self) -> MutableMapping[str, StoredGroups]:
         """The checkpoint's stored groups by Hugging Face name (whole once the weights are loaded)."""
         return self._stored
 
@@ -146,7 +150,7 @@ def pack_slots(model: DecoderLM) -> list[PackSlot]:
     return slots
 
 
-def new_packer(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> StreamingPacker:
+def new_packer(model: DecoderLM, stored: MutableMapping[str, StoredGroups]) -> StreamingPacker:
     """A packer for the model's projections; `stored` may still be filling (see StreamingPacker)."""
     return StreamingPacker(pack_slots(model), stored, torch.get_num_threads(), model.int8_activations)
 
@@ -234,7 +238,7 @@ def enable_fast_kernels(model: DecoderLM, stored_weights: Mapping[str, StoredGro
         or not fast_kernels_supported(embed.weight.device, embed.weight.dtype)
     ):
         return model.kernels
-    packer = new_packer(model, {} if stored_weights is None else stored_weights)
+    packer = new_packer(model, {} if stored_weights is None else dict(stored_weights))
     try:
         for slot in packer.slots:
             packer.submit(slot, getattr(slot.owner, slot.attr).weight.detach())
