@@ -400,7 +400,7 @@ class Engine:
             kind = "prefill" if seq.is_prefilling else "decode"
             seq.num_computed_tokens += item.num_new_tokens
             record = StepRecord(
-                self._step_counter, kind, item.num_new_tokens, batch_size, num_batched, duration
+                self._step_counter, kind, item.num_new_tokens, batch_size, num_batched, duration, end_time=now
             )
             seq.trace.record_step(record)
             if index in prompt_logprobs:

@@ -26,6 +26,7 @@ class StepRecord:
     batch_size: int  # sequences in the step
     num_batched_tokens: int  # tokens in the whole step
     duration: float  # seconds for the whole step (forward + sampling)
+    end_time: float | None = None  # perf_counter seconds when the step ended (its start: end - duration)
     token_id: int | None = None  # the token sampled at the end of the step, if any
     num_masked: int = 0  # tokens a constraint/ban set to -inf before sampling
     num_allowed: int | None = None  # tokens a grammar left allowed (None: unconstrained step)

@@ -29,9 +29,8 @@ gen_ai.request.model / temperature / top_p / top_k / max_tokens / seed / presenc
 frequency_penalty / choice.count / stream, gen_ai.response.model / id / finish_reasons,
 gen_ai.usage.input_tokens / output_tokens / cache_read.input_tokens: the response's usage), and
 onecall.* for the rest. Times: the trace's stamps are time.perf_counter() seconds, turned into epoch
-nanoseconds with one offset taken at export. A prefill chunk's event is stamped where the chunk would
-end if the chunks ran back to back from the first scheduling (the trace keeps each step's duration,
-not its start). No prompt or output text goes out, only counts and the divergence's two tokens.
+nanoseconds with one offset taken at export. A prefill chunk's event is stamped at its step's end
+(StepRecord.end_time). No prompt or output text goes out, only counts and the divergence's two tokens.
 """
 
 from __future__ import annotations
@@ -204,9 +203,8 @@ class OtlpTraceExporter:
         elapsed = scheduled
         for s in chunks[:MAX_CHUNK_EVENTS]:
             elapsed += s["duration"]
-            prefill.add_event(
-                "prefill.chunk", _step_attributes(s), timestamp=clock.ns(min(elapsed, prefill_end))
-            )
+            at = s.get("end_time") or min(elapsed, prefill_end)  # a trace from before end_time: estimated
+            prefill.add_event("prefill.chunk", _step_attributes(s), timestamp=clock.ns(at))
         last: Span = prefill
         if prefill_done is None:
             last_end = prefill_end
