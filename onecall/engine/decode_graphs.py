@@ -31,8 +31,9 @@ token, except perhaps the last, which feeds a chunk of at most MAX_CHUNK tokens,
                 (logit_rows): the decode rows, then the chunk's last token, then the decode padding
     copies      a step's copy-on-write slot copies (an admitted prompt's partially matched prefix
                 block) run before the forward, outside any graph
-    graph       per layout, the forward + logits captured at the layout's first use (that step pays
-                a warm-up run and the capture) as a torch.cuda.CUDAGraph, then replayed; all layouts
+    graph       per layout, the forward + logits captured as a torch.cuda.CUDAGraph, then replayed:
+                COMMON_LAYOUTS at start-up (prepare_common, on scratch-block rows), any other at its
+                first use (that step pays a warm-up run and the capture); all layouts
                 share the buffers (each fills what it reads) and one memory pool, and write their
                 logits into one output buffer (max_bucket + 1, vocab) float32 made with the others
                 (a buffer per layout was ~1.1 GB each at 64 rows of a 262k vocabulary; the copy
@@ -50,21 +51,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from onecall.engine.step_inputs import StepInputs
 from onecall.kernels.select import attention_kernels
 from onecall.model.attention_metadata import AttentionMetadata, SeqSpan, padded_block_list
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
 
-if TYPE_CHECKING:
-    from onecall.engine.step_inputs import StepInputs
-
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CHUNK_BUCKETS = (8, 16, 32, 64)
 MAX_CHUNK = CHUNK_BUCKETS[-1]  # a prompt chunk longer than this runs eagerly
+# the layouts captured at start-up (DecodeGraphs.prepare_common), so the first requests' steps replay a
+# graph instead of paying a capture: single-stream decode, small batches, and a short prompt chunk
+# alone or beside one decode row (a cached prefix plus a few new tokens: the TTFT path)
+COMMON_LAYOUTS = (
+    (1, 0), (2, 0), (4, 0), (8, 0), (0, 8), (0, 16), (0, 32), (0, 64), (1, 16), (1, 64),
+)  # fmt: skip
 
 
 def bucket_for(num_seqs: int, max_bucket: int) -> int | None:
@@ -294,6 +299,23 @@ class DecodeGraphs:
         return (max_bucket + 1) * vocab_size * 4
 
     # ---- capture ---------------------------------------------------------------------------------
+    def prepare_common(self, block_size: int) -> list[str]:
+        """Prepare (on CUDA: capture) every COMMON_LAYOUTS layout this DecodeGraphs can hold, each on a
+        step of padding-like rows in the scratch block (no sequence owns it, so nothing real is read
+        or written). Returns the layouts' names, in order. Call it at start-up, before any request."""
+        done: list[str] = []
+        for decode, chunk in COMMON_LAYOUTS:
+            if decode > self.max_bucket or (decode and bucket_for(decode, self.max_bucket) != decode):
+                continue
+            layout = Layout(decode, chunk)
+            if layout in self._graphs or -(-max(chunk, 1) // block_size) > self.max_blocks_per_seq:
+                continue
+            step = _scratch_step(layout, self.scratch_block, block_size)
+            self._fill(step, block_size, layout)
+            self._prepare(layout)
+            done.append(layout.name)
+        return done
+
     def _prepare(self, layout: Layout) -> _Graph:
         """Capture the layout's graph (CUDA), or mark it eager. The buffers hold a valid step (the
         current one) when this runs, so the warm-up and the capture compute real values."""
@@ -318,6 +340,23 @@ class DecodeGraphs:
             self._forward(layout)  # its intermediates, the logits before the copy included, stay in the pool
         self._pool = graph.pool()
         return _Graph(graph)
+
+
+def _scratch_step(layout: Layout, scratch_block: int, block_size: int) -> StepInputs:
+    """A step of `layout`'s shape whose every sequence lives in the scratch block: one-token rows at
+    position 0, and a chunk at positions 0 .. chunk - 1 over the scratch block repeated."""
+    decode, chunk = layout.decode, layout.chunk
+    tables: list[Sequence[int]] = [[scratch_block]] * decode
+    ids, positions, lens, queries = [0] * decode, [0] * decode, [1] * decode, [1] * decode
+    if chunk:
+        tables.append([scratch_block] * -(-chunk // block_size))
+        ids += [0] * chunk
+        positions += list(range(chunk))
+        lens.append(chunk)
+        queries.append(chunk)
+    num_seqs = len(lens)
+    rows = list(range(decode)) + ([decode + chunk - 1] if chunk else [])
+    return StepInputs([], ids, positions, tables, lens, queries, [1] * num_seqs, rows, [], decode)
 
 
 def _slots(

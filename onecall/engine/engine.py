@@ -105,6 +105,10 @@ class Engine:
         # (a hybrid model's state is gathered and scattered per sequence on the host: eager steps too)
         if static and p.model_config.moe is None and p.kv_cache.state is None:
             self.enable_static_decode(capture=self.device.type == "cuda", backend=backend)
+            if self.device.type == "cuda":  # the common layouts captured now, not by the first requests
+                graphs = self.runner.decode_graphs
+                assert graphs is not None
+                graphs.prepare_common(self.config.block_size)
         else:
             self._build_runner(backend, p.num_blocks)
 

@@ -137,3 +137,26 @@ def test_the_kv_budget_leaves_room_for_the_static_logits(monkeypatch: pytest.Mon
     budget = int(free * DEFAULT_GPU_KV_CACHE_FRACTION)
     assert blocks[False] == budget // per_block
     assert blocks[True] == (budget - DecodeGraphs.logits_bytes(64, mc.vocab_size)) // per_block
+
+
+@needs_triton
+def test_common_layouts_are_prepared_at_start_up_on_scratch_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare_common runs (on CUDA: captures) the common layouts before any request, on rows that live
+    in the scratch block only: afterwards the layouts are known, and requests still get the eager
+    engine's tokens (nothing real was read or written)."""
+    import onecall.engine.decode_graphs as dg
+
+    monkeypatch.setattr(dg, "COMMON_LAYOUTS", ((1, 0), (2, 0), (0, 8), (1, 16)))
+    prompts = {"a": "Count the apples and pears", "b": "Name three colours please"}
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    eager = run_all(tiny_engine(arch="qwen2"), prompts, params)
+    engine = tiny_engine(arch="qwen2")
+    engine.enable_static_decode(capture=False, backend="triton")
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None
+    names = graphs.prepare_common(engine.config.block_size)
+    assert names == ["decode 1", "decode 2", "decode 0 + chunk 8", "decode 1 + chunk 16"]
+    assert set(graphs.buckets) == {1, 2} and set(graphs.chunk_buckets) == {(0, 8), (1, 16)}
+    assert graphs.prepare_common(engine.config.block_size) == []  # prepared once
+    static = run_all(engine, prompts, params)
+    assert {r: o.token_ids for r, o in static.items()} == {r: o.token_ids for r, o in eager.items()}
