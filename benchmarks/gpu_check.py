@@ -98,6 +98,7 @@ try:
     from onecall.model.config import ModelConfig
     from onecall.model.decoder import DecoderLM
     from onecall.model.kv_cache import PagedKVCache
+    from onecall.model.state_cache import LinearStateCache
     from onecall.sampling_params import SamplingParams
     from onecall.text.tokenizer import Tokenizer
 except Exception as e:  # a tree that does not import still ends in one JSON line saying what broke
@@ -131,10 +132,12 @@ def make_engine(
     mc, block_size = model.config, 16
     num_blocks = -(-kv_tokens // block_size)
     kv = PagedKVCache(
-        mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim, dtype, device
+        mc.num_kv_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim, dtype, device
     )
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     config = EngineConfig(device=str(device), dtype=dtype_name, block_size=block_size, **cfg)
+    if mc.linear_state_shape is not None:  # a hybrid: its linear layers' state beside the KV
+        kv.state = LinearStateCache(mc.linear_state_shape, config.num_state_slots, dtype, device)
     parts = LoadedEngineParts(
         files=ModelFiles(kind="hf", path=Path("random-weights"), name="random-weights"),
         model_config=mc, model=model, tokenizer=tokenizer, kv_cache=kv, num_blocks=num_blocks,
@@ -248,7 +251,8 @@ def tiny_engine(ours: DecoderLM, device: torch.device, attention_backend: str | 
     "triton" on CPU under TRITON_INTERPRET=1, with the static steps eager: no capture on CPU)."""
     dtype = ours.model.norm.weight.dtype
     engine = make_engine(ours, synthetic_tokenizer(TINY_VOCAB), device, dtype, 4096)
-    if attention_backend == "triton" and engine.runner.decode_graphs is None:
+    hybrid = ours.config.linear_state_shape is not None  # its state runs eager steps only
+    if attention_backend == "triton" and engine.runner.decode_graphs is None and not hybrid:
         engine.enable_static_decode(capture=device.type == "cuda", backend="triton")
     elif attention_backend is not None:
         engine.runner.attention_backend = attention_backend
@@ -275,6 +279,61 @@ def check_tiny_qwen3(
         "mismatches": mismatches,
         "graphs": graph_info(engine),
     }
+
+
+def check_new_family(
+    device: torch.device, family: str, attention_backend: str | None = None, max_tokens: int = 12
+) -> dict[str, Any]:
+    """A newer family's tiny random model, float32, greedy through onecall's engine against transformers'
+    generate on the same device: "qwen3_5" (the hybrid: Gated DeltaNet's state cache beside the paged
+    KV) and "gpt_oss" (attention sinks in the paged / Triton kernels, sliding layers, its MoE). Three
+    prompts in one batch; the tokens must be equal."""
+    torch.manual_seed(0)
+    if family == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        hf_config: Any = Qwen3_5TextConfig(
+            vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        )  # fmt: skip
+        hf = Qwen3_5ForCausalLM(hf_config)
+    elif family == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        hf_config = GptOssConfig(
+            vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
+        )  # fmt: skip
+        hf = GptOssForCausalLM(hf_config)
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    hf = hf.eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p)) if family == "gpt_oss" else p.normal_(0.0, 0.2)
+            elif "A_log" in name:
+                p.uniform_(-2.0, 0.0)
+            else:
+                p.normal_(0.0, 0.3)  # wide logit gaps: greedy is not decided by rounding
+    ours = DecoderLM(model_config_from_hf(hf.config.to_dict()), dtype=torch.float32, device=device)
+    load_weights(ours, hf.state_dict().items())
+    hf = hf.to(device)
+    engine = tiny_engine(ours, device, attention_backend)
+    prompts = [[(5 * i + 7 * j + 1) % (TINY_VOCAB - 1) for j in range(4 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    got = run(engine, prompts, params)["outputs"]
+    mismatches = []
+    for i, ids in enumerate(prompts):
+        ref = hf_greedy(hf, ids, max_tokens)
+        if ref != list(got[i].token_ids):
+            mismatches.append({"prompt": i, "transformers": ref, "onecall": list(got[i].token_ids)})
+    return {"tokens_equal": not mismatches, "attention_backend": engine.runner.attention_backend,
+            "mismatches": mismatches}  # fmt: skip
 
 
 def check_cached_chunk(
@@ -541,6 +600,14 @@ def sec_tiny_qwen3_bf16(b: Bench) -> dict[str, Any]:
     return check_tiny_qwen3_bf16(b.device)
 
 
+def sec_tiny_qwen3_5(b: Bench) -> dict[str, Any]:
+    return check_new_family(b.device, "qwen3_5")
+
+
+def sec_tiny_gpt_oss(b: Bench) -> dict[str, Any]:
+    return check_new_family(b.device, "gpt_oss")
+
+
 def sec_tensor_parallel(b: Bench) -> dict[str, Any]:
     size = b.tensor_parallel
     gpus = torch.cuda.device_count() if b.device.type == "cuda" else 0
@@ -662,6 +729,8 @@ SECTIONS = (
     Section("tiny_qwen3", sec_tiny_qwen3),
     Section("tiny_qwen3_chunk", sec_tiny_qwen3_chunk),
     Section("tiny_qwen3_bf16", sec_tiny_qwen3_bf16),
+    Section("tiny_qwen3_5", sec_tiny_qwen3_5),
+    Section("tiny_gpt_oss", sec_tiny_gpt_oss),
     Section("tensor_parallel", sec_tensor_parallel),
     Section("model_8b", sec_model_8b),
     Section("copy_bandwidth", sec_copy_bandwidth),

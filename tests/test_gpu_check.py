@@ -187,3 +187,14 @@ def test_after_an_error_that_loses_the_cuda_context_the_rest_is_skipped(
     assert result["fault"]["cuda_usable_after"] == "AcceleratorError: illegal memory access"
     assert result["next"]["skipped"].startswith("the CUDA context failed after fault's error")
     assert result["errors"] == ["fault"] and result["skipped"] == ["next"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+@pytest.mark.parametrize("backend", ["paged", pytest.param("triton", marks=pytest.mark.slow)])
+def test_the_new_families_greedy_equals_transformers(family: str, backend: str) -> None:
+    """The sections that check the newer families on a GPU (the hybrid's state cache, gpt-oss's sinks)
+    run here on CPU: the engine's greedy tokens equal transformers'."""
+    _needs_interpreter(backend)
+    result = _gpu_check().check_new_family(torch.device("cpu"), family, attention_backend=backend, max_tokens=6)
+    assert result["attention_backend"] == backend
+    assert result["tokens_equal"], result["mismatches"]

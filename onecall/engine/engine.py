@@ -136,6 +136,7 @@ class Engine:
         `backend` overrides the attention backend (tests run "triton" on CPU under the interpreter)."""
         assert not self._seqs, "enable_static_decode() before any request"
         assert self.parts.tp_group is None, "static decode steps run in one process, not under TP"
+        assert self.parts.kv_cache.state is None, "a hybrid model's state runs eager steps only"
         p = self.parts
         backend = backend or self.runner.attention_backend  # the constructor passes its own
         assert backend == "triton", "static decode steps need the Triton backend (metadata as tensors only)"
