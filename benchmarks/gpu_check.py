@@ -22,6 +22,9 @@ network is used. Sections, in the order they run (each is a key of the JSON):
                      bfloat16 through the engine; each greedy token's regret under the float32
                      transformers model (its best logit minus the chosen token's) must stay within a
                      stated tolerance (rounding flips near-ties only; a broken kernel picks far tokens)
+  tiny_qwen3_5       a tiny random Qwen3.5 hybrid (Gated DeltaNet's state cache beside the paged KV),
+                     float32, greedy through the engine against transformers' generate on the device
+  tiny_gpt_oss       the same for a tiny gpt-oss (attention sinks in the kernels, sliding layers, MoE)
   tensor_parallel    the same kind of model saved as a safetensors folder at tensor_parallel_size N
                      (--tensor-parallel N; NCCL, rank r on cuda:r) must give the tokens of one process;
                      skipped with fewer than N GPUs
