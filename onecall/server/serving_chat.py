@@ -13,11 +13,18 @@
    exactly one finish_reason ("tool_calls" when the output ended with calls); usage (and the
    trace) in a last chunk with no choices when asked for
    not streaming: wait for every choice, cancelled if the client disconnects, then parse each
+
+A gpt-oss model (text/harmony.py's speaks_harmony: architecture gpt_oss, or <|channel|> a special
+token) is rendered by openai-harmony instead of a template, its output parsed from token ids by a
+HarmonyChoiceParser, and <|return|> and <|call|> stop it. A forced call (tool_choice "required" or
+a named function) and structured outputs need a grammar that admits harmony's channels: not yet, a
+400 naming the field.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -26,7 +33,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from onecall.engine.engine import Engine, RequestOutput
-from onecall.errors import ContextLengthExceededError
+from onecall.errors import ContextLengthExceededError, InvalidParameterError
 from onecall.sampling_params import StructuredOutputsParams
 from onecall.server.async_engine import AsyncEngine
 from onecall.server.http_errors import HTTPError, http_error
@@ -54,10 +61,17 @@ from onecall.server.serving_common import (
     token_text,
 )
 from onecall.server.serving_structured import compile_structured_outputs, with_reasoning
-from onecall.server.serving_tools import ChoiceParser, chat_tools, markers_are_special
+from onecall.server.serving_tools import (
+    AnyChoiceParser,
+    ChoiceParser,
+    HarmonyChoiceParser,
+    chat_tools,
+    markers_are_special,
+)
 from onecall.server.sse import DONE, SSEResponse, sse_event
 from onecall.server.state import ServerState
 from onecall.text.chat_template import RenderedPrompt, render_chat
+from onecall.text.harmony import render_harmony, speaks_harmony, stop_token_ids
 from onecall.text.reasoning import ReasoningFormat
 from onecall.text.tokenizer import Tokenizer
 from onecall.tools.calling import ChatTools
@@ -104,6 +118,15 @@ async def start_chat(
     params = to_sampling_params(
         req, default_max_tokens=max(1, room), structured_outputs=setup.structured_outputs
     )
+    if setup.stop_token_ids:  # harmony's <|return|> and <|call|>
+        params = [
+            dataclasses.replace(
+                p,
+                stop_token_ids=p.stop_token_ids
+                + tuple(sorted(set(setup.stop_token_ids) - set(p.stop_token_ids))),
+            )
+            for p in params
+        ]
     try:
         gen = await Generation.start(engine, request_id, setup.rendered, params)
     except ContextLengthExceededError as e:  # OpenAI names the messages, not a prompt, for chat
@@ -122,9 +145,13 @@ class ChatSetup:
     starts_in_reasoning: bool  # the prompt opened the reasoning block
     keep_special_text: bool
     grammar: object = None  # the CompiledGrammar, held until the request is queued (serving_structured)
+    harmony: bool = False  # gpt-oss: rendered and parsed by openai-harmony (text/harmony.py)
+    stop_token_ids: tuple[int, ...] = ()  # added to the request's own
 
-    def new_parser(self) -> ChoiceParser | None:
+    def new_parser(self) -> AnyChoiceParser | None:
         """A fresh parser for one choice; None when the text goes out as it is (no reasoning, no tools)."""
+        if self.harmony:
+            return HarmonyChoiceParser(max_calls=None if self.tools.parallel else 1)
         tools = self.tools.new_parser()
         if self.reasoning is None and tools is None:
             return None
@@ -145,6 +172,8 @@ async def prepare_chat(engine: Engine, req: ChatCompletionRequest) -> ChatSetup:
         # response_format governs text outside calls, and there is none (OpenAI accepts both; instructor's
         # Responses mode sends the same schema as the tool and as text.format)
         asked = None
+    if speaks_harmony(engine.model_config.architecture, tokenizer):
+        return await _prepare_harmony(req, tools, asked)
     # 2. render (tools through the template, or the json convention's system prompt)
     messages, template_tools = tools.template_inputs(template_messages(req.messages))
     rendered = await asyncio.to_thread(
@@ -166,18 +195,49 @@ async def prepare_chat(engine: Engine, req: ChatCompletionRequest) -> ChatSetup:
     return ChatSetup(rendered, so, tools, reasoning, opens, keep_special, grammar)
 
 
+async def _prepare_harmony(
+    req: ChatCompletionRequest, tools: ChatTools, asked: tuple[StructuredOutputsParams, str] | None
+) -> ChatSetup:
+    """A gpt-oss request: rendered by openai-harmony, parsed from its tokens, stopped at <|return|> or
+    <|call|>. What needs a grammar over harmony's channels is refused (a 400 naming the field)."""
+    if tools.enforced() is not None:
+        raise InvalidParameterError(
+            "tool_choice",
+            f"{tools.choice.mode!r} (a forced call) is not supported yet for gpt-oss (harmony) models; "
+            "use 'auto' or 'none'",
+        )
+    if asked is not None:
+        raise InvalidParameterError(
+            asked[1], "structured outputs are not supported yet for gpt-oss (harmony) models"
+        )
+    kwargs = req.chat_template_kwargs or {}
+    effort = kwargs.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise InvalidParameterError(
+            "chat_template_kwargs", "reasoning_effort must be 'low', 'medium' or 'high'"
+        )
+    rendered = await asyncio.to_thread(
+        render_harmony, template_messages(req.messages), tools.tools, reasoning_effort=effort
+    )
+    return ChatSetup(rendered, None, tools, None, False, False, harmony=True, stop_token_ids=stop_token_ids())
+
+
 def chat_choice(
     index: int,
     out: RequestOutput,
     req: ChatCompletionRequest,
     tokenizer: Tokenizer,
-    parser: ChoiceParser | None,
+    parser: AnyChoiceParser | None,
 ) -> ChatChoice:
     logprobs = _logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs) if req.logprobs else None
     if parser is None:
         message, finish_reason = ChatResponseMessage(content=out.text), out.finish_reason
     else:
-        parsed = parser.whole(out.text)
+        parsed = (
+            parser.whole_tokens(out.token_ids)
+            if isinstance(parser, HarmonyChoiceParser)
+            else parser.whole(out.text)
+        )
         message = ChatResponseMessage(
             content=parsed.content, reasoning_content=parsed.reasoning_content, tool_calls=parsed.tool_calls
         )
@@ -240,11 +300,13 @@ async def _chat_events(
     yield DONE
 
 
-def parsed_delta(parser: ChoiceParser | None, d: Delta) -> tuple[ChatDelta, str | None]:
+def parsed_delta(parser: AnyChoiceParser | None, d: Delta) -> tuple[ChatDelta, str | None]:
     """The delta of one engine output, and the choice's finish_reason if it ended."""
     if parser is None:
         return ChatDelta(content=d.text), d.finish_reason
-    pieces = [parser.feed(d.text)]
+    pieces = [
+        parser.feed_tokens(d.token_ids) if isinstance(parser, HarmonyChoiceParser) else parser.feed(d.text)
+    ]
     if d.finish_reason is not None:
         pieces.append(parser.finish())
     reasoning = "".join(p.reasoning for p in pieces)

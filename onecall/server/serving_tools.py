@@ -7,6 +7,10 @@ ChatTools (the tools for one model's template, their grammar and parser) is the 
 ChoiceParser, one per choice: reasoning first (a thinking template's <think> block ->
 reasoning_content), then tool calls in what remains. feed()/finish() stream it; whole() parses a
 response. Its tool-call pieces become OpenAI deltas: id, type and name once, then the arguments.
+
+HarmonyChoiceParser does the same for a gpt-oss model (text/harmony.py), from the output's token ids
+rather than its text: analysis -> reasoning_content, final -> content, calls to functions.NAME ->
+tool_calls. feed_tokens()/finish() stream it; whole_tokens() parses a response.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 
 from onecall.server.protocol import ChatCompletionRequest
 from onecall.server.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from onecall.text.harmony import HarmonyDelta, HarmonyStream
 from onecall.text.reasoning import ReasoningDelta, ReasoningFormat, ReasoningParser
 from onecall.text.tokenizer import Tokenizer
 from onecall.tools.calling import ChatTools, is_special
@@ -97,6 +102,47 @@ class ChoiceParser:
         self.num_calls = max([self.num_calls, *(c.index + 1 for c in calls)])
         calls, self._held = one_entry_per_call(calls, hold=not is_last)
         return ChoiceDelta(r.reasoning, "".join(p.content for p in parts), [wire_delta(c) for c in calls])
+
+
+class HarmonyChoiceParser:
+    """One choice of a gpt-oss model: its token ids -> reasoning, content and tool calls."""
+
+    def __init__(self, *, max_calls: int | None) -> None:
+        self._stream = HarmonyStream()
+        self._max_calls = max_calls
+        self.num_calls = 0
+        self._held: list[ToolCallDelta] = []
+
+    def feed_tokens(self, token_ids: list[int]) -> ChoiceDelta:
+        return self._split(self._stream.feed(token_ids), is_last=False)
+
+    def finish(self) -> ChoiceDelta:
+        return self._split(self._stream.finish(), is_last=True)
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """ "tool_calls" when the output ended with calls (<|call|> is a stop token), else the engine's."""
+        return "tool_calls" if self.num_calls and engine_reason == "stop" else engine_reason
+
+    def whole_tokens(self, token_ids: list[int]) -> ParsedChoice:
+        deltas = [self.feed_tokens(token_ids), self.finish()]
+        reasoning = "".join(d.reasoning for d in deltas)
+        content = "".join(d.content for d in deltas)
+        return ParsedChoice(
+            reasoning_content=reasoning or None,
+            content=content or None,
+            tool_calls=assemble(d.tool_calls for d in deltas),
+        )
+
+    def _split(self, d: HarmonyDelta, *, is_last: bool) -> ChoiceDelta:
+        calls = self._held + [ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in d.calls]
+        if self._max_calls is not None:  # parallel_tool_calls false: the first call only
+            calls = [c for c in calls if c.index < self._max_calls]
+        self.num_calls = max([self.num_calls, *(c.index + 1 for c in calls)])
+        calls, self._held = one_entry_per_call(calls, hold=not is_last)
+        return ChoiceDelta(d.reasoning, d.content, [wire_delta(c) for c in calls])
+
+
+AnyChoiceParser = ChoiceParser | HarmonyChoiceParser
 
 
 def one_entry_per_call(
