@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from onecall.errors import UnsupportedModelError
 from onecall.model.decoder import DecoderLayer, DecoderLM
 from onecall.model.layers import Attention
 
@@ -35,6 +36,12 @@ def last_position_attention(model: DecoderLM, input_ids: torch.Tensor) -> torch.
     positions = torch.arange(ids.numel(), device=device)
     h = model.model.embed_tokens(ids)  # (seq_len, hidden_size)
     cos, sin = model.rotary(positions)  # (seq_len, 1, head_dim // 2) each
+    others = {type(layer).__name__ for layer in model.model.layers if not isinstance(layer, DecoderLayer)}
+    if others:  # Gemma's four norms, a hybrid's linear layers, gpt-oss's sinks: not probed here yet
+        raise UnsupportedModelError(
+            f"attention probabilities are computed for Llama-shaped layers; {model.config.architecture}'s "
+            f"{', '.join(sorted(others))} are not"
+        )
     rows = []
     for layer in model.model.layers:
         assert isinstance(layer, DecoderLayer)

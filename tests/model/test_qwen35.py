@@ -483,3 +483,13 @@ def test_config_translation() -> None:
 
 class _FakeTP:
     world_size = 2
+
+
+def test_attention_probabilities_are_refused_by_name_for_a_hybrid(models: Models) -> None:
+    """LLM.attention_probs' probe runs Llama-shaped layers only: a hybrid's linear layers are refused
+    with a typed error naming them, not an assert."""
+    from onecall.errors import UnsupportedModelError
+    from onecall.model.attention_probe import last_position_attention
+
+    with pytest.raises(UnsupportedModelError, match="HybridDecoderLayer"):
+        last_position_attention(models.ours, torch.tensor(tokens(5, seed=1)))
