@@ -12,7 +12,8 @@ figure that repeats; each kernel called the way the engine calls it), and the by
   q8 logits       the tied embedding kept as the GGUF's Q8_0 int8, M rows
   gemm kinds      every stored-weight GEMM at the model's down_proj shape, random weights of each form,
                   called in turn (interleaved): q4 (Q4_0-style, half scales), q5 (Q5_0-style, half
-                  scales), q5k (Q5_K-style, float32 scales), q8b (Q8_0), f16, bf16 (the half GEMM),
+                  scales), q5k (Q5_K-style, float32 scales), q8b (Q8_0), iq4 (IQ4_NL-style codebook
+                  indices, half scales), f16, bf16 (the half GEMM),
                   and f32 (oneDNN on a prepacked float32 weight: what a weight without them runs)
   attention       one layer's decode attention at a context of 400 and 4,000 positions, float32 and
                   float16 cache; beside it SDPA over a view of the cache (the prompt path's read)
@@ -192,7 +193,7 @@ def bench_q8(model: Any, rows: list[int], repeats: int, lib: Any) -> list[dict[s
     return out
 
 
-GEMM_KINDS = ("q4", "q5", "q5k", "q8b", "f16", "bf16", "f32")
+GEMM_KINDS = ("q4", "q5", "q5k", "q8b", "iq4", "f16", "bf16", "f32")
 
 
 def random_weight(kind: str, n: int, k: int, seed: int = 0) -> native.Packed | torch.Tensor:
@@ -207,6 +208,9 @@ def random_weight(kind: str, n: int, k: int, seed: int = 0) -> native.Packed | t
         if kind != "q5k":  # Q4_0 / Q5_0 keep their scales in float16, Q5_K's are float32 products
             scale, offset = scale.half(), offset.half()
         return native.pack_q4(q, scale, offset) if kind == "q4" else native.pack_q5(q, scale, offset)
+    if kind == "iq4":  # IQ4_NL-style: codebook indices, float16 scales (d)
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        return native.pack_iq4(codes, (torch.rand(groups, generator=g) * 0.01).half().float())
     if kind == "q8b":
         q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         return native.pack_q8_blocked(q8, torch.rand(groups, generator=g) * 0.01)

@@ -45,6 +45,7 @@ from onecall.formats.gguf_layout import (
 from onecall.formats.quants import (
     SUPPORTED_QUANT_TYPES,
     HalfWeights,
+    Int4CodeGroups,
     Int8Groups,
     StoredGroups,
     dequantize,
@@ -491,6 +492,6 @@ def _select_columns(groups: StoredGroups, columns: torch.Tensor) -> StoredGroups
     if bool((starts % size).any()) or not torch.equal(blocks, starts[:, None] + torch.arange(size)):
         return None
     picked = starts // size
-    if isinstance(groups, Int8Groups):
-        return Int8Groups(groups.q[:, columns], groups.scale[:, picked], size)
+    if isinstance(groups, (Int8Groups, Int4CodeGroups)):  # one scale per group, no offset
+        return type(groups)(groups.q[:, columns], groups.scale[:, picked], size)
     return type(groups)(groups.q[:, columns], groups.scale[:, picked], groups.offset[:, picked], size)

@@ -8,12 +8,13 @@ run on the model's device.
 
 The stored forms (StoredGroups), one per kernel family (kernels/cpu/fast_linear.py packs them):
 
-| container   | w[r, c] =                     | from                                                   |
-|-------------|-------------------------------|--------------------------------------------------------|
-| Int4Groups  | q * scale + offset, q 0..15   | Q4_0, Q4_1, Q4_K (groups of 32)                        |
-| Int5Groups  | q * scale + offset, q 0..31   | Q5_0, Q5_1, Q5_K (groups of 32)                        |
-| Int8Groups  | q * scale, q int8             | Q8_0, IQ4_NL, IQ4_XS, MXFP4 (32); Q6_K, Q3_K (16)      |
-| HalfWeights | float(value)                  | F16, BF16 (2-D weights)                                |
+| container      | w[r, c] =                     | from                                                |
+|----------------|-------------------------------|-----------------------------------------------------|
+| Int4Groups     | q * scale + offset, q 0..15   | Q4_0, Q4_1, Q4_K (groups of 32)                     |
+| Int5Groups     | q * scale + offset, q 0..31   | Q5_0, Q5_1, Q5_K (groups of 32)                     |
+| Int4CodeGroups | codebook[q] * scale, q 0..15  | IQ4_NL, IQ4_XS (groups of 32; kvalues_iq4nl)        |
+| Int8Groups     | q * scale, q int8             | Q8_0, MXFP4 (32); Q6_K, Q3_K (16)                   |
+| HalfWeights    | float(value)                  | F16, BF16 (2-D weights)                             |
 
 F32 and Q2_K (affine per 16 elements: neither int8 symmetric groups nor groups of 32) have no stored
 form: they are expanded to float. Each stored form expands to exactly ggml's dequantization, bit for bit
@@ -177,20 +178,33 @@ _IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
 _MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
 
 
+def _codes_iq4_nl(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_NL blocks (d:f16, qs:u8[16], element j low nibble, j + 16 high) -> codes (n, 32) 0..15, d."""
+    return _nibbles(b[:, 2:], 16).flatten(1), _f16(b, 0)
+
+
 def _int8_iq4_nl(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """IQ4_NL blocks (d:f16, qs:u8[16], element j low nibble, j + 16 high) -> codebook values, d."""
-    return _lookup(_IQ4_VALUES, _nibbles(b[:, 2:], 16).flatten(1)), _f16(b, 0)
+    """IQ4_NL blocks -> codebook values, d."""
+    codes, d = _codes_iq4_nl(b)
+    return _lookup(_IQ4_VALUES, codes), d
 
 
-def _int8_iq4_xs(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """IQ4_XS blocks (d:f16, scales_h:u16, scales_l:u8[4], qs:u8[128]) -> codebook values (n, 256),
-    scale (n, 8) = d * (s - 32) per 32: sub-block i's 6-bit s is nibble i of scales_l plus bits 2i,
-    2i + 1 of scales_h; its 16 bytes of qs hold elements 0-15 (low nibbles) and 16-31 (high)."""
+def _codes_iq4_xs(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_XS blocks (d:f16, scales_h:u16, scales_l:u8[4], qs:u8[128]) -> codes (n, 256) 0..15, scale
+    (n, 8) = d * (s - 32) per 32 (exact in float32: 11 bits times 6): sub-block i's 6-bit s is nibble i
+    of scales_l plus bits 2i, 2i + 1 of scales_h; its 16 bytes of qs hold elements 0-15 (low nibbles)
+    and 16-31 (high)."""
     scales_h = b[:, 2].int() | (b[:, 3].int() << 8)
     high = (scales_h.unsqueeze(-1) >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3
     low = _shifted(b[:, 4:8], [0, 4], 0xF).transpose(1, 2).flatten(1)
     scale = _f16(b, 0) * ((low.int() | (high << 4)) - 32).float()
-    return _lookup(_IQ4_VALUES, _nibbles(b[:, 8:], 16).flatten(1)), scale
+    return _nibbles(b[:, 8:], 16).flatten(1), scale
+
+
+def _int8_iq4_xs(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_XS blocks -> codebook values (n, 256), scale (n, 8)."""
+    codes, scale = _codes_iq4_xs(b)
+    return _lookup(_IQ4_VALUES, codes), scale
 
 
 def _int8_mxfp4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +312,8 @@ class Int8Groups:
     Q8_0 is this with groups of 32 (the stored float16 scales, widened); Q6_K with groups of 16 (q - 32
     in [-32, 31], scale = the super-block's d times the sub-block's int8 scale: a product exact in
     float32); Q3_K with groups of 16 (q in -4..3, d * (s - 32)); IQ4_NL and IQ4_XS with groups of 32 (the
-    codebook's int8 values, d or d * (s - 32)); MXFP4 with groups of 32 (e2m1 doubled, 2^(e - 128)).
+    codebook's int8 values, d or d * (s - 32): int8_groups converts them, but stored_groups keeps their
+    codes, Int4CodeGroups); MXFP4 with groups of 32 (e2m1 doubled, 2^(e - 128)).
     The native int8 kernel (FastLMHead, FastLinear) multiplies by these directly."""
 
     q: torch.Tensor  # (rows, cols) int8
@@ -333,6 +348,45 @@ class Int8Groups:
 
 
 @dataclass(frozen=True)
+class Int4CodeGroups:
+    """An IQ4_NL or IQ4_XS weight as stored: 4-bit codes indexing the 16-value non-linear codebook
+    (kvalues_iq4nl, CODEBOOK) with one scale per group of 32, w[r, c] = CODEBOOK[q[r, c]] * scale[r, c //
+    32] (IQ4_NL: the block's d; IQ4_XS: d * (s - 32)). The native iq4 kernel multiplies by the codes
+    directly (half the bytes of their int8 values)."""
+
+    CODEBOOK: ClassVar[torch.Tensor] = _IQ4_VALUES
+    q: torch.Tensor  # (rows, cols) uint8 in [0, 16)
+    scale: torch.Tensor  # (rows, cols // 32) float32
+    group_size: int = 32
+
+    def __post_init__(self) -> None:
+        assert self.q.dtype == torch.uint8, f"Int4CodeGroups holds uint8 codes, not {self.q.dtype}"
+        assert self.group_size == 32, "IQ4 codes come in groups of 32"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.q.shape
+        return rows, cols
+
+    def dequantize(self) -> torch.Tensor:
+        """(rows, cols) float32: the weight (bit-exact with ggml's dequantize: one float32 product)."""
+        rows, cols = self.q.shape
+        w = _lookup(_IQ4_VALUES, self.q).view(rows, -1, self.group_size).float()
+        return w.mul_(self.scale.unsqueeze(-1)).view(rows, cols)
+
+    @staticmethod
+    def cat(groups: list[Int4CodeGroups]) -> Int4CodeGroups:
+        """Stack row blocks (q, k, v / gate, up), in order."""
+        assert groups, "nothing to stack"
+        if len(groups) == 1:
+            return groups[0]
+        return Int4CodeGroups(torch.cat([g.q for g in groups]), torch.cat([g.scale for g in groups]))
+
+    def select_rows(self, index: torch.Tensor | slice) -> Int4CodeGroups:
+        return Int4CodeGroups(self.q[index], self.scale[index], self.group_size)
+
+
+@dataclass(frozen=True)
 class HalfWeights:
     """A 2-D weight the file stored as F16 or BF16, kept in that dtype: the native half GEMM reads it
     (widening each value to float32 exactly), so no float32 copy of it is made."""
@@ -357,7 +411,7 @@ class HalfWeights:
 
 
 # a checkpoint's own stored weights, kept for the fast kernels (by Hugging Face name)
-StoredGroups = Int4Groups | Int5Groups | Int8Groups | HalfWeights
+StoredGroups = Int4Groups | Int5Groups | Int8Groups | Int4CodeGroups | HalfWeights
 
 
 def cat_rows(parts: list[StoredGroups]) -> StoredGroups | None:
@@ -371,6 +425,8 @@ def cat_rows(parts: list[StoredGroups]) -> StoredGroups | None:
         return None
     if isinstance(first, Int8Groups):
         return Int8Groups.cat(parts)  # type: ignore[arg-type]
+    if isinstance(first, Int4CodeGroups):
+        return Int4CodeGroups.cat(parts)  # type: ignore[arg-type]
     return type(first).cat(parts)  # type: ignore[arg-type]
 
 
@@ -451,6 +507,22 @@ def int8_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int8
     return Int8Groups(q.reshape(rows, cols), scale.reshape(rows, cols // group), group)
 
 
+_CODES: dict[T, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
+    T.IQ4_NL: _codes_iq4_nl, T.IQ4_XS: _codes_iq4_xs,
+}  # fmt: skip
+
+
+def int4_code_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int4CodeGroups | None:
+    """Raw data of a 2-D IQ4_NL or IQ4_XS tensor -> its Int4CodeGroups (the codes, not their values), or
+    None for other types."""
+    if ggml_type not in _CODES or len(shape) != 2:
+        return None
+    _, type_size = GGML_BLOCK_SIZES[ggml_type]
+    codes, scale = _CODES[ggml_type](raw.view(-1, type_size))
+    rows, cols = shape
+    return Int4CodeGroups(codes.reshape(rows, cols).contiguous(), scale.reshape(rows, cols // 32).contiguous())
+
+
 def half_weights(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> HalfWeights | None:
     """Raw data of a 2-D F16 or BF16 tensor -> HalfWeights (a view of `raw`: no copy), else None."""
     if ggml_type not in (T.F16, T.BF16) or len(shape) != 2:
@@ -464,6 +536,7 @@ def stored_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> St
     return (
         int4_groups(raw, ggml_type, shape)
         or int5_groups(raw, ggml_type, shape)
+        or int4_code_groups(raw, ggml_type, shape)
         or int8_groups(raw, ggml_type, shape)
         or half_weights(raw, ggml_type, shape)
     )

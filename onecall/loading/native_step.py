@@ -47,17 +47,20 @@ def _part(w: native.Packed, bias: int, n: int, k: int) -> native.Q4Weight:
         act8 = int(isinstance(w, native.Q4Packed) and w.act8)
         q5 = int(isinstance(w, native.Q5Packed))
         return native.Q4Weight(
-            w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias, n, k, f16, 0, act8, q5, 0, None
+            w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), bias, n, k, f16, 0, act8, q5, 0, 0, None
         )
     if isinstance(w, native.Q8Blocked):
-        return native.Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), 0, bias, n, k, 0, w.group_size, 0, 0, 0, None)
+        return native.Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), 0, bias, n, k, 0, w.group_size, 0, 0, 0, 0, None)
+    if isinstance(w, native.IQ4Packed):
+        f16 = int(w.scale.dtype == torch.float16)
+        return native.Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), 0, bias, n, k, f16, 0, 0, 0, 0, 1, None)
     half = 2 if w.values.dtype == torch.bfloat16 else 1
-    return native.Q4Weight(w.values.data_ptr(), 0, 0, bias, n, k, 0, 0, 0, 0, half, None)
+    return native.Q4Weight(w.values.data_ptr(), 0, 0, bias, n, k, 0, 0, 0, 0, half, 0, None)
 
 
 def _q4_weight(linear: nn.Module, keep: list[native.Q4Weight]) -> native.Q4Weight | None:
     """The projection's native decode weight (kernels.h's Q4Weight, mirrored in native_abi.py and
-    checked against the header at load): its q4 copy, or its parts (5-bit or int8 groups, 16-bit floats,
+    checked against the header at load): its q4 copy, or its parts (5-bit or int8 groups, IQ4 codes, 16-bit floats,
     4-bit ones beside them) as a chain, the first holding the whole projection's bias. The chain's later
     links are appended to `keep`, which must outlive the step (the first is copied into its layer)."""
     if not isinstance(linear, FastLinear):

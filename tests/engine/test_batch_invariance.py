@@ -26,6 +26,7 @@ def _tokens(params: SamplingParams, prompts: dict[str, str], **config: object) -
     return list(run_all(engine, prompts, params)["target"].token_ids)
 
 
+@pytest.mark.slow  # ~7 s each: make test runs them, make test-fast does not
 @pytest.mark.parametrize("int8_activations", [False, True])  # both activation roundings are per row
 def test_seeded_tokens_alone_in_a_batch_and_chunked_are_identical(int8_activations: bool) -> None:
     for params in (

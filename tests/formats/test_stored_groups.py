@@ -1,8 +1,9 @@
-"""quants.stored_groups: each GGUF type's stored form (Int4Groups, Int5Groups, Int8Groups, HalfWeights)
+"""quants.stored_groups: each GGUF type's stored form (Int4Groups, Int5Groups, Int8Groups, Int4CodeGroups,
+HalfWeights)
 against gguf.quants.dequantize of the same bytes, bit for bit.
 
-The int8 conversions are exact by construction, and checked so: IQ4_NL and IQ4_XS are their codebook's
-int8 values times d (IQ4_XS: d * (s - 32) per 32), MXFP4 its e2m1 values doubled (integers) times
+The int8 conversions and IQ4's codes are exact by construction, and checked so: IQ4_NL and IQ4_XS are
+their codebook's int8 values (at their 4-bit codes) times d (IQ4_XS: d * (s - 32) per 32), MXFP4 its e2m1 values doubled (integers) times
 2^(e - 128) (half of the block's 2^(e - 127)), Q3_K (q - 4) in -4..3 times d * (s - 32) per 16: every
 product is the float32 product ggml's dequantize_row_* forms, so q * scale equals the dequantization
 exactly, not within a tolerance. Q2_K has no stored form (affine per 16: neither int8 symmetric groups
@@ -21,6 +22,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from onecall.formats.quants import (
     HalfWeights,
+    Int4CodeGroups,
     Int4Groups,
     Int5Groups,
     Int8Groups,
@@ -41,7 +43,7 @@ _FORMS = {
     T.Q4_0: (Int4Groups, 32), T.Q4_1: (Int4Groups, 32), T.Q4_K: (Int4Groups, 32),
     T.Q5_0: (Int5Groups, 32), T.Q5_1: (Int5Groups, 32), T.Q5_K: (Int5Groups, 32),
     T.Q8_0: (Int8Groups, 32), T.Q6_K: (Int8Groups, 16), T.Q3_K: (Int8Groups, 16),
-    T.IQ4_NL: (Int8Groups, 32), T.IQ4_XS: (Int8Groups, 32), T.MXFP4: (Int8Groups, 32),
+    T.IQ4_NL: (Int4CodeGroups, 32), T.IQ4_XS: (Int4CodeGroups, 32), T.MXFP4: (Int8Groups, 32),
 }  # fmt: skip
 
 
@@ -87,11 +89,16 @@ def test_each_stored_form_is_ggufs_dequantization_bit_for_bit(qtype: T) -> None:
     ids=lambda v: v.name if isinstance(v, T) else "",
 )
 def test_int8_conversions_hold_the_types_own_integers(qtype: T, values: list[int]) -> None:
-    """Each int8 form holds exactly its type's value set (codebook, doubled e2m1, q - 4), so the q8b kernel
-    runs the file's values and nothing rounded."""
+    """Each int8 form holds exactly its type's value set (doubled e2m1, q - 4), and IQ4's codes index
+    exactly its codebook, so the q8b and iq4 kernels run the file's values and nothing rounded."""
     block_size, _ = GGML_QUANT_SIZES[qtype]
     raw = random_blocks(qtype, 4096 // block_size, seed=1)
     groups = stored_groups(torch.from_numpy(raw.reshape(-1).copy()), qtype, (16, 256))  # type: ignore[arg-type]
+    if qtype in (T.IQ4_NL, T.IQ4_XS):
+        assert isinstance(groups, Int4CodeGroups) and groups.q.dtype == torch.uint8
+        assert sorted(groups.q.unique().tolist()) == list(range(16))
+        assert sorted(Int4CodeGroups.CODEBOOK[groups.q.long()].unique().tolist()) == values
+        return
     assert isinstance(groups, Int8Groups) and groups.q.dtype == torch.int8
     assert sorted(groups.q.unique().tolist()) == values
 

@@ -229,7 +229,7 @@ def _decode_fields(**changes: object) -> list[tuple[str, object]]:
         (None, [f if f[0] != "window" else ("sliding_window", f[1]) for f in _decode_fields()],
          r"DecodeLayer\.sliding_window: the ctypes mirror's field where kernels.h has window"),
         # right names and types, packed: the compiled layout tells, at the first field that moves
-        (None, "pack", r"DecodeLayer\.qkv: offset, size \(48, 96\) in C, \(44, 96\) in ctypes"),
+        (None, "pack", r"DecodeLayer\.qkv: offset, size \(48, 104\) in C, \(44, 104\) in ctypes"),
     ],
 )  # fmt: skip
 def test_a_mirror_that_disagrees_is_a_load_error(lib: KernelLibrary, q4: object, layer: object, match: str) -> None:

@@ -420,7 +420,7 @@ def test_q8b_gemm_runs_the_int8_conversions_within_the_activation_rounding_bound
     assert bool(((got.double() - ref).abs() <= _int16_bound(x, w)).all())
 
 
-def test_an_iq4_nl_gguf_runs_its_projections_on_the_int8_kernel(
+def test_an_iq4_nl_gguf_runs_its_projections_on_the_iq4_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = tiny_hf_config("qwen3")
@@ -432,7 +432,7 @@ def test_an_iq4_nl_gguf_runs_its_projections_on_the_int8_kernel(
     )
     ref, fast = _load(path, fast=False), _load(path, fast=True)
     n = 4 * config["num_hidden_layers"]
-    assert f"native int8 ({n} of {n} projections, every row)" in fast.kernels, fast.kernels
+    assert f"native iq4 ({n} of {n} projections, every row)" in fast.kernels, fast.kernels  # their own codes
     assert fast.native_step is not None
     _compare_logits(fast, ref, config["vocab_size"])
 

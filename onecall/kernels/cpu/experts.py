@@ -1,7 +1,7 @@
 """A MoE layer's experts on the native kernels: each expert weight in the checkpoint's own groups.
 
 A quantized GGUF stores every expert's gate, up and down weights in a stored form (quants.py's table:
-4-bit or 5-bit groups, int8 groups, among them gpt-oss's MXFP4, or 16-bit floats). NativeExperts holds,
+4-bit or 5-bit groups, int8 groups, among them gpt-oss's MXFP4, IQ4 codes, or 16-bit floats). NativeExperts holds,
 per expert, gate_up (rows [gate; up]) and down in the layout their kernel reads (native.Packed:
 fast_linear.pack_stored), or None where that weight runs on its float32 copy (a form the kernels do
 not take: a group size or a K they do not run). Every row, decode
@@ -21,7 +21,7 @@ from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_linear import pack_stored
 
 ExpertGroups = native.Packed  # one expert weight in the layout its kernel reads
-_PACKED = (native.Q4Packed, native.Q5Packed, native.Q8Blocked, native.HalfPacked)  # native.Packed's members
+_PACKED = (native.Q4Packed, native.Q5Packed, native.Q8Blocked, native.IQ4Packed, native.HalfPacked)  # native.Packed's members
 
 
 class NativeExperts:

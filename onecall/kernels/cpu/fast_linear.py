@@ -42,7 +42,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from onecall.formats.quants import HalfWeights, Int4Groups, Int5Groups, Int8Groups, StoredGroups, cat_rows
+from onecall.formats.quants import (
+    HalfWeights,
+    Int4CodeGroups,
+    Int4Groups,
+    Int5Groups,
+    Int8Groups,
+    StoredGroups,
+    cat_rows,
+)
 from onecall.kernels.cpu import native
 
 # A call not told its decode rows counts as decode up to this many rows.
@@ -79,7 +87,7 @@ def _native() -> ctypes.CDLL | None:
     return native.load()
 
 
-_STORED = (Int4Groups, Int5Groups, Int8Groups, HalfWeights)  # quants.StoredGroups' members
+_STORED = (Int4Groups, Int5Groups, Int8Groups, Int4CodeGroups, HalfWeights)  # quants.StoredGroups' members
 
 
 def runs_stored_only(stored: StoredGroups | Sequence[tuple[int, int, StoredGroups]]) -> bool:
@@ -90,7 +98,8 @@ def runs_stored_only(stored: StoredGroups | Sequence[tuple[int, int, StoredGroup
 
 
 def _native_groups(g: StoredGroups) -> bool:
-    """4-bit or 5-bit groups of 32 and int8 groups of 32 or 16 along a multiple of 32; 16-bit floats."""
+    """4-bit or 5-bit groups and IQ4 codes of 32, int8 groups of 32 or 16, along a multiple of 32; 16-bit
+    floats."""
     if isinstance(g, HalfWeights):
         return g.values.dtype in (torch.float16, torch.bfloat16)
     if g.shape[1] % 32:
@@ -102,7 +111,7 @@ def _native_groups(g: StoredGroups) -> bool:
 
 def pack_stored(g: StoredGroups, act8: bool = False) -> native.Packed | None:
     """A checkpoint's stored weight in the layout of its native kernel (None: none takes it): 4-bit groups
-    in the q4 layout (act8: q4a8), 5-bit in q5's, int8 in q8b's, 16-bit floats in h16's, scales and
+    in the q4 layout (act8: q4a8), 5-bit in q5's, int8 in q8b's, IQ4 codes in iq4's, 16-bit floats in h16's, scales and
     offsets as compact as exact (compact_scales). Projections, the logits head, experts, embeddings."""
     if not _native_groups(g):
         return None
@@ -112,6 +121,8 @@ def pack_stored(g: StoredGroups, act8: bool = False) -> native.Packed | None:
         return native.pack_q5(g.q, *compact_scales(g.scale.float(), g.offset.float()))
     if isinstance(g, Int8Groups):
         return native.pack_q8_blocked(g.q, g.scale, g.group_size)
+    if isinstance(g, Int4CodeGroups):
+        return native.pack_iq4(g.q, g.scale)
     return native.pack_half(g.values)
 
 

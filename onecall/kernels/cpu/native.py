@@ -3,11 +3,12 @@
 Why native code at all: on an AVX2 CPU, torch's own int4 kernel expands 4-bit weights to floats
 and runs float FMAs; it is compute-bound well below the memory bandwidth (measured in the README's
 kernel table). The kernels in csrc/ multiply the GGUF's own 4-bit, 5-bit and int8 groups by
-int16-quantized activations with exact integer dot products (llama.cpp's idea, at a finer activation
+int16-quantized activations with exact integer dot products (IQ4 files' 4-bit codebook indices too, each
+turned into its int8 codebook value by one vpshufb) (llama.cpp's idea, at a finer activation
 step; int8 steps with int8_activations), its F16 / BF16 weights as they are (float32 accumulation), and
 read the paged KV cache in place for decode attention and for causal prefill attention (a flash-style
 tiled kernel, prefill_attention.c). Each stored form has its layout here (Q4Packed, Q5Packed,
-Q8Blocked, HalfPacked: `Packed`), a pack_* function and its GEMM; `matmul` and `rows` pick by layout.
+Q8Blocked, IQ4Packed, HalfPacked: `Packed`), a pack_* function and its GEMM; `matmul` and `rows` pick by layout.
 
 Every function here takes the library (`load()`: None where it cannot run, with the reason in
 `unavailable_reason()`) and contiguous CPU tensors, and checks the shapes it relies on. The library's
@@ -69,20 +70,29 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, act8: bo
         q = torch.cat((q, q.new_zeros(pad, k)))
         scale = torch.cat((scale, scale.new_zeros(pad, g)))
         offset = torch.cat((offset, offset.new_zeros(pad, g)))
-    # byte j of a row's group: column j low, column 16 + j high (both <= 15), in one pass
-    halves = q.view(n16, g, 2, 16)
-    pairs = torch.empty(n16, g, 16, dtype=torch.uint8)
-    torch.add(halves[:, :, 0], halves[:, :, 1], alpha=16, out=pairs)
+    pairs = _nibble_pairs(q, n16, g)
     if act8:  # four bytes (columns 4j..4j+3) move together as one int32:
         # (unit, block, row, G, quarter) -> (unit, G, block, quarter, row)
         quads = pairs.view(torch.int32).view(n16 // 16, 2, 8, g, 4).permute(0, 3, 1, 4, 2).contiguous()
         qs = quads.view(torch.uint8).view(n16 // 16, g, 2, 4, 8, 4)
         return Q4Packed(qs, _blocked(scale, n16, g), _blocked(offset, n16, g), n, k, act8=True)
-    # the two bytes of a column pair move together as one int16:
-    # (unit, block, row, G, pair) -> (unit, G, block, pair, row)
+    return Q4Packed(_q4_layout(pairs, n16, g), _blocked(scale, n16, g), _blocked(offset, n16, g), n, k)
+
+
+def _nibble_pairs(q: torch.Tensor, n16: int, g: int) -> torch.Tensor:
+    """(N16, K) uint8 values 0..15 -> (N16, G, 16) bytes: byte j of a row's group holds column j in its low
+    nibble and column 16 + j in its high one (one pass)."""
+    halves = q.view(n16, g, 2, 16)
+    pairs = torch.empty(n16, g, 16, dtype=torch.uint8)
+    torch.add(halves[:, :, 0], halves[:, :, 1], alpha=16, out=pairs)
+    return pairs
+
+
+def _q4_layout(pairs: torch.Tensor, n16: int, g: int) -> torch.Tensor:
+    """_nibble_pairs' bytes -> the q4 layout (N16 / 16, G, 2, 8, 8, 2): the two bytes of a column pair move
+    together as one int16, (unit, block, row, G, pair) -> (unit, G, block, pair, row)."""
     qs = pairs.view(torch.int16).view(n16 // 16, 2, 8, g, 8).permute(0, 3, 1, 4, 2).contiguous()
-    qs = qs.view(torch.uint8).view(n16 // 16, g, 2, 8, 8, 2)
-    return Q4Packed(qs, _blocked(scale, n16, g), _blocked(offset, n16, g), n, k)
+    return qs.view(torch.uint8).view(n16 // 16, g, 2, 8, 8, 2)
 
 
 def _blocked(t: torch.Tensor, n16: int, g: int) -> torch.Tensor:
@@ -307,8 +317,74 @@ def q8_blocked_gemm(
     return y
 
 
+@dataclass(frozen=True)
+class IQ4Packed:
+    """An IQ4 weight (N, K) (IQ4_NL, IQ4_XS: 4-bit indices into the kvalues_iq4nl codebook, one scale per
+    group of 32) in the iq4 layout (csrc/gemm.c): qs the codes in the q4 layout's bytes, (N16 / 16, K / 32,
+    2, 8, 8, 2) uint8, scale (N16 / 16, K / 32, 2, 8) float32 or float16 (where exact). w = codebook[code]
+    * scale."""
+
+    qs: torch.Tensor
+    scale: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() + self.scale.numel() * self.scale.element_size()
+
+
+def pack_iq4(codes: torch.Tensor, scale: torch.Tensor) -> IQ4Packed:
+    """(N, K) uint8 codes 0..15 with (N, K / 32) float32 scales -> the iq4 layout; the scales kept as
+    float16 when every one is exactly a float16 (IQ4_NL's d always is), else float32."""
+    n, k = codes.shape
+    assert k % 32 == 0 and tuple(scale.shape) == (n, k // 32)
+    n16, g = -(-n // 16) * 16, k // 32
+    codes, scale = codes.to(torch.uint8), scale.float()
+    if n16 > n:
+        codes = torch.cat((codes, codes.new_zeros(n16 - n, k)))
+        scale = torch.cat((scale, scale.new_zeros(n16 - n, g)))
+    half = scale.half()
+    if torch.equal(half.float(), scale):
+        scale = half
+    return IQ4Packed(_q4_layout(_nibble_pairs(codes, n16, g), n16, g), _blocked(scale, n16, g), n, k)
+
+
+def iq4_gemm(
+    lib: ctypes.CDLL, x: torch.Tensor, w: IQ4Packed, bias: torch.Tensor | None, num_threads: int
+) -> torch.Tensor:
+    """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_iq4; activations
+    rounded to int16 steps per group of 32, as the q4 kernel does."""
+    m, k = x.shape
+    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
+    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    rc = lib.onecall_iq4_gemm(
+        x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.out_features,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(w.scale.dtype == torch.float16),
+    )  # fmt: skip
+    if rc == -1:
+        raise MemoryError("onecall_iq4_gemm: out of memory for the activation buffer")
+    assert rc == 0, f"onecall_iq4_gemm refused K {k} (rc {rc})"
+    return y
+
+
+def iq4_rows(lib: ctypes.CDLL, w: IQ4Packed, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape, int64) of the (N, K) table packed by pack_iq4, dequantized: (*ids.shape, K)
+    float32, each value float(codebook[code]) * scale."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.shape[0], w.in_features, dtype=torch.float32)
+    rc = lib.onecall_iq4_rows(
+        w.qs.data_ptr(), w.scale.data_ptr(), w.out_features, w.in_features, int(w.scale.dtype == torch.float16),
+        flat.data_ptr(), flat.shape[0], out.data_ptr(),
+    )  # fmt: skip
+    if rc == -3:
+        raise IndexError(f"a token id outside the embedding's {w.out_features} rows")
+    assert rc == 0, f"onecall_iq4_rows refused K {w.in_features} (rc {rc})"
+    return out.view(*ids.shape, w.in_features)
+
+
 # A weight in the layout its native GEMM reads (packed from the checkpoint's own stored form)
-Packed = Q4Packed | Q5Packed | Q8Blocked | HalfPacked
+Packed = Q4Packed | Q5Packed | Q8Blocked | IQ4Packed | HalfPacked
 
 
 def matmul(lib: ctypes.CDLL, x: torch.Tensor, w: Packed, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
@@ -319,14 +395,16 @@ def matmul(lib: ctypes.CDLL, x: torch.Tensor, w: Packed, bias: torch.Tensor | No
         return q5_gemm(lib, x, w, bias, num_threads)
     if isinstance(w, Q8Blocked):
         return q8_blocked_gemm(lib, x, w, bias, num_threads)
+    if isinstance(w, IQ4Packed):
+        return iq4_gemm(lib, x, w, bias, num_threads)
     return half_gemm(lib, x, w, bias, num_threads)
 
 
 def kind(w: Packed) -> str:
-    """What a packed weight holds, for logs and DecoderLM.kernels: int4, int5, int8, f16 or bf16."""
+    """What a packed weight holds, for logs and DecoderLM.kernels: int4, int5, int8, iq4, f16 or bf16."""
     if isinstance(w, HalfPacked):
         return "bf16" if w.values.dtype == torch.bfloat16 else "f16"
-    return {Q4Packed: "int4", Q5Packed: "int5", Q8Blocked: "int8"}[type(w)]
+    return {Q4Packed: "int4", Q5Packed: "int5", Q8Blocked: "int8", IQ4Packed: "iq4"}[type(w)]
 
 
 def rows(lib: ctypes.CDLL, w: Packed, ids: torch.Tensor) -> torch.Tensor:
@@ -338,6 +416,8 @@ def rows(lib: ctypes.CDLL, w: Packed, ids: torch.Tensor) -> torch.Tensor:
         return q5_rows(lib, w, ids)
     if isinstance(w, Q8Blocked):
         return q8_blocked_rows(lib, w, ids)
+    if isinstance(w, IQ4Packed):
+        return iq4_rows(lib, w, ids)
     return half_rows(w, ids)
 
 

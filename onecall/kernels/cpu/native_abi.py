@@ -313,8 +313,8 @@ class KernelLibrary(ctypes.CDLL):
 
 # ---- the structs Python fills, mirrored (checked against kernels.h and the compiler at load) ----
 class Q4Weight(ctypes.Structure):
-    """kernels.h's Q4Weight: one projection of the native decode step, 4-bit, 5-bit or int8 groups or
-    16-bit floats."""
+    """kernels.h's Q4Weight: one projection of the native decode step, 4-bit, 5-bit or int8 groups, IQ4
+    codes or 16-bit floats."""
 
     _fields_ = [
         ("qs", ctypes.c_void_p),
@@ -328,6 +328,7 @@ class Q4Weight(ctypes.Structure):
         ("act8", ctypes.c_int64),
         ("q5", ctypes.c_int64),
         ("half", ctypes.c_int64),
+        ("iq4", ctypes.c_int64),
         ("next", ctypes.c_void_p),
     ]
 

@@ -123,7 +123,7 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  *
  * The per-op path (model/layers.py) calls the kernels (gemm*.c, decode_attention.c, the ops above) one
  * by one from Python, about twenty calls a layer. For a step where every row is a decode row and every
- * projection's parts run on native GEMMs (4-bit, 5-bit, int8 groups, 16-bit floats), this runs the same
+ * projection's parts run on native GEMMs (4-bit, 5-bit, int8 groups, IQ4 codes, 16-bit floats), this runs the same
  * kernels in the same order on the same values, from C: a decode row gets the same bits either way
  * (tests/kernels/test_native_step.py checks it bitwise), and the step costs one call into C instead of
  * hundreds of Python-level dispatches.
@@ -145,6 +145,8 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
 static int part_apply(const Q4Weight *w, const float *bias, const float *x, int64_t M, float *y, int num_threads) {
     if (w->half)
         return onecall_half_gemm(x, M, w->k, (const uint16_t *)w->qs, w->n, bias, y, num_threads, w->half == 2);
+    if (w->iq4)
+        return onecall_iq4_gemm(x, M, w->k, w->qs, w->scale, w->n, bias, y, num_threads, (int)w->f16);
     if (w->q5)
         return onecall_q5_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, bias, y, num_threads, (int)w->f16);
     if (w->q8_group)

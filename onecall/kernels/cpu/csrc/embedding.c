@@ -5,6 +5,7 @@
  *                     kernel reads when the embedding is tied
  *   onecall_q4_rows   4-bit groups of 32 (Q4_0, Q4_1, Q4_K) in the q4 layout (gemm.c): the logits
  *                     head's own bytes when tied, a packed copy when untied
+ *   onecall_iq4_rows  IQ4 codes (IQ4_NL, IQ4_XS) in the iq4 layout (gemm.c), the same way
  *
  * q8b: element (n, col) of the (N, K) table lives at qs[n / 16][col / 32][(n % 16) / 8][(col % 32) / 2][n % 8]
  * [col % 2] and its scale at scale[n / 16][col / group_size][(n % 16) / 8][n % 8]; the value is
@@ -64,6 +65,35 @@ int onecall_q4_rows(const uint8_t *qs, const void *scale, const void *offset, in
                     const float lo = (float)(byte & 0x0F) * s, hi = (float)(byte >> 4) * s;
                     row[g * 32 + 2 * c + j] = lo + o;
                     row[g * 32 + 16 + 2 * c + j] = hi + o;
+                }
+        }
+    }
+    return 0;
+}
+
+/* IQ4 codes in the iq4 layout (gemm.c): the q4 layout's bytes, each nibble an index into the IQ4 codebook
+ * (kvalues_iq4nl), one scale per row and group (float32, or IEEE half when f16). The value is
+ * float(codebook[code]) * scale, one float32 product, as Int4CodeGroups.dequantize (and ggml) computes it.
+ * 0 on success, -2 a K it does not take, -3 an id outside 0..N-1 (nothing written). */
+int onecall_iq4_rows(const uint8_t *qs, const void *scale, int64_t N, int64_t K, int f16, const int64_t *ids,
+                     int64_t M, float *out) {
+    static const int8_t codebook[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    if (K % 32) return -2;
+    for (int64_t m = 0; m < M; m++)
+        if (ids[m] < 0 || ids[m] >= N) return -3;
+    const int64_t G = K / 32;
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t n = ids[m], u = n / 16, blk = (n % 16) / 8, b = n % 8;
+        float *row = out + m * K;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t block = (u * G + g) * 2 + blk;
+            const uint8_t *q = qs + block * 128 + b * 2;
+            const float s = scalar(scale, block * 8 + b, f16);
+            for (int64_t c = 0; c < 8; c++)
+                for (int64_t j = 0; j < 2; j++) {
+                    const uint8_t byte = q[c * 16 + j];
+                    row[g * 32 + 2 * c + j] = (float)codebook[byte & 0x0F] * s;
+                    row[g * 32 + 16 + 2 * c + j] = (float)codebook[byte >> 4] * s;
                 }
         }
     }

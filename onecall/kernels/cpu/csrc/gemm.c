@@ -4,8 +4,9 @@
  *   onecall_q4_gemm    4-bit weights (the q4 layout) x int16 activations: the projections
  *   onecall_q4a8_gemm  4-bit weights (the q4a8 layout) x int8 activations (EngineConfig.int8_activations)
  *   onecall_q8b_gemm   int8 weights (the q8b layout) x int16 activations: Q8_0/Q6_K projections, logits
+ *   onecall_iq4_gemm   IQ4 codes (the iq4 layout, codebook lookup by vpshufb) x int16 activations
  *
- * All three share one parallel structure (q4_gemm): the rows are quantized, then chunk by chunk of
+ * All four share one parallel structure (q4_gemm): the rows are quantized, then chunk by chunk of
  * Q4_ROW_CHUNK rows the weight units of 16 rows are split across the threads; each thread streams its
  * units' weights in one sequential pass.
  *
@@ -36,6 +37,7 @@
 #include <float.h>
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -454,4 +456,197 @@ int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, con
     if (group_size == 32) return q8b_gemm(0, x, M, K, qs, scale, N, bias, y, num_threads);
     if (group_size == 16) return q8b_gemm(1, x, M, K, qs, scale, N, bias, y, num_threads);
     return -2;
+}
+
+/* ---- IQ4 codes (IQ4_NL, IQ4_XS) x int16 activations -------------------------------------------------
+ *
+ * An IQ4 weight is a 4-bit index per value into the 16-entry non-linear codebook kvalues_iq4nl (-127 ..
+ * 113, int8) with one scale per group of 32 (IQ4_NL: the block's d; IQ4_XS: d x (6-bit sub-scale - 32),
+ * exact in float32): w = codebook[code] * scale (quants.Int4CodeGroups). Layout iq4 (native.pack_iq4):
+ * the codes in exactly the q4 layout's bytes (qs (N16 / 16, G, 2, 8, 8, 2), a byte holding column 2c + j
+ * in its low nibble and 16 + 2c + j in its high one), scale (N16 / 16, G, 2, 8) float32 or IEEE half (no
+ * offset): 4 bits a weight plus the scales, half what the int8 conversion of these files read.
+ *
+ * Arithmetic: the q8b kernel's, with the codebook lookup in the weight load. A block's chunk c (16
+ * bytes: 8 rows x column pair) has its low and high nibbles masked out and turned into their int8
+ * codebook values with one vpshufb each (the 16 values are the table), then sign-extended to int16, so
+ * each 16-lane vector is the 8 rows' values at a column pair, row b in 32-bit lane b: one madd against the
+ * activation pair (int16 steps per group of 32, act_quant.h's quantize_row, so a row rounds exactly as
+ * for the other kernels), broadcast, gives each row's partial dot in its own lane. A group's dot is an
+ * exact int32 (|dot| <= 32 x 127 x 32767 < 2^27; its conversion to float32 may round, relative 6e-8,
+ * the same whatever M), then acc = fma(float(dot), scale[n, g] * step[m, g], acc) over g in order, y =
+ * acc + bias: every row through the same operations in the same order whatever M, the tile or the thread
+ * count (batch invariance). Tolerances: tests/kernels/test_iq4_kernel.py. */
+#define IQ4_TILE 3 /* rows per tile, as q4's: 2 x 3 int32 + 2 x 3 float accumulators stay in registers */
+
+static inline __attribute__((always_inline)) void iq4_tile(const int MT, const QuantRows *r, int64_t m0, int64_t u,
+                                                           int64_t K, int64_t N, const uint8_t *qs,
+                                                           const void *scale, const float *bias, float *y,
+                                                           const int f16) {
+    const int64_t G = K / 32, es = f16 ? 2 : 4;
+    const uint8_t *wu = qs + u * G * 256;
+    const char *su = (const char *)scale + u * G * 16 * es;
+    const __m128i table = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m256 acc[2][Q4_PAIR_TILE];
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < MT; i++) acc[k][i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *wg = wu + g * 256;
+        if (Q4_PREFETCH)
+            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + Q4_PREFETCH * 256 + 64 * l), _MM_HINT_T0);
+        __m256i a[2][Q4_PAIR_TILE];
+        for (int k = 0; k < 2; k++)
+            for (int i = 0; i < MT; i++) a[k][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            __m256i lo[2], hi[2];
+            for (int k = 0; k < 2; k++) {
+                const __m128i wb = _mm_loadu_si128((const __m128i *)(wg + k * 128 + c * 16));
+                lo[k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(wb, low4)));
+                hi[k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(wb, 4), low4)));
+            }
+            for (int i = 0; i < MT; i++) {
+                int32_t xl, xh; /* the column pair's int16 activations: low nibbles' columns, then high's */
+                memcpy(&xl, r->q + (m0 + i) * K + g * 32 + 2 * c, 4);
+                memcpy(&xh, r->q + (m0 + i) * K + g * 32 + 16 + 2 * c, 4);
+                const __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
+                a[0][i] = _mm256_add_epi32(a[0][i], _mm256_madd_epi16(lo[0], bl));
+                a[1][i] = _mm256_add_epi32(a[1][i], _mm256_madd_epi16(lo[1], bl));
+                a[0][i] = _mm256_add_epi32(a[0][i], _mm256_madd_epi16(hi[0], bh));
+                a[1][i] = _mm256_add_epi32(a[1][i], _mm256_madd_epi16(hi[1], bh));
+                __asm__("" : "+x"(a[0][i]), "+x"(a[1][i])); /* no add trees, no spills (q4_unit_tile) */
+            }
+        }
+        for (int k = 0; k < 2; k++) {
+            const __m256 sc = load8(su + (g * 16 + 8 * k) * es, f16);
+            for (int i = 0; i < MT; i++) {
+                const __m256 ds = _mm256_mul_ps(sc, _mm256_broadcast_ss(r->d + (m0 + i) * G + g));
+                acc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[k][i]), ds, acc[k][i]);
+            }
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        float out[16];
+        for (int k = 0; k < 2; k++) _mm256_storeu_ps(out + 8 * k, acc[k][i]);
+        const int64_t n0 = u * 16, n_end = n0 + 16 < N ? n0 + 16 : N;
+        for (int64_t n = n0; n < n_end; n++) y[(m0 + i) * N + n] = bias ? out[n - n0] + bias[n] : out[n - n0];
+    }
+}
+
+/* Prompt rows: with IQ4_BUFFER_ROWS or more rows in a chunk, a unit's codes are looked up once into a
+ * thread's int16 buffer (its 16 rows x K values, in the q8b layout's order widened: group g, block k,
+ * column pair p, row b, column j of the pair), which every tile of the chunk then reads as the q8b
+ * kernel reads its weights (madd straight from the buffer), instead of each tile of 3 rows doing the
+ * lookups again (measured at 64 rows: ~1.3x faster). A group's int32 dot is exact either way and the
+ * float32 operations are the same, so a row's bits do not depend on which path ran it. */
+#define IQ4_BUFFER_ROWS 8
+
+static void iq4_decode_unit(const uint8_t *wu, int64_t G, int16_t *buf) {
+    const __m128i table = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t gk = 0; gk < 2 * G; gk++) /* a group's block k: 128 bytes -> 16 pairs x 16 int16 */
+        for (int c = 0; c < 8; c++) {
+            const __m128i wb = _mm_loadu_si128((const __m128i *)(wu + gk * 128 + c * 16));
+            const __m256i lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(wb, low4)));
+            const __m256i hi =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(wb, 4), low4)));
+            _mm256_storeu_si256((__m256i *)(buf + (gk * 16 + c) * 16), lo);
+            _mm256_storeu_si256((__m256i *)(buf + (gk * 16 + 8 + c) * 16), hi);
+        }
+}
+
+/* iq4_tile's arithmetic over a unit looked up into buf (iq4_decode_unit) */
+static inline __attribute__((always_inline)) void iq4_buffered_tile(const int MT, const QuantRows *r, int64_t m0,
+                                                                    int64_t u, int64_t K, int64_t N,
+                                                                    const int16_t *buf, const void *scale,
+                                                                    const float *bias, float *y, const int f16) {
+    const int64_t G = K / 32, es = f16 ? 2 : 4;
+    const char *su = (const char *)scale + u * G * 16 * es;
+    __m256 acc[2][Q4_PAIR_TILE];
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < MT; i++) acc[k][i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int16_t *wg = buf + g * 512;
+        __m256i a[2][Q4_PAIR_TILE];
+        for (int k = 0; k < 2; k++)
+            for (int i = 0; i < MT; i++) a[k][i] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wg + p * 16));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 256 + p * 16));
+            for (int i = 0; i < MT; i++) {
+                int32_t xp; /* the column pair's two int16 activations, broadcast */
+                memcpy(&xp, r->q + (m0 + i) * K + g * 32 + 2 * p, 4);
+                const __m256i b = _mm256_set1_epi32(xp);
+                a[0][i] = _mm256_add_epi32(a[0][i], _mm256_madd_epi16(w0, b));
+                a[1][i] = _mm256_add_epi32(a[1][i], _mm256_madd_epi16(w1, b));
+                __asm__("" : "+x"(a[0][i]), "+x"(a[1][i])); /* no add trees, no spills (q4_unit_tile) */
+            }
+        }
+        for (int k = 0; k < 2; k++) {
+            const __m256 sc = load8(su + (g * 16 + 8 * k) * es, f16);
+            for (int i = 0; i < MT; i++) {
+                const __m256 ds = _mm256_mul_ps(sc, _mm256_broadcast_ss(r->d + (m0 + i) * G + g));
+                acc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[k][i]), ds, acc[k][i]);
+            }
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        float out[16];
+        for (int k = 0; k < 2; k++) _mm256_storeu_ps(out + 8 * k, acc[k][i]);
+        const int64_t n0 = u * 16, n_end = n0 + 16 < N ? n0 + 16 : N;
+        for (int64_t n = n0; n < n_end; n++) y[(m0 + i) * N + n] = bias ? out[n - n0] + bias[n] : out[n - n0];
+    }
+}
+
+/* q4_gemm's parallel structure over the iq4 layout; bufs: num_threads buffers of 16 x K int16 (or NULL
+ * when M < IQ4_BUFFER_ROWS: no chunk uses them) */
+static inline __attribute__((always_inline)) int iq4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                                                          const void *scale, int64_t N, const float *bias, float *y,
+                                                          int num_threads, const int f16) {
+    QuantRows r;
+    if (alloc_rows(M, K, &r)) return -1;
+    int16_t *bufs = NULL;
+    if (M >= IQ4_BUFFER_ROWS && !(bufs = malloc(sizeof(int16_t) * (size_t)(16 * K * (num_threads > 0 ? num_threads : 1))))) {
+        free_rows(&r);
+        return -1;
+    }
+    const int64_t units = (N + 15) / 16, G = K / 32;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int16_t *buf = bufs ? bufs + (int64_t)omp_get_thread_num() * 16 * K : NULL;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row(x, m, K, &r);
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROW_CHUNK) {
+            const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
+#pragma omp for schedule(static) nowait
+            for (int64_t u = 0; u < units; u++) {
+                int64_t m = m0;
+                if (buf && m_end - m0 >= IQ4_BUFFER_ROWS) {
+                    iq4_decode_unit(qs + u * G * 256, G, buf);
+                    for (; m + IQ4_TILE <= m_end; m += IQ4_TILE)
+                        iq4_buffered_tile(IQ4_TILE, &r, m, u, K, N, buf, scale, bias, y, f16);
+                    for (; m + 2 <= m_end; m += 2) iq4_buffered_tile(2, &r, m, u, K, N, buf, scale, bias, y, f16);
+                    if (m < m_end) iq4_buffered_tile(1, &r, m, u, K, N, buf, scale, bias, y, f16);
+                    continue;
+                }
+                for (; m + IQ4_TILE <= m_end; m += IQ4_TILE) iq4_tile(IQ4_TILE, &r, m, u, K, N, qs, scale, bias, y, f16);
+                for (; m + 2 <= m_end; m += 2) iq4_tile(2, &r, m, u, K, N, qs, scale, bias, y, f16);
+                if (m < m_end) iq4_tile(1, &r, m, u, K, N, qs, scale, bias, y, f16);
+            }
+        }
+    }
+    free(bufs);
+    free_rows(&r);
+    return 0;
+}
+
+/* y (M, N) = x (M, K) @ W^T (+ bias), W IQ4 codes in the iq4 layout (see above) with scales float32, or
+ * IEEE half when f16_scales. 0 on success, -1 out of memory, -2 K % 32 != 0. */
+int onecall_iq4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, int64_t N,
+                     const float *bias, float *y, int num_threads, int f16_scales) {
+    if (K % 32) return -2;
+    if (f16_scales) return iq4_gemm(x, M, K, qs, scale, N, bias, y, num_threads, 1);
+    return iq4_gemm(x, M, K, qs, scale, N, bias, y, num_threads, 0);
 }

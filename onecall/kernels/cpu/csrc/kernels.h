@@ -1,6 +1,6 @@
 /* onecall's native CPU kernels: the one declaration of everything the library exports.
  *
- * The library: gemm.c (the quantized GEMMs), gemm_q5.c (the 5-bit one), gemm_half.c (F16 / BF16
+ * The library: gemm.c (the quantized GEMMs, IQ4 codes included), gemm_q5.c (the 5-bit one), gemm_half.c (F16 / BF16
  * weights), decode_attention.c (paged decode attention), decode_step.c (the small fused ops and the
  * whole decode step), prefill_attention.c (causal prefill attention), embedding.c (rows of a quantized
  * table), argmax.c (the greedy pick over logits), layout.c (the layout of the structs below), with
@@ -48,6 +48,13 @@ int onecall_q4a8_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, c
  * group size other than 16 or 32, or K % 32 != 0. */
 int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *scale, int64_t N,
                      const float *bias, float *y, int num_threads, int group_size);
+
+/* y (M, N) = x (M, K) @ W^T (+ bias (N,) unless NULL), W IQ4 codes (IQ4_NL, IQ4_XS: 4-bit indices into the
+ * kvalues_iq4nl codebook) in the iq4 layout (the q4 layout's bytes, N padded to whole units of 16 rows
+ * there; only N rows written) with one scale per group of 32, float32 or IEEE half when f16_scales;
+ * int16 activation steps as onecall_q4_gemm's. 0 on success, -1 out of memory, -2 K % 32 != 0. */
+int onecall_iq4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, int64_t N,
+                     const float *bias, float *y, int num_threads, int f16_scales);
 
 /* ---- gemm_q5.c: 5-bit groups (Q5_0, Q5_1, Q5_K), layout at the top of gemm_q5.c ---- */
 
@@ -127,10 +134,10 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
                         const float *k_norm, float norm_eps, const float *cos, const float *sin,
                         const int64_t *slot_mapping, void *k_cache, void *v_cache, int kv_f16);
 
-/* One projection of the decode step, a (n, k) weight: 4-bit groups (q8_group, q5, half all 0:
+/* One projection of the decode step, a (n, k) weight: 4-bit groups (q8_group, q5, half, iq4 all 0:
  * onecall_q4_gemm, or onecall_q4a8_gemm with act8), int8 groups (q8_group 32 or 16: onecall_q8b_gemm),
- * 5-bit groups (q5 1: onecall_q5_gemm) or 16-bit floats (half 1: IEEE half, 2: bfloat16, in qs:
- * onecall_half_gemm). A projection stored in parts of different forms (a Q4_K_M file's q/k beside its
+ * 5-bit groups (q5 1: onecall_q5_gemm), IQ4 codes (iq4 1: onecall_iq4_gemm) or 16-bit floats (half 1:
+ * IEEE half, 2: bfloat16, in qs: onecall_half_gemm). A projection stored in parts of different forms (a Q4_K_M file's q/k beside its
  * v) is a chain: this struct its first n rows, `next` the Q4Weight of the rows after them, and so on;
  * the first part's bias is then the whole projection's, added once every part is in. */
 typedef struct {
@@ -143,6 +150,7 @@ typedef struct {
     int64_t act8;     /* 4-bit only: the q4a8 layout, run with int8 activations */
     int64_t q5;       /* 1: 5-bit groups in the q5 layout */
     int64_t half;     /* 1: IEEE half, 2: bfloat16 weights in the h16 layout */
+    int64_t iq4;      /* 1: IQ4 codes in the iq4 layout (scale float32, or IEEE half when f16) */
     const void *next; /* the next part (a Q4Weight), or NULL: this part is the projection's last */
 } Q4Weight;
 
@@ -187,6 +195,11 @@ int onecall_q8b_rows(const int8_t *qs, const float *scale, int64_t N, int64_t K,
  * or IEEE half when f16). 0 on success, -2 K % 32 != 0, -3 an id outside 0 .. N - 1. */
 int onecall_q4_rows(const uint8_t *qs, const void *scale, const void *offset, int64_t N, int64_t K, int f16,
                     const int64_t *ids, int64_t M, float *out);
+
+/* The same over IQ4 codes in the iq4 layout (float(codebook[code]) * scale; scale float32, or IEEE half
+ * when f16). 0 on success, -2 K % 32 != 0, -3 an id outside 0 .. N - 1. */
+int onecall_iq4_rows(const uint8_t *qs, const void *scale, int64_t N, int64_t K, int f16, const int64_t *ids,
+                     int64_t M, float *out);
 
 /* ---- argmax.c ---- */
 

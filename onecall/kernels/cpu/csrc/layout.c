@@ -28,6 +28,7 @@ static const Row ROWS[] = {
     FIELD(Q4Weight, act8),
     FIELD(Q4Weight, q5),
     FIELD(Q4Weight, half),
+    FIELD(Q4Weight, iq4),
     FIELD(Q4Weight, next),
     STRUCT(DecodeLayer),
     FIELD(DecodeLayer, input_norm),
