@@ -147,6 +147,45 @@ def test_viewer_in_chromium(server: ServerProcess, tmp_path: Path) -> None:
     assert not foreign, f"the page reached beyond its server: {foreign}"
 
 
+@pytest.mark.browser
+def test_a_hybrid_models_shortened_hit_is_explained(server: ServerProcess) -> None:
+    """A hybrid model's trace (num_kv_matched_tokens > num_cached_tokens: no state snapshot between the
+    two) gets a callout with both numbers; an ordinary model's trace (None) gets none. The prompt card
+    is rendered in the page from a trace like the server's."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: run `make test`, which installs Debian's chromium")
+    from playwright.sync_api import sync_playwright
+
+    trace = {
+        "prompt_token_ids": list(range(10)), "prompt_tokens": [f"t{i}" for i in range(10)],
+        "prompt_is_control": [False] * 10, "num_prompt_tokens": 10, "num_cached_tokens": 4,
+        "divergence": None, "cache_match_capped": False, "num_kv_matched_tokens": 9, "state_resumed_at": 4,
+    }  # fmt: skip
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        )
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            page.goto(server.url("/"))
+            shown = page.evaluate(
+                """t => { const card = renderPrompt(t); document.body.append(card);
+                          const n = card.querySelector('[data-testid="state-snapshot"]');
+                          return n ? n.textContent : null; }""",
+                trace,
+            )
+            assert shown is not None and "K/V for 9 tokens" in shown and "after token 4" in shown
+            assert "the 5 tokens after it are prefilled again" in shown
+            plain = page.evaluate(
+                """t => renderPrompt(t).querySelector('[data-testid="state-snapshot"]') === null""",
+                {**trace, "num_kv_matched_tokens": None, "state_resumed_at": None},
+            )
+            assert plain
+        finally:
+            browser.close()
+
+
 def send(page: Any, message: str, index: int) -> None:
     """Type and send a message, then wait until answer `index` is done and its anatomy is drawn."""
     from playwright.sync_api import expect
