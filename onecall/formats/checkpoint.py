@@ -239,6 +239,9 @@ _OTHER_TOWERS = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "model.audio_tower.",  # Gemma 4's audio tower and its two embedders
+    "model.embed_vision.",
+    "model.embed_audio.",
 )
 
 

@@ -19,6 +19,7 @@ from onecall.model.config import (
     MOE,
     SLIDING,
     SUPPORTED,
+    Gemma4Spec,
     GemmaSpec,
     GptOssSpec,
     LinearAttentionSpec,
@@ -34,7 +35,12 @@ _REFUSED_CLASSES = {
     "PhimoeForCausalLM": "Phi-3.5-MoE, whose sparsemixer router onecall does not implement",
 }
 # config.json model_type values that name one of ours differently
-_MODEL_TYPES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+_MODEL_TYPES = {
+    "gemma3_text": "gemma3",
+    "gemma4_text": "gemma4",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+}
 
 _REQUIRED_KEYS = (
     "vocab_size",
@@ -47,7 +53,7 @@ _REQUIRED_KEYS = (
 _DEFAULT_MAX_POSITIONS = {
     "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192, "gemma3": 131072,
     "qwen3_moe": 32768, "mixtral": 131072, "qwen3_5": 32768, "qwen3_5_moe": 32768, "qwen3_next": 32768,
-    "gpt_oss": 131072,
+    "gpt_oss": 131072, "gemma4": 131072,
 }  # fmt: skip
 # transformers' default sliding_window where a family honours one (MistralConfig: 4096).
 _DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
@@ -58,7 +64,10 @@ _DEFAULT_RMS_NORM_EPS = 1e-6
 # Multimodal checkpoints whose language model onecall runs alone (text in, text out): the class, and
 # the text model's class. Their weights are renamed and the vision tower skipped on load
 # (checkpoint.language_model_tensor).
-MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+MULTIMODAL_TEXT_MODELS = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",  # its vision and audio towers skipped
+}
 # The same for Qwen3.5's multimodal classes (every released Qwen3.5 checkpoint is one), whose tensors
 # loading/weights.py renames itself (model.language_model.* -> model.*; model.visual.* and mtp.* skipped),
 # so formats/checkpoint.py hands them over as they are named. transformers ties their embeddings by the
@@ -120,6 +129,8 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"model config is missing required keys: {', '.join(missing)}")
     # 3. Features we do not implement: refuse rather than run silently wrong.
     _check_unsupported_features(d, arch)
+    if arch == "gemma4":
+        return _gemma4_config(d)
     # 4. Defaults as transformers applies them.
     num_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim")
@@ -316,6 +327,132 @@ def _gemma_spec(d: dict[str, Any], arch: str) -> GemmaSpec:
     )
 
 
+def _gemma4_config(d: dict[str, Any]) -> ModelConfig:
+    """transformers' Gemma4TextConfig, its defaults where the file leaves keys out: five sliding layers to
+    one global (the last layer always global), global layers' head_dim global_head_dim (512) and, with
+    attention_k_eq_v, num_global_key_value_heads KV heads (or as per_layer_config states them, which wins),
+    RoPE per layer type (rope_parameters), per-layer inputs 256 wide unless the file says 0."""
+    n, num_heads = d["num_hidden_layers"], d["num_attention_heads"]
+    types = list(d.get("layer_types") or [SLIDING if (i + 1) % 6 else GLOBAL for i in range(n)])
+    if types:
+        types[-1] = GLOBAL  # transformers forces it (with a warning)
+    head_dim, kv_heads = d.get("head_dim") or 256, d.get("num_key_value_heads") or 4
+    k_eq_v = bool(d.get("attention_k_eq_v", False))
+    global_head_dim, global_kv_heads = _gemma4_global_shape(d, types, head_dim, kv_heads, k_eq_v)
+    sliding_theta, global_theta, proportion, factor = _gemma4_rope(d)
+    moe = bool(d.get("enable_moe_block"))
+    if moe and any(d.get(k) is None for k in ("num_experts", "top_k_experts", "moe_intermediate_size")):
+        raise UnsupportedModelError(
+            "enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size"
+        )
+    spec = Gemma4Spec(
+        layer_types=tuple(types),
+        sliding_window=d.get("sliding_window", 512),
+        sliding_head_dim=head_dim,
+        sliding_kv_heads=kv_heads,
+        global_head_dim=global_head_dim,
+        global_kv_heads=global_kv_heads,
+        attention_k_eq_v=k_eq_v,
+        num_kv_shared_layers=d.get("num_kv_shared_layers") or 0,
+        hidden_size_per_layer_input=d.get("hidden_size_per_layer_input", 256) or 0,
+        vocab_size_per_layer_input=d.get("vocab_size_per_layer_input") or 262144,
+        use_double_wide_mlp=bool(d.get("use_double_wide_mlp", False)),
+        final_logit_softcapping=_optional_number(d, "final_logit_softcapping", None),
+        sliding_rope_theta=sliding_theta,
+        global_rope_theta=global_theta,
+        global_rope_proportion=proportion,
+        global_rope_factor=factor,
+        num_experts=d["num_experts"] if moe else 0,
+        top_k_experts=d["top_k_experts"] if moe else 0,
+        moe_intermediate_size=d["moe_intermediate_size"] if moe else 0,
+    )
+    # the KV cache's row (model/gemma4.py): heads of the sliding head_dim where they tile it
+    width = spec.cache_width
+    cache_head_dim = next(
+        (hd for hd in (head_dim, global_head_dim) if width % hd == 0 and num_heads % (width // hd) == 0),
+        width,
+    )
+    return ModelConfig(
+        architecture="gemma4",
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=n,
+        num_attention_heads=num_heads,
+        num_key_value_heads=width // cache_head_dim,
+        head_dim=cache_head_dim,
+        rms_norm_eps=_number(d, "rms_norm_eps", _DEFAULT_RMS_NORM_EPS),
+        rope_theta=global_theta,
+        max_position_embeddings=d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS["gemma4"]),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        attention_bias=bool(d.get("attention_bias", False)),
+        qk_norm=False,  # Gemma 4's q/k/v norms are its layers' own (model/gemma4.py)
+        gemma4=spec,
+    )
+
+
+def _gemma4_global_shape(
+    d: dict[str, Any], types: list[str], head_dim: int, kv_heads: int, k_eq_v: bool
+) -> tuple[int, int]:
+    """The global layers' (head_dim, KV heads)."""
+    per_layer = d.get("per_layer_config")
+    if per_layer is None:
+        num_global = d.get("num_global_key_value_heads")
+        return d.get("global_head_dim") or 512, num_global if k_eq_v and num_global is not None else kv_heads
+    if not isinstance(per_layer, dict):
+        raise UnsupportedModelError(f"per_layer_config must be a mapping, got {per_layer!r}")
+    shapes = set()
+    for i, kind in enumerate(types):
+        override = per_layer.get(str(i), per_layer.get(i)) or {}  # type: ignore[call-overload]
+        if not isinstance(override, dict) or set(override) - {"head_dim", "num_key_value_heads"}:
+            raise UnsupportedModelError(
+                f"per_layer_config for layer {i} ({override!r}): only head_dim and num_key_value_heads are supported"
+            )
+        shape = (override.get("head_dim", head_dim), override.get("num_key_value_heads", kv_heads))
+        if kind == SLIDING and shape != (head_dim, kv_heads):
+            raise UnsupportedModelError(
+                f"per_layer_config reshapes sliding layer {i}; only global layers may differ"
+            )
+        if kind == GLOBAL:
+            shapes.add(shape)
+    if len(shapes) > 1:
+        raise UnsupportedModelError(
+            f"per_layer_config gives the global layers different shapes: {sorted(shapes)}"
+        )
+    return shapes.pop() if shapes else (head_dim, kv_heads)
+
+
+def _gemma4_rope(d: dict[str, Any]) -> tuple[float, float, float, float]:
+    """rope_parameters per layer type -> (sliding theta, global theta, global proportion, global factor):
+    the sliding layers' "default" RoPE, the global layers' "default" or "proportional"."""
+    params = d.get("rope_parameters") or {
+        SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        GLOBAL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    }
+    out = []
+    for kind, allowed in ((SLIDING, ("default",)), (GLOBAL, ("default", "proportional"))):
+        p = params.get(kind) if isinstance(params, dict) else None
+        if not isinstance(p, dict):
+            raise UnsupportedModelError(f"gemma4: rope_parameters has no {kind!r} entry: {params!r}")
+        rope_type = p.get("rope_type", "default")
+        if rope_type not in allowed:
+            raise UnsupportedModelError(
+                f"gemma4: rope_type {rope_type!r} for {kind} layers is not supported; only {', '.join(allowed)}"
+            )
+        proportional = rope_type == "proportional"
+        out.append((
+            _number(p, "rope_theta", 10000.0),
+            _number(p, "partial_rotary_factor", 1.0) if proportional else 1.0,
+            _number(p, "factor", 1.0) if proportional else 1.0,
+        ))  # fmt: skip
+    (sliding_theta, _, _), (global_theta, proportion, factor) = out
+    if not 0 < proportion <= 1 or not factor > 0:
+        raise UnsupportedModelError(
+            "gemma4: proportional RoPE needs 0 < partial_rotary_factor <= 1 and factor > 0"
+        )
+    return sliding_theta, global_theta, proportion, factor
+
+
 def _optional_number(d: dict[str, Any], key: str, default: float | None) -> float | None:
     """d[key] (a positive number), None when the file says null, `default` when it says nothing."""
     if key in d and d[key] is None:
@@ -360,12 +497,15 @@ def _attention_bias(d: dict[str, Any], arch: str) -> bool:
 def _check_unsupported_features(d: dict[str, Any], arch: str) -> None:
     # Gemma's key is hidden_activation (hidden_act in older files); gelu with the tanh approximation.
     # gpt-oss's experts run their clamped SwiGLU whatever hidden_act says (transformers never reads it).
-    wanted = "gelu_pytorch_tanh" if arch in GEMMA else "silu"
+    wanted = "gelu_pytorch_tanh" if arch in (*GEMMA, "gemma4") else "silu"
     key = "hidden_activation" if d.get("hidden_activation") is not None else "hidden_act"
     act = d.get(key) or wanted
     if act != wanted and arch != "gpt_oss":
         raise UnsupportedModelError(f"{key} {act!r} is not supported for {arch}; only {wanted!r} is")
-    if d.get("use_bidirectional_attention"):
+    # Gemma 4's "vision": image tokens see each other both ways; a text-only prompt is causal
+    if d.get("use_bidirectional_attention") and not (
+        arch == "gemma4" and d.get("use_bidirectional_attention") == "vision"
+    ):
         raise UnsupportedModelError("use_bidirectional_attention true (an embedding model) is not supported")
     if d.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias true is not supported; only bias-free MLPs are")

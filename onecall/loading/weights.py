@@ -7,7 +7,7 @@ gate/up tensors into the fused projections (DecoderLM.PROJECTION_PARTS, part_row
 arrive, and no dense projection weight is ever allocated; MoE experts a GGUF stored in a native form
 are not copied either: their layer runs them from the groups (model/moe.py, _use_stored_experts).
 
-Four rewrites happen on the way in, all to Hugging Face-named tensors, before anything else sees them
+Five rewrites happen on the way in, all to Hugging Face-named tensors, before anything else sees them
 (the stored groups of a quantized GGUF, if any, rewritten with them: the fast kernels see one layout):
 | checkpoint tensor                          | becomes                                  | why                     |
 |--------------------------------------------|------------------------------------------|-------------------------|
@@ -19,6 +19,8 @@ Four rewrites happen on the way in, all to Hugging Face-named tensors, before an
 | gpt-oss mlp.experts.gate_up_proj (E, H, 2I)| (E, 2I, H) rows [gate; up] (columns 0::2,| model/gpt_oss.py's      |
 | and _bias, down_proj (E, I, H); MXFP4      | 1::2 de-interleaved), (E, H, I); MXFP4   | layout (_gpt_oss_layout)|
 | *_blocks + *_scales pairs                  | dequantized exactly (dequantize_mxfp4)   |                         |
+| Gemma 4's KV-sharing layers' k/v_proj,     | dropped                                  | those layers compute no |
+| k/v_norm                                   |                                          | K/V (_gemma4_unshared)  |
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ def load_weights(
         weights = _partial_rotary_layout(weights, model.config, stored_weights)
     if model.config.gpt_oss is not None:
         weights = _gpt_oss_layout(weights, _expert_dtype(model))
+    if model.config.gemma4 is not None:
+        weights = _gemma4_unshared(weights, model.config)
     tied = model.lm_head is None
     # a Hugging Face Gemma or Qwen3.5 checkpoint stores w, we hold 1 + w (not Qwen3.5's gated norm)
     fold_norms = model.config.gemma is not None or model.config.linear_attention is not None
@@ -480,6 +484,20 @@ def _gpt_oss_layout(
     if pending:
         unpaired = sorted(pending)
         raise UnsupportedModelError(f"MXFP4 tensors without their blocks or scales: {', '.join(unpaired)}")
+
+
+def _gemma4_unshared(
+    weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drop the K/V projections and norms a Gemma 4 checkpoint may still hold for its KV-sharing layers
+    (model/gemma4.py: those layers compute no K/V; transformers ignores the same tensors on load)."""
+    spec = config.gemma4
+    assert spec is not None
+    shared = {f"model.layers.{i}.self_attn.{m}." for i in range(spec.num_kv_layers, config.num_hidden_layers)
+              for m in ("k_proj", "v_proj", "k_norm", "v_norm")}  # fmt: skip
+    for name, tensor in weights:
+        if name[: name.rfind(".") + 1] not in shared:
+            yield name, tensor
 
 
 def _gate_up_rows(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -82,9 +82,31 @@ def paged_attention(
     logit per query head that joins every softmax denominator of that head with no value: out =
     sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)) (gpt-oss; kept in float32 by its layers).
     """
+    k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]  # (num_slots, num_kv_heads, head_dim)
+    return attend_cache_layer(
+        q, k_new, v_new, k_cache, v_cache, meta, scale,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+    )  # fmt: skip
+
+
+def attend_cache_layer(
+    q: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_attention over one layer's cache tensors, given as contiguous (num_slots, num_kv_heads,
+    head_dim) tensors: a layer whose heads are shaped unlike the pool's (Gemma 4, model/gemma4.py)
+    passes its own view of a cache layer."""
     window = Window(sliding_window, logit_softcap, sinks)
     assert q.shape[0] == meta.num_tokens == meta.slot_mapping.shape[0], "batch does not match the metadata"
-    k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]  # (num_slots, num_kv_heads, head_dim)
     if k_new is not None and v_new is not None:
         k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))

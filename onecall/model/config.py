@@ -1,4 +1,4 @@
-"""ModelConfig: the hyperparameters of a decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3,
+"""ModelConfig: the hyperparameters of a decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3/4,
 Qwen3-MoE, Mixtral, gpt-oss, and the hybrids Qwen3.5 / Qwen3.5-MoE / Qwen3-Next).
 
 Built from a Hugging Face config.json dict by `model_config_from_hf` (formats/hf_config.py), which refuses (UnsupportedModelError) anything our model code would run
@@ -25,6 +25,10 @@ and `attn_output_gate`; the two MoE hybrids a MoESpec with a shared expert. gpt-
 GptOssSpec (model/gpt_oss.py: sliding and full layers, attention sinks, the clamped SwiGLU experts)
 and a MoESpec (every layer sparse, experts as wide as intermediate_size); its q/k/v/o biases are
 attention_bias.
+
+Gemma 4 carries a Gemma4Spec (model/gemma4.py: sliding and global layers of different head shapes,
+KV sharing, per-layer inputs, K = V, proportional RoPE, the MoE block); its num_key_value_heads x
+head_dim is the KV cache's row, which every layer's K/V fill (Gemma4Spec.cache_width).
 
 RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) is parsed into a
 RopeScaling; model/rope.py turns it into the cos/sin tables.
@@ -54,6 +58,7 @@ ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
     "GptOssForCausalLM": "gpt_oss",
+    "Gemma4ForCausalLM": "gemma4",
 }
 SUPPORTED = tuple(ARCHITECTURES.values())
 GEMMA = ("gemma2", "gemma3")
@@ -118,6 +123,112 @@ class GemmaSpec:
             )
         if SLIDING in self.layer_types and self.sliding_window is None:
             raise UnsupportedModelError("layer_types has sliding layers but sliding_window is null")
+
+
+@dataclass(frozen=True)
+class Gemma4Spec:
+    """The Gemma 4 text model's hyperparameters (Hugging Face names where it has them; model/gemma4.py
+    runs them). Sliding and global layers differ in head size and KV heads, so ModelConfig's
+    num_key_value_heads x head_dim is not a layer's shape for Gemma 4 but the KV cache's row: wide enough
+    for every layer (cache_width); a narrower layer stores each of its KV heads `kv_repeat` times so that
+    its K/V fill the row exactly (model/gemma4.py: every layer's cache view stays contiguous, the rows the
+    engine copies on write are whole)."""
+
+    layer_types: tuple[str, ...]  # per layer: SLIDING or GLOBAL
+    sliding_window: int  # W: a sliding layer's query at position t sees keys t - W + 1 .. t
+    sliding_head_dim: int  # transformers' head_dim
+    sliding_kv_heads: int  # transformers' num_key_value_heads
+    global_head_dim: int
+    global_kv_heads: int  # num_global_key_value_heads where attention_k_eq_v, else num_key_value_heads
+    attention_k_eq_v: bool  # global layers: no v_proj, V is K's projection (before k_norm and RoPE)
+    num_kv_shared_layers: (
+        int  # the last this many layers reuse an earlier layer's K/V (no cache of their own)
+    )
+    hidden_size_per_layer_input: int  # per-layer embeddings' width; 0: none
+    vocab_size_per_layer_input: int
+    use_double_wide_mlp: bool  # the KV-sharing layers' MLPs are 2 x intermediate_size wide
+    final_logit_softcapping: float | None
+    # RoPE per layer type: theta, the proportion of each head's pairs rotated (transformers'
+    # "proportional" type: the others pass through), and the factor dividing every frequency
+    sliding_rope_theta: float = 10000.0
+    global_rope_theta: float = 1000000.0
+    global_rope_proportion: float = 1.0
+    global_rope_factor: float = 1.0
+    # the MoE block beside each layer's dense MLP (26B-A4B); 0 experts: none
+    num_experts: int = 0
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer_types, list):  # from to_dict()
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        bad = sorted({t for t in self.layer_types if t not in (SLIDING, GLOBAL)})
+        if bad:
+            raise UnsupportedModelError(
+                f"layer_types {bad!r} are not supported; only {SLIDING!r} and {GLOBAL!r} are"
+            )
+        for name in (
+            "sliding_window",
+            "sliding_head_dim",
+            "sliding_kv_heads",
+            "global_head_dim",
+            "global_kv_heads",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
+        if self.sliding_head_dim % 2 or self.global_head_dim % 2:
+            raise UnsupportedModelError("Gemma 4 head sizes must be even for RoPE")
+        n = len(self.layer_types)
+        if not 0 <= self.num_kv_shared_layers < n:
+            raise UnsupportedModelError(
+                f"num_kv_shared_layers {self.num_kv_shared_layers} must be in 0 .. {n - 1} "
+                "(at least one layer computes K/V)"
+            )
+        own = set(self.layer_types[: n - self.num_kv_shared_layers])
+        if not set(self.layer_types) <= own:
+            raise UnsupportedModelError(
+                "num_kv_shared_layers: a layer type that reuses K/V has no earlier layer of its type computing them"
+            )
+        if self.num_experts and not 0 < self.top_k_experts <= self.num_experts:
+            raise UnsupportedModelError(
+                f"top_k_experts {self.top_k_experts} must be in 1 .. num_experts ({self.num_experts})"
+            )
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise UnsupportedModelError("enable_moe_block needs a positive moe_intermediate_size")
+
+    def head_dim(self, layer_idx: int) -> int:
+        return self.global_head_dim if self.layer_types[layer_idx] == GLOBAL else self.sliding_head_dim
+
+    def kv_heads(self, layer_idx: int) -> int:
+        return self.global_kv_heads if self.layer_types[layer_idx] == GLOBAL else self.sliding_kv_heads
+
+    @property
+    def cache_width(self) -> int:
+        """Floats of K (and of V) a token takes in one cache layer: the widest layer's."""
+        return max(self.kv_heads(i) * self.head_dim(i) for i in range(len(self.layer_types)))
+
+    def kv_repeat(self, layer_idx: int) -> int:
+        """How many times layer `layer_idx` stores each KV head to fill a cache row (1 for the widest)."""
+        return self.cache_width // (self.kv_heads(layer_idx) * self.head_dim(layer_idx))
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that compute and store K/V: all but the last num_kv_shared_layers."""
+        return len(self.layer_types) - self.num_kv_shared_layers
+
+    def cache_layer(self, layer_idx: int) -> int:
+        """The KV cache layer that layer `layer_idx` attends over: its own (it writes it), or for a
+        KV-sharing layer the last layer of its type that computes K/V (transformers' "store" layer)."""
+        first_shared = self.num_kv_layers
+        if layer_idx < first_shared:
+            return layer_idx
+        kind = self.layer_types[layer_idx]
+        return max(i for i in range(first_shared) if self.layer_types[i] == kind)
+
+    def intermediate_size(self, layer_idx: int, base: int) -> int:
+        """A layer's dense MLP width: double on the KV-sharing layers with use_double_wide_mlp."""
+        return base * (2 if self.use_double_wide_mlp and layer_idx >= self.num_kv_layers else 1)
 
 
 @dataclass(frozen=True)
@@ -278,6 +389,9 @@ class ModelConfig:
     # the hybrids' full attention: o_proj reads attention * sigmoid(x W_gate^T), a gate per head and dim
     attn_output_gate: bool = False
     gpt_oss: GptOssSpec | None = None  # gpt_oss: its own layer (model/gpt_oss.py)
+    # gemma4: its own layers and model part (model/gemma4.py); num_key_value_heads x head_dim is then
+    # the KV cache's row (Gemma4Spec.cache_width), not a layer's shape
+    gemma4: Gemma4Spec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from to_dict(): asdict flattens the nested dataclass
@@ -291,6 +405,12 @@ class ModelConfig:
             object.__setattr__(self, "linear_attention", LinearAttentionSpec(**self.linear_attention))
         if isinstance(self.gpt_oss, dict):
             object.__setattr__(self, "gpt_oss", GptOssSpec(**self.gpt_oss))
+        if isinstance(self.gemma4, dict):
+            object.__setattr__(self, "gemma4", Gemma4Spec(**self.gemma4))
+        if (self.gemma4 is not None) != (self.architecture == "gemma4"):
+            raise UnsupportedModelError(f"{self.architecture}: a Gemma4Spec is for (and required by) gemma4")
+        if self.gemma4 is not None:
+            self._check_gemma4(self.gemma4)
         if (self.gpt_oss is not None) != (self.architecture == "gpt_oss"):
             raise UnsupportedModelError(f"{self.architecture}: a GptOssSpec is for (and required by) gpt_oss")
         if self.gpt_oss is not None and len(self.gpt_oss.layer_types) != self.num_hidden_layers:
@@ -382,6 +502,34 @@ class ModelConfig:
                 f"head_dim {self.head_dim}; need an even number in 2..head_dim"
             )
 
+    def _check_gemma4(self, spec: Gemma4Spec) -> None:
+        if len(spec.layer_types) != self.num_hidden_layers:
+            raise UnsupportedModelError(
+                f"layer_types has {len(spec.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        if self.num_key_value_heads * self.head_dim != spec.cache_width:
+            raise UnsupportedModelError(
+                f"gemma4: num_key_value_heads x head_dim ({self.num_key_value_heads} x {self.head_dim}) must be "
+                f"the KV cache row, {spec.cache_width} floats"
+            )
+        for i in range(self.num_hidden_layers):
+            kv_heads, head_dim = spec.kv_heads(i), spec.head_dim(i)
+            stored = spec.cache_width // head_dim  # KV heads the layer's cache view has
+            if spec.cache_width % (kv_heads * head_dim) or self.num_attention_heads % stored:
+                raise UnsupportedModelError(
+                    f"gemma4: layer {i}'s {kv_heads} KV heads of {head_dim} do not tile the KV cache row of "
+                    f"{spec.cache_width} floats into KV heads its {self.num_attention_heads} query heads share"
+                )
+        if (
+            self.moe is not None
+            or self.qk_norm
+            or self.sliding_window is not None
+            or self.rope_scaling is not None
+        ):
+            raise UnsupportedModelError(
+                "gemma4: its MoE block, q/k/v norms, sliding window and RoPE are Gemma4Spec's"
+            )
+
     @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
@@ -391,6 +539,8 @@ class ModelConfig:
     def num_kv_layers(self) -> int:
         """Layers that keep K and V in the paged cache (a hybrid model's full-attention layers only):
         what the KV pool is sized by."""
+        if self.gemma4 is not None:  # the KV-sharing layers attend over earlier layers' K/V
+            return self.gemma4.num_kv_layers
         spec = self.linear_attention
         return self.num_hidden_layers if spec is None else self.num_hidden_layers - spec.num_linear_layers
 
@@ -418,6 +568,8 @@ class ModelConfig:
     @property
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""
+        if self.gemma4 is not None:
+            return self._gemma4_parameters(self.gemma4)
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * (q + 2 * kv) + q * h
@@ -453,6 +605,26 @@ class ModelConfig:
                 total += moe.num_experts * (2 * moe.moe_intermediate_size + h + 1)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total + embed + h
+
+    def _gemma4_parameters(self, spec: Gemma4Spec) -> int:
+        """num_parameters of a Gemma 4 model (layer_scalar, a buffer in transformers, counted too)."""
+        h, heads, bias = self.hidden_size, self.num_attention_heads, self.attention_bias
+        p, e = spec.hidden_size_per_layer_input, spec.num_experts
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        if p:  # embed_tokens_per_layer, per_layer_model_projection, per_layer_projection_norm
+            total += (spec.vocab_size_per_layer_input + h) * self.num_hidden_layers * p + p
+        for i in range(self.num_hidden_layers):
+            d, kv = spec.head_dim(i), spec.kv_heads(i) * spec.head_dim(i)
+            total += 2 * h * heads * d + heads * d * bias + h * bias + d  # q, o (+ biases), q_norm
+            if spec.cache_layer(i) == i:  # k (and v unless K = V), k_norm
+                kv_projections = 1 if spec.attention_k_eq_v and spec.layer_types[i] == GLOBAL else 2
+                total += kv_projections * (h * kv + kv * bias) + d
+            total += 4 * h + 3 * h * spec.intermediate_size(i, self.intermediate_size) + 1  # + layer_scalar
+            if e:  # router (proj, scale, per-expert scale), experts, three more norms
+                total += h * e + h + e + e * 3 * h * spec.moe_intermediate_size + 3 * h
+            if p:  # per_layer_input_gate, per_layer_projection, post_per_layer_input_norm
+                total += 2 * h * p + h
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,13 +1,14 @@
-"""DecoderLM: one pre-norm decoder for Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, gpt-oss and the Qwen3.5
+"""DecoderLM: one pre-norm decoder for Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3/4, gpt-oss and the Qwen3.5
 hybrids, over a paged KV cache.
 
 The Llama-shaped families differ only by flags in ModelConfig (q/k/v bias, q/k norm, partial
 rotary, a sliding window), so there is one module tree, named like Hugging Face's
 (`model.layers.N.self_attn...`) except for the two fused projections, which loading/weights.py's
 load_weights fills from the separate q/k/v and gate/up tensors (PROJECTION_PARTS says which).
-Gemma 2/3 (ModelConfig.gemma) swap in model/gemma.py's model part (four norms a layer, gelu,
-per-layer-type RoPE tables) under the same names, plus an embedding scale and capped logits. gpt-oss
-(ModelConfig.gpt_oss) is a DecoderModel whose layers are model/gpt_oss.py's (attention sinks, sliding and
+Gemma 4 (ModelConfig.gemma4) is a DecoderModel whose layers, per-layer embeddings and forward loop are
+model/gemma4.py's, with a RoPE table per layer type (Gemma4Rotary). Gemma 2/3 (ModelConfig.gemma)
+swap in model/gemma.py's model part (four norms a layer, gelu, per-layer-type RoPE tables) under the
+same names, plus an embedding scale and capped logits. gpt-oss (ModelConfig.gpt_oss) is a DecoderModel whose layers are model/gpt_oss.py's (attention sinks, sliding and
 full layers, its own MoE) and whose norms keep float32 weights; the loop, RoPE and logits stay these.
 The hybrids (ModelConfig.linear_attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are a DecoderModel whose
 layers are model/qwen35.py's (Gated DeltaNet or gated attention, each over its own cache) and whose norms are (1 + w).
@@ -31,6 +32,13 @@ from onecall.kernels.select import fast_kernels_supported, layer_ops
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig
 from onecall.model.gemma import GemmaDecoderModel, GemmaRMSNorm, GemmaRotary, soft_cap
+from onecall.model.gemma4 import (
+    GEMMA4_PROJECTION_PARTS,
+    Gemma4Rotary,
+    add_per_layer_inputs,
+    gemma4_forward,
+    gemma4_layers,
+)
 from onecall.model.gpt_oss import gpt_oss_layers
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
@@ -63,6 +71,7 @@ PROJECTION_PARTS = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
     **HYBRID_PROJECTION_PARTS,  # a hybrid's layers: the output gate, DeltaNet's, the shared expert's
+    **GEMMA4_PROJECTION_PARTS,  # Gemma 4's layers: q/k/v and gate/up unfused (their shapes vary by layer)
 }
 
 
@@ -138,6 +147,11 @@ class DecoderModel(nn.Module):
             self.layers = gpt_oss_layers(config, config.gpt_oss, dtype, device, ops)
             self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device, ops)
             return
+        if config.gemma4 is not None:  # Gemma 4: model/gemma4.py's layers and per-layer embeddings
+            self.layers = gemma4_layers(config, config.gemma4, dtype, device, ops)
+            self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device, ops)
+            add_per_layer_inputs(self, config, config.gemma4, dtype, device)
+            return
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device, i, ops) for i in range(config.num_hidden_layers)
         )
@@ -175,7 +189,9 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.vocab_size = config.vocab_size  # the whole vocabulary: what compute_logits returns
         self.tp = tp if tp is not None and tp.world_size > 1 else None
-        if self.tp is not None and (config.linear_attention is not None or config.gpt_oss is not None):
+        if self.tp is not None and (
+            config.linear_attention is not None or config.gpt_oss is not None or config.gemma4 is not None
+        ):
             raise UnsupportedModelError(f"{config.architecture} does not run under tensor parallel")
         if self.tp is not None:
             config = self.tp.shard_config(config)
@@ -216,11 +232,13 @@ class DecoderLM(nn.Module):
         _materialize(self, torch.device(device), skip_weights_of=skip)
         for layer in self.model.layers if self.tp is not None else ():
             layer.self_attn.tp = layer.mlp.tp = self.tp  # type: ignore[union-attr]
-        self.rotary: RotaryEmbedding | GemmaRotary = (
-            RotaryEmbedding.from_config(config, dtype, device)
-            if config.gemma is None
-            else GemmaRotary(config, config.gemma, dtype, device)  # a table per layer type
-        )
+        self.rotary: RotaryEmbedding | GemmaRotary
+        if config.gemma is not None:
+            self.rotary = GemmaRotary(config, config.gemma, dtype, device)  # a table per layer type
+        elif config.gemma4 is not None:
+            self.rotary = Gemma4Rotary(config, config.gemma4, dtype, device)  # Gemma 4's two tables
+        else:
+            self.rotary = RotaryEmbedding.from_config(config, dtype, device)
 
     def forward(
         self,
@@ -230,6 +248,8 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) int64 -> hidden states (num_tokens, hidden_size)."""
+        if isinstance(self.rotary, Gemma4Rotary):  # Gemma 4: its own loop (per-layer inputs, KV sharing)
+            return gemma4_forward(self.model, input_ids, self.rotary(positions), kv_cache, meta)
         step = self.native_step
         if (
             step is not None
@@ -266,8 +286,9 @@ class DecoderLM(nn.Module):
             logits = torch.nn.functional.linear(hidden, self.output_weight()).float()
             if self.tp is not None:
                 logits = self.tp.gather_vocab(logits, self.vocab_size)
-        gemma = self.config.gemma
-        return logits if gemma is None else soft_cap(logits, gemma.final_logit_softcapping)
+        gemma, gemma4 = self.config.gemma, self.config.gemma4
+        cap = gemma.final_logit_softcapping if gemma else gemma4.final_logit_softcapping if gemma4 else None
+        return soft_cap(logits, cap)
 
     def output_weight(self) -> torch.Tensor:
         """The logits projection's (vocab_size, hidden_size) weight: the tied embedding or lm_head."""
@@ -294,13 +315,16 @@ class DecoderLM(nn.Module):
                 owner: nn.Module | None = layer
                 for part in owner_path.split("."):  # absent in this layer (a hybrid's other type): None
                     owner = getattr(owner, part, None)
-                if owner is None or isinstance(owner, SparseMoE) or not hasattr(owner, attr):
-                    continue  # a MoE layer's experts stay dense (model/moe.py), its router too
+                if owner is None or isinstance(owner, SparseMoE) or getattr(owner, attr, None) is None:
+                    continue  # a MoE layer's experts stay dense (model/moe.py), its router too; a Gemma 4
+                    # KV-sharing layer has no k/v projections (None)
                 yield i, ours, owner, attr
 
     def part_rows(self) -> dict[str, tuple[int, int]]:
         """Rows of a fused projection that each of its checkpoint parts fills."""
         c = self.config
+        if c.gemma4 is not None:  # unfused projections, each filled whole
+            return {}
         q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         return {
             "self_attn.q_proj": (0, q_size),
