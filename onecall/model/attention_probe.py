@@ -34,14 +34,14 @@ def last_position_attention(model: DecoderLM, input_ids: torch.Tensor) -> torch.
     device = model.model.norm.weight.device
     ids = input_ids.to(device=device, dtype=torch.int64)
     positions = torch.arange(ids.numel(), device=device)
-    h = model.model.embed_tokens(ids)  # (seq_len, hidden_size)
-    cos, sin = model.rotary(positions)  # (seq_len, 1, head_dim // 2) each
     others = {type(layer).__name__ for layer in model.model.layers if not isinstance(layer, DecoderLayer)}
     if others:  # Gemma's four norms, a hybrid's linear layers, gpt-oss's sinks: not probed here yet
         raise UnsupportedModelError(
             f"attention probabilities are computed for Llama-shaped layers; {model.config.architecture}'s "
             f"{', '.join(sorted(others))} are not"
         )
+    h = model.model.embed_tokens(ids)  # (seq_len, hidden_size)
+    cos, sin = model.rotary(positions)  # (seq_len, 1, head_dim // 2) each
     rows = []
     for layer in model.model.layers:
         assert isinstance(layer, DecoderLayer)

@@ -339,3 +339,13 @@ def test_the_engine_generates_what_transformers_does(variant: str, tmp_path: Any
         with torch.no_grad():
             want = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
         assert list(out.token_ids) == want
+
+
+def test_attention_probabilities_are_refused_by_name() -> None:
+    """LLM.attention_probs' probe runs Llama-shaped layers only: Gemma 4's are refused with a typed
+    error naming them (before its two-table RoPE is asked for one table)."""
+    from onecall.model.attention_probe import last_position_attention
+
+    _, ours = build("31b")
+    with pytest.raises(UnsupportedModelError, match="Gemma4"):
+        last_position_attention(ours, torch.tensor(prompt(5, seed=1)))
