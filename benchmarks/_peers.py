@@ -340,7 +340,8 @@ class LlamaCpp:
 
 # ---- onecall ------------------------------------------------------------------------------------
 class Onecall:
-    """onecall's LLM facade; prefix caching off so repeated prompts are recomputed, not served."""
+    """onecall's LLM facade; prefix caching off so repeated prompts are recomputed, not served. Room for
+    the concurrent prompts' sequences (a hybrid's states come out of the KV budget: one per sequence)."""
 
     aggregate_mode = "continuous batching"
     int8_activations = False  # EngineConfig.int8_activations (OnecallInt8)
@@ -353,7 +354,7 @@ class Onecall:
         self.w, self.SamplingParams = w, SamplingParams
         self.llm = LLM(
             model=w.model_path, dtype=w.dtype, device=w.device, num_threads=w.threads, kernels=w.kernels,
-            max_num_batched_tokens=max(2048, longest), max_num_seqs=max(64, len(w.concurrent_prompts)),
+            max_num_batched_tokens=max(2048, longest), max_num_seqs=max(16, len(w.concurrent_prompts)),
             enable_prefix_caching=False, kv_cache_dtype=w.kv_cache_dtype, int8_activations=self.int8_activations,
         )  # fmt: skip
         self.trace_decode_rates: list[float] = []

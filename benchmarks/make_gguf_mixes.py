@@ -20,6 +20,10 @@ Shapes (random weights: for speed and memory only, never for quality; the vocabu
   qwen2-0.5b   Qwen2.5-0.5B's: hidden 896 (not a multiple of 256), 4864, 24 layers, 14/2 heads, tied
   llama-0.4b   a Llama of the same size whose widths are multiples of 256: 1024, 4096, 24 layers, 16/4
   llama-1b     Llama-3.2-1B's body: hidden 2048, 8192, 16 layers, 32/8 heads, tied (~1.07B parameters)
+  qwen3.5-0.5b a Qwen3.5 hybrid at a small real shape: hidden 1024, 3584, 24 layers (18 Gated DeltaNet,
+               6 gated attention: 3 to 1), attention 8/2 heads of 256, DeltaNet 16 key heads of 128
+               and 16 value heads of 128, conv 4, tied (~0.55B parameters), written by
+               tests/helpers/make_models.py: write_converted_hybrid_gguf (llama.cpp's arch `qwen35`)
 
 Files go to --out (default /tmp/onecall-mixes, never the repository) as SHAPE-PRESET.gguf, with
 the quantizer's log beside each as SHAPE-PRESET.quantize.log; existing files are kept unless
@@ -63,7 +67,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
         rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
     ),
+    "qwen3.5-0.5b": dict(
+        model_type="qwen3_5_text", hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_key_head_dim=128, linear_num_value_heads=16, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],  # repeated to num_hidden_layers
+    ),
 }  # fmt: skip
+HYBRID_TYPES = ("qwen3_5_text",)  # shapes written by the hybrid converter layout
 # preset -> llama.cpp's llama_ftype name (llama_cpp.LLAMA_FTYPE_MOSTLY_<preset>); F16 is the source itself
 PRESETS = ("F16", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")
 _LAYER = re.compile(r"^blk\.\d+\.")
@@ -131,6 +143,47 @@ def embedded_tokenizer_metadata() -> dict[str, Any]:
     return {name: value for name, value in metadata.items() if name.startswith("tokenizer.")}
 
 
+def hybrid_config_and_state(
+    shape: str, vocab_size: int, seed: int = 0
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A hybrid shape's config.json dict (transformers' Qwen3_5TextConfig with SHAPES' settings) and
+    HF-named float32 parameters at a trained model's scale: projections, embeddings and the conv
+    ~N(0, 0.02); the zero-centred norms (scaled by 1 + w) ~N(0, 0.1), the gated output norm (scaled by
+    w) ~1 + N(0, 0.1); A_log uniform in [-2, 0] (decays that keep a state); dt_bias 0."""
+    import torch
+    from transformers import Qwen3_5TextConfig
+
+    settings = dict(SHAPES[shape])
+    settings.pop("model_type")
+    period = settings.pop("layer_types")
+    layers = settings["num_hidden_layers"]
+    config = Qwen3_5TextConfig(
+        vocab_size=vocab_size, layer_types=(period * layers)[:layers], **settings
+    ).to_dict()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        from transformers import Qwen3_5ForCausalLM
+
+        shapes = {
+            n: tuple(p.shape) for n, p in Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config)).state_dict().items()
+        }
+    state: dict[str, torch.Tensor] = {}
+    for name, size in shapes.items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        if name.endswith("A_log"):
+            state[name] = torch.rand(size, generator=gen).mul_(-2.0)
+        elif name.endswith("dt_bias"):
+            state[name] = torch.zeros(size)
+        elif name.endswith("linear_attn.norm.weight"):
+            state[name] = torch.randn(size, generator=gen).mul_(0.1).add_(1.0)
+        elif "norm" in name:
+            state[name] = torch.randn(size, generator=gen).mul_(0.1)
+        else:
+            state[name] = torch.randn(size, generator=gen).mul_(0.02)
+    return config, state
+
+
 def write_f16(path: Path, config: dict[str, Any], tokenizer: dict[str, Any], seed: int = 0) -> Path:
     """The F16 GGUF convert_hf_to_gguf.py --outtype f16 would write: 2-D weights F16, norms and
     biases F32."""
@@ -142,6 +195,20 @@ def write_f16(path: Path, config: dict[str, Any], tokenizer: dict[str, Any], see
     state = realistic_state_dict(config, seed)
     return write_converted_gguf(
         path, state, config, weight_type=GGMLQuantizationType.F16, extra_metadata=tokenizer
+    )
+
+
+def write_hybrid_f16(path: Path, shape: str, tokenizer: dict[str, Any], seed: int = 0) -> Path:
+    """A hybrid shape's F16 GGUF as convert_hf_to_gguf.py --outtype f16 writes it (the conv, router and
+    gates F32, as the converter forces)."""
+    from gguf import GGMLQuantizationType
+
+    _importable_tests()
+    from tests.helpers.make_models import write_converted_hybrid_gguf
+
+    config, state = hybrid_config_and_state(shape, len(tokenizer["tokenizer.ggml.tokens"]), seed)
+    return write_converted_hybrid_gguf(
+        path, state, config, GGMLQuantizationType.F16, extra_metadata=tokenizer
     )
 
 
@@ -231,9 +298,13 @@ def make(shapes: list[str], presets: list[str], out: Path, threads: int, force: 
         source = mix_path(out, shape, "F16")
         if force or not source.exists():
             tokenizer = tokenizer or embedded_tokenizer_metadata()
-            config = hf_config(shape, len(tokenizer["tokenizer.ggml.tokens"]))
             t0 = time.perf_counter()
-            write_f16(source.with_suffix(".partial"), config, tokenizer).rename(source)
+            partial = source.with_suffix(".partial")
+            if SHAPES[shape]["model_type"] in HYBRID_TYPES:
+                write_hybrid_f16(partial, shape, tokenizer).rename(source)
+            else:
+                config = hf_config(shape, len(tokenizer["tokenizer.ggml.tokens"]))
+                write_f16(partial, config, tokenizer).rename(source)
             print(f"wrote {source} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         for preset in presets:
             target = mix_path(out, shape, preset)

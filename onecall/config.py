@@ -44,8 +44,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
     enable_prefix_caching: bool = True
     # A hybrid model (linear-attention layers with a per-sequence state): how many prefix snapshots of
-    # that state to keep (engine/state_slots.py); each costs one sequence's state from the KV budget.
-    # None: as many as max_num_seqs
+    # that state to keep (engine/state_slots.py); each costs one sequence's state from the KV budget
+    # (kv_cache_gib, or a GPU's share; the CPU's default budget is KV only, the states on top).
+    # None: as many as max_num_seqs with prefix caching, none without
     state_snapshots: int | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     # "fast": the fastest kernels this device has (CPU float32: oneDNN prepacked weights, plus the
@@ -143,7 +144,11 @@ class EngineConfig:
 
     @property
     def num_state_snapshots(self) -> int:
-        return self.max_num_seqs if self.state_snapshots is None else self.state_snapshots
+        """Prefix snapshots of a hybrid's state: state_snapshots, by default one per running sequence,
+        none without prefix caching (nothing would resume from them)."""
+        if self.state_snapshots is not None:
+            return self.state_snapshots
+        return self.max_num_seqs if self.enable_prefix_caching else 0
 
     @property
     def torch_device(self) -> torch.device:

@@ -6,10 +6,20 @@ path (model/attention_probe.py) for the lab. `LLM.info` (a ModelInfo) says what 
 how it runs, so callers (the CLI, the lab) never read the engine's insides. Chat conversations are rendered with the model's own template
 (the seed's point: without it the model does not stop cleanly) and the render
 (text, ids, control-token mask) goes into each request's trace.
+
+A harmony model (gpt-oss: text/harmony.py's speaks_harmony, the server's own test) is chatted with
+as the server does it: the conversation (and tools) rendered by openai-harmony, the request stopped
+at <|return|> or <|call|>, and the output parsed from its token ids: the final channel is the text
+(content), analysis the `reasoning`, commentary calls to functions.* the tool_calls. chat() then
+returns HarmonyChatOutput (a RequestOutput with `reasoning`) or, with tools, HarmonyToolChatOutput (a
+ToolChatOutput with `reasoning`). What the server refuses for harmony is refused here with the same
+InvalidParameterError: a forced tool_choice ("required" or a named function), structured outputs,
+a chat_template.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Iterator, Sequence
@@ -25,7 +35,9 @@ from onecall.errors import ContextLengthExceededError, InvalidParameterError
 from onecall.model.attention_probe import last_position_attention
 from onecall.sampling_params import SamplingParams
 from onecall.text.chat_template import RenderedPrompt, render_chat
+from onecall.text.harmony import parse_harmony, render_harmony, speaks_harmony, stop_token_ids
 from onecall.tools.calling import ChatTools, ToolChatOutput
+from onecall.tools.calls import ToolCall
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -68,6 +80,24 @@ class ModelInfo:
         every weight once, plus K and V of each position in every attention layer, plus (a hybrid
         model) the sequence's linear-attention state, read and written once."""
         return self.weight_bytes_per_step + self.kv_bytes_per_token * num_positions + 2 * self.state_bytes_per_sequence
+
+
+@dataclass
+class HarmonyChatOutput(RequestOutput):
+    """LLM.chat's output for a harmony model (gpt-oss): `text` is the final channel's text ("" when
+    it said nothing there), `reasoning` the analysis channel's (None when empty). token_ids, the
+    trace and finish_reason are the engine's, for the whole completion."""
+
+    reasoning: str | None = None
+
+
+@dataclass(frozen=True)
+class HarmonyToolChatOutput(ToolChatOutput):
+    """LLM.chat's output with tools for a harmony model: content is the final channel's text,
+    tool_calls the commentary calls to functions.NAME (arguments as generated), `reasoning` the
+    analysis channel's text (None when empty); `output` is the HarmonyChatOutput."""
+
+    reasoning: str | None = None
 
 
 class LLM:
@@ -130,7 +160,22 @@ class LLM:
         """The prompt a chat request sends: text, ids, control-token mask. `chat_template` (Jinja
         source, e.g. onecall.text.templates.get_named_template("qwen3-style")) replaces the model's.
         `tools` are offered as chat(tools=...) offers them: through a template with a tool format, else
-        in the system message (tools/specs.py's convention); tool_choice "none" withdraws them."""
+        in the system message (tools/specs.py's convention); tool_choice "none" withdraws them.
+        A harmony model's prompt is openai-harmony's rendering (chat_template_kwargs' reasoning_effort
+        is the one option it takes)."""
+        if self.speaks_harmony:
+            chat_tools = (
+                ChatTools.build(tools, tool_choice, self.tokenizer)
+                if tools is not None or tool_choice is not None
+                else None
+            )
+            return self._render_harmony(
+                messages,
+                chat_tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+                chat_template=chat_template,
+            )
         template_tools = None
         if tools is not None or tool_choice is not None:
             chat_tools = ChatTools.build(tools, tool_choice, self.tokenizer)
@@ -188,8 +233,23 @@ class LLM:
         {"type": "function", "function": {"name": ...}}) the tools are rendered through the
         template (or its system message, tools/specs.py's convention), a grammar forces the
         call when tool_choice requires one, and each result is a ToolChatOutput: content,
-        tool_calls (id, name, arguments_json) and the API's finish_reason, as the server answers."""
+        tool_calls (id, name, arguments_json) and the API's finish_reason, as the server answers.
+
+        A harmony model (gpt-oss) is rendered by openai-harmony and its output split by channel, as
+        the server splits it: HarmonyChatOutput (text: the final channel, reasoning: analysis) or,
+        with tools, HarmonyToolChatOutput (content, tool_calls, reasoning). A forced tool_choice and
+        structured outputs are refused for it (InvalidParameterError naming the field)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.speaks_harmony:
+            return self._chat_harmony(
+                convs,  # type: ignore[arg-type]
+                params,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                chat_template=chat_template,
+                **render_kwargs,
+            )
         if tools is None and tool_choice is None:
             rendered = [
                 self.render(conv, chat_template=chat_template, **render_kwargs)  # type: ignore[arg-type]
@@ -232,6 +292,90 @@ class LLM:
             )
         return [tools.parse(out) for out in self._run_all(rendered, per_prompt)]
 
+    # ---- harmony (gpt-oss) ---------------------------------------------------------------------
+    @functools.cached_property
+    def speaks_harmony(self) -> bool:
+        """Is the loaded model chatted with in harmony (gpt-oss), as the server decides it?"""
+        return speaks_harmony(self.engine.model_config.architecture, self.tokenizer)
+
+    def _render_harmony(
+        self,
+        messages: list[Message],
+        tools: ChatTools | None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> RenderedPrompt:
+        """A harmony model's prompt, as the server renders it; what harmony cannot take is refused."""
+        if chat_template is not None:
+            raise InvalidParameterError(
+                "chat_template",
+                "gpt-oss (harmony) models are rendered by openai-harmony, not a chat template",
+            )
+        if not add_generation_prompt:
+            raise InvalidParameterError(
+                "add_generation_prompt", "a gpt-oss (harmony) prompt always ends in the assistant's turn"
+            )
+        effort = (chat_template_kwargs or {}).get("reasoning_effort")
+        if effort is not None and not isinstance(effort, str):
+            raise InvalidParameterError(
+                "chat_template_kwargs", "reasoning_effort must be 'low', 'medium' or 'high'"
+            )
+        return render_harmony(messages, tools.tools if tools else None, reasoning_effort=effort)
+
+    def _harmony_params(self, params: SamplingParams | None) -> SamplingParams:
+        """`params` with harmony's stop tokens added (<|return|>, <|call|>); structured outputs refused."""
+        params = params if params is not None else SamplingParams()
+        if params.structured_outputs is not None:
+            raise InvalidParameterError(
+                "structured_outputs", "structured outputs are not supported yet for gpt-oss (harmony) models"
+            )
+        extra = tuple(sorted(set(stop_token_ids()) - set(params.stop_token_ids)))
+        return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+
+    def _chat_harmony(
+        self,
+        convs: list[list[Message]],
+        params: Params,
+        *,
+        tools: list[dict[str, Any]] | None,
+        tool_choice: ToolChoiceParam,
+        parallel_tool_calls: bool | None,
+        chat_template: str | None,
+        **render_kwargs: Any,
+    ) -> list[RequestOutput] | list[ToolChatOutput]:
+        """LLM.chat for a harmony model: openai-harmony's prompt, its stop tokens, the output split by
+        channel (text/parse_harmony, the server's parser)."""
+        with_tools = tools is not None or tool_choice is not None
+        chat_tools = None
+        if with_tools:
+            chat_tools = ChatTools.build(
+                tools, tool_choice, self.tokenizer, parallel_tool_calls=parallel_tool_calls
+            )
+            if chat_tools.choice.mode == "required":  # the server's refusal (serving_chat.py)
+                raise InvalidParameterError(
+                    "tool_choice",
+                    f"{chat_tools.choice.mode!r} (a forced call) is not supported yet for gpt-oss (harmony) "
+                    "models; use 'auto' or 'none'",
+                )
+        per_prompt = [self._harmony_params(p) for p in _per_prompt_params(params, len(convs))]
+        rendered = [
+            self._render_harmony(conv, chat_tools, chat_template=chat_template, **render_kwargs)
+            for conv in convs
+        ]
+        outputs = [_split_harmony(out) for out in self._run_all(rendered, per_prompt)]
+        if chat_tools is None:
+            plain: list[RequestOutput] = [out for out, _ in outputs]
+            return plain
+        with_calls: list[ToolChatOutput] = [
+            HarmonyToolChatOutput(
+                out, out.text or None, calls if chat_tools.parallel else calls[:1], reasoning=out.reasoning
+            )
+            for out, calls in outputs
+        ]
+        return with_calls
+
     def chat_stream(
         self,
         messages: list[Message],
@@ -240,7 +384,13 @@ class LLM:
         chat_template: str | None = None,
         **render_kwargs: Any,
     ) -> Iterator[RequestOutput]:
-        yield from self._stream(self.render(messages, chat_template=chat_template, **render_kwargs), params)
+        """Yield an output per new token of one conversation's reply. A harmony model's prompt is
+        openai-harmony's and its stop tokens end it, but the stream is not split by channel: the text
+        is the whole completion's (chat() splits it)."""
+        rendered = self.render(messages, chat_template=chat_template, **render_kwargs)
+        if self.speaks_harmony:
+            params = self._harmony_params(params)
+        yield from self._stream(rendered, params)
 
     # ---- inspection --------------------------------------------------------------------------
     @functools.cached_property
@@ -335,6 +485,16 @@ class LLM:
         rid = f"req-{next(self._ids)}"
         self.engine.add_request(rid, prompt, params)
         return rid
+
+
+def _split_harmony(out: RequestOutput) -> tuple[HarmonyChatOutput, list[ToolCall]]:
+    """A finished harmony completion -> (the output with the final channel as its text and the
+    analysis as its reasoning, the calls to functions.*), parsed from its token ids."""
+    parsed = parse_harmony(out.token_ids)
+    fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.init}
+    fields["text"] = parsed.content or ""
+    split = HarmonyChatOutput(**fields, reasoning=parsed.reasoning_content)
+    return split, [ToolCall(id=i, name=name, arguments_json=args) for i, name, args in parsed.calls]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -263,7 +263,9 @@ def kv_blocks_in_budget(
     config: EngineConfig, local: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
     """How many KV blocks of `local` (this rank's model: its own KV heads) the budget holds, after a
-    hybrid model's state slots (config.num_state_slots of them) are taken from it."""
+    hybrid model's state slots (config.num_state_slots of them) are taken from it: from kv_cache_gib
+    or a GPU's share of its free memory. The CPU's default budget is KV only (the states come on top):
+    a fixed 1 GiB would otherwise be gone to the states of a small hybrid's 128 default slots."""
     per_block = PagedKVCache.bytes_per_block(
         local.num_kv_layers, config.block_size, local.num_key_value_heads, local.head_dim, dtype
     )
@@ -278,7 +280,7 @@ def kv_blocks_in_budget(
     else:
         budget = int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
     shape = local.linear_state_shape
-    if shape is not None:
+    if shape is not None and (config.kv_cache_gib is not None or device.type == "cuda"):
         budget -= config.num_state_slots * shape.bytes_per_slot(dtype)
     return max(budget, 0) // per_block
 
@@ -291,9 +293,17 @@ def _check_kv(config: EngineConfig, mc: ModelConfig, num_blocks: int, dtype: tor
         per_block = PagedKVCache.bytes_per_block(
             mc.num_kv_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, dtype
         )
+        state = mc.linear_state_shape
+        taken = (
+            ""
+            if state is None
+            else f" after the linear layers' states take {config.num_state_slots * state.bytes_per_slot(dtype) / 2**30:.2f} GiB "
+            f"({config.num_state_slots} slots of {state.bytes_per_slot(dtype) / 2**20:.1f} MiB: max_num_seqs "
+            f"{config.max_num_seqs} + state_snapshots {config.num_state_snapshots}; lower them or raise kv_cache_gib)"
+        )
         raise InvalidParameterError(
             "kv_cache_gib",
-            f"the KV budget holds {num_blocks} blocks; at least 2 are needed "
+            f"the KV budget holds {num_blocks} blocks{taken}; at least 2 are needed "
             f"({per_block // config.tensor_parallel_size} bytes each per rank)",
         )
     if config.max_model_len is not None:

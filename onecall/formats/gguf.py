@@ -336,7 +336,9 @@ class GGUFFile:
         plan = self._check_loadable()
         key = key_reader(self.metadata, self.architecture)
         num_heads = key("attention.head_count", 0)
-        num_kv_heads = key("attention.head_count_kv", num_heads)
+        # read only where Q/K are permuted: gemma4 writes the KV heads per layer (an array)
+        permuted = self.architecture in _PERMUTED_QK_ARCHITECTURES
+        num_kv_heads = key("attention.head_count_kv", num_heads) if permuted else 0
         gemma = self.architecture in GEMMA_ARCHITECTURES
         hybrid = hybrid_layout(self.metadata, self.architecture)
         for info, hf_name in plan:

@@ -16,6 +16,11 @@ names -> Hugging Face parameter names, and `{arch}.*` metadata -> the config.jso
 |                      |                         | MLP), post_ffw_norm                         | query_pre_attn_scalar, layer pattern and |
 |                      |                         |                                             | Gemma 3's local RoPE base: see           |
 |                      |                         |                                             | _gemma_keys                              |
+| gemma4               | Gemma4ForCausalLM       | q/k norms, four norms, layer_output_scale,  | norms as stored (w, not 1 + w); per-layer|
+|                      |                         | per-layer inputs (per_layer_*, inp_gate,    | head dims / KV heads, K = V, shared KV,  |
+|                      |                         | proj, post_norm), MoE (ffn_gate_inp(.scale),| double-wide MLPs, proportional RoPE from |
+|                      |                         | ffn_gate_up_exps, ffn_down_exps(.scale),    | rope_freqs: see _gemma4_config           |
+|                      |                         | pre_ffw_norm_2, post_ffw_norm_1/_2)         |                                          |
 | qwen35, qwen35moe,   | Qwen3_5ForCausalLM,     | post_attention_norm; attn_q [q_h; gate_h];  | layer types from full_attention_interval |
 | qwen3next            | Qwen3_5MoeForCausalLM,  | attn_qkv, attn_gate (ssm_in: Qwen3-Next's   | (or attention.recurrent_layers); the     |
 |                      | Qwen3NextForCausalLM    | older files), ssm_beta/_alpha (qwen35*) or  | DeltaNet's sizes from ssm.*; the MTP     |
@@ -41,14 +46,14 @@ import torch
 
 from onecall.errors import UnsupportedModelError
 from onecall.formats.ggml_types import GGUFView, checked_value
-from onecall.formats.gguf_rope_scaling import rope_scaling_dict
+from onecall.formats.gguf_rope_scaling import _float_tensor, rope_scaling_dict
 from onecall.model.config import GLOBAL, LINEAR, SLIDING
 
 GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 # Qwen3.5 (dense and MoE) and Qwen3-Next: Gated DeltaNet layers beside gated full attention
 HYBRID_ARCHITECTURES = frozenset({"qwen35", "qwen35moe", "qwen3next"})
 SUPPORTED_ARCHITECTURES = frozenset(
-    {"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", *HYBRID_ARCHITECTURES}
+    {"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gemma4", *HYBRID_ARCHITECTURES}
 )
 # Architectures llama.cpp's converter writes that onecall does not run, each named for what it is.
 REFUSED_ARCHITECTURES = {
@@ -64,7 +69,7 @@ _HF_CLASS = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
-    "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM", "gemma4": "Gemma4ForCausalLM",
 }  # fmt: skip
 # block_count's bound: per-layer lists are built from it; far above any released model's (405B Llama: 126)
 _MAX_LAYERS = 4096
@@ -74,6 +79,7 @@ _MODEL_TYPE = {
     "qwen35": "qwen3_5",
     "qwen35moe": "qwen3_5_moe",
     "qwen3next": "qwen3_next",
+    "gemma4": "gemma4_text",
 }
 
 
@@ -142,6 +148,25 @@ _SHARED_EXPERT_NAMES = {
 # (stem, suffix) -> the whole parameter name: A_log is written as blk.N.ssm_a, with no suffix (llama.cpp's
 # SSM_A_NOSCAN), dt_bias as ssm_dt's bias (the converter renames it dt_proj.bias first)
 _HYBRID_SPECIAL_NAMES = {("ssm_a", ""): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
+# Gemma 4 (gguf-py's MODEL_ARCH.GEMMA4 names): Gemma 2/3's four norms, the per-layer input's three
+# tensors, and the 26B-A4B MoE block beside the dense MLP (its router transformers calls router.proj)
+_GEMMA4_NAMES = _GEMMA_NORMS | _ATTENTION_NAMES | _MLP_NAMES | {
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2", "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2", "ffn_gate_inp": "router.proj",
+    "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
+}  # fmt: skip
+# (stem, suffix) -> the whole parameter name: tensors the converter renamed with a suffix of its own (the
+# router's scale, the per-expert scale as the experts' down "scale") or whose checkpoint name has none
+# (layer_scalar, the experts stacked as transformers holds them: gate_up_proj (E, 2I, H), down_proj (E, H, I))
+_GEMMA4_SPECIAL_NAMES = {
+    ("layer_output_scale", "weight"): "layer_scalar", ("ffn_gate_inp", "scale"): "router.scale",
+    ("ffn_down_exps", "scale"): "router.per_expert_scale", ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj",
+    ("ffn_down_exps", "weight"): "experts.down_proj",
+}  # fmt: skip
+_GEMMA4_TOP_LEVEL_NAMES = {
+    "per_layer_token_embd": "model.embed_tokens_per_layer", "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+}  # fmt: skip
 # Not parameters, skipped by the weight iterator on purpose: llama-3 RoPE frequency factors and Phi-3's
 # longrope factors, which gguf_config_dict reads into the config's rope_scaling instead.
 SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
@@ -169,6 +194,8 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama", has_experts: boo
     """One GGUF tensor name -> its Hugging Face parameter name ("*" for a stacked expert index)."""
     parts = gguf_name.split(".")
     is_block = len(parts) in (3, 4) and parts[0] == "blk" and parts[1].isdigit()
+    if architecture == "gemma4":
+        return _gemma4_tensor_name(gguf_name, parts)
     if is_block and architecture in HYBRID_ARCHITECTURES:
         special = _HYBRID_SPECIAL_NAMES.get((parts[2], parts[3] if len(parts) == 4 else ""))
         if special is not None:
@@ -196,6 +223,27 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama", has_experts: boo
     )
 
 
+def _gemma4_tensor_name(gguf_name: str, parts: list[str]) -> str:
+    """A gemma4 GGUF tensor's checkpoint name (transformers' Gemma4ForCausalLM)."""
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+        _, layer, stem, kind = parts
+        special = _GEMMA4_SPECIAL_NAMES.get((stem, kind))
+        if special is not None:
+            return f"model.layers.{layer}.{special}"
+        if kind == "weight" and stem in _GEMMA4_NAMES:
+            return f"model.layers.{layer}.{_GEMMA4_NAMES[stem]}.weight"
+        if stem in ("ffn_gate_exps", "ffn_up_exps"):
+            raise UnsupportedModelError(
+                f"GGUF tensor {gguf_name!r}: Gemma 4's experts with gate and up apart; onecall loads them as "
+                "the converter writes them, fused (ffn_gate_up_exps)"
+            )
+    elif len(parts) == 2 and parts[1] == "weight":
+        name = _GEMMA4_TOP_LEVEL_NAMES.get(parts[0]) or _TOP_LEVEL_NAMES.get(parts[0])
+        if name is not None:
+            return f"{name}.weight"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no counterpart in onecall's gemma4 decoder")
+
+
 # ---------------------------------------------------------------- metadata -> config.json
 
 
@@ -204,6 +252,8 @@ def gguf_config_dict(gguf: GGUFView) -> dict[str, Any]:
     Phases: 1. architecture, 2. shapes, 3. RoPE, 4. the family's own keys, 5. token ids."""
     meta, arch = gguf.metadata, gguf.architecture
     check_loadable(arch, meta, gguf.path.name)
+    if arch == "gemma4":
+        return _gemma4_config(gguf)
     key = key_reader(meta, arch)
     required = {name: key(name) for name in ("embedding_length", "attention.head_count", "block_count")}
     if missing := [f"{arch}.{name}" for name, value in required.items() if value is None]:
@@ -270,10 +320,12 @@ _KEY_KINDS = {
                      "attention.key_length", "attention.value_length", "block_count", "context_length",
                      "vocab_size", "rope.dimension_count", "attention.sliding_window_pattern",
                      "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
-                     "ssm.inner_size", "full_attention_interval"), "count"),
+                     "ssm.inner_size", "full_attention_interval", "attention.key_length_swa",
+                     "attention.value_length_swa", "rope.dimension_count_swa"), "count"),
     **dict.fromkeys(("feed_forward_length", "expert_count", "expert_used_count", "expert_feed_forward_length",
                      "expert_shared_count", "expert_shared_feed_forward_length", "expert_gating_func",
-                     "attention.sliding_window", "nextn_predict_layers"), "size"),
+                     "attention.sliding_window", "nextn_predict_layers", "attention.shared_kv_layers",
+                     "embedding_length_per_layer_input"), "size"),
     **dict.fromkeys(("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa",
                      "attn_logit_softcapping", "final_logit_softcapping", "expert_weights_scale"), "number"),
     "expert_weights_norm": "flag",
@@ -586,3 +638,247 @@ def _hybrid_keys(
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
+
+
+# ---------------------------------------------------------------- Gemma 4
+_UNROTATED = 1e29  # a rope_freqs factor at least this large leaves its pair unrotated (the converter: 1e30)
+
+
+def _gemma4_per_layer(meta: dict[str, Any], name: str, n: int, kind: str) -> list[Any] | None:
+    """`gemma4.{name}`: one value for every layer or an array of one per layer (llama.cpp's
+    get_key_or_arr), each checked as a `kind`; None if absent."""
+    key = f"gemma4.{name}"
+    if key not in meta:
+        return None
+    values = meta[key] if isinstance(meta[key], list) else [meta[key]] * n
+    if len(values) != n:
+        raise UnsupportedModelError(f"GGUF key {key} must hold one value per layer ({n}), got {len(values)}")
+    return [checked_value({key: v}, key, None, kind) for v in values]
+
+
+def _gemma4_config(gguf: GGUFView) -> dict[str, Any]:
+    """The Gemma4TextConfig dict a gemma4 GGUF was converted from (llama.cpp's Gemma4Model, read back as
+    llama.cpp's llama_model_gemma4 reads it):
+
+    | GGUF                                               | config.json                                  |
+    |----------------------------------------------------|----------------------------------------------|
+    | attention.sliding_window_pattern (a flag per layer)| layer_types (the last layer must be global)  |
+    | attention.key_length / key_length_swa (= value's)  | global_head_dim / head_dim                   |
+    | attention.head_count_kv (per layer, or one)        | num_key_value_heads (sliding layers'); the   |
+    |                                                    | global layers' as num_global_key_value_heads |
+    |                                                    | with K = V, else per_layer_config            |
+    | no attn_v in the global layers that compute K/V    | attention_k_eq_v (V is K's projection)       |
+    | attention.shared_kv_layers                         | num_kv_shared_layers                         |
+    | feed_forward_length ([n] before the shared layers, | intermediate_size n, use_double_wide_mlp     |
+    |   [2n] on them, or one n)                          |                                              |
+    | embedding_length_per_layer_input, the rows of      | hidden_size_per_layer_input,                 |
+    |   per_layer_token_embd                             | vocab_size_per_layer_input                   |
+    | rope.freq_base, rope.freq_base_swa (default: the   | rope_parameters: global proportional, the    |
+    |   global base, as llama.cpp); rope_freqs.weight,   |   pairs of factor f rotated (proportion =    |
+    |   f for the rotated pairs, 1e30 for the rest       |   their share, factor f: the converter       |
+    |                                                    |   writes 1); sliding default                 |
+    | final_logit_softcapping (only when set)            | final_logit_softcapping                      |
+    | ffn_gate_inp in every layer; expert_count,         | enable_moe_block, num_experts, top_k_experts,|
+    |   expert_used_count, expert_feed_forward_length    |   moe_intermediate_size                      |
+
+    Fixed by llama.cpp, so not read: attention scale 1, gelu_tanh, softmax routing renormalised over the
+    top k. Refused by name: rope.dimension_count other than the global head size, a sliding rotary
+    fraction (rope.dimension_count_swa below key_length_swa), RoPE scaling keys, an attention soft-cap,
+    per-layer query head counts, KV head counts or K = V that differ between layers of one type, a
+    rope_freqs tensor we cannot read as proportional RoPE, an MoE block in some layers only."""
+    meta, names, file = gguf.metadata, {t.name: t for t in gguf.tensors}, gguf.path.name
+    key = key_reader(meta, "gemma4")
+    required = {name: key(name) for name in ("embedding_length", "attention.head_count", "block_count",
+                                             "attention.key_length", "attention.key_length_swa")}  # fmt: skip
+    if missing := [f"gemma4.{name}" for name, value in required.items() if value is None]:
+        raise UnsupportedModelError(f"{file} lacks {' and '.join(missing)}")
+    hidden, heads, n, global_dim, sliding_dim = required.values()
+    if n > _MAX_LAYERS:
+        raise UnsupportedModelError(
+            f"GGUF key gemma4.block_count is {n}; onecall reads at most {_MAX_LAYERS}"
+        )
+    if (key("attention.value_length", global_dim), key("attention.value_length_swa", sliding_dim)) != (
+        global_dim, sliding_dim,
+    ):  # fmt: skip
+        raise UnsupportedModelError(f"{file}: gemma4 attention key and value head sizes differ")
+    pattern = _gemma4_per_layer(meta, "attention.sliding_window_pattern", n, "flag")
+    if pattern is None:
+        raise UnsupportedModelError(f"{file} lacks gemma4.attention.sliding_window_pattern (the layer types)")
+    types = [SLIDING if flag else GLOBAL for flag in pattern]
+    if types[-1] != GLOBAL:
+        raise UnsupportedModelError(
+            "GGUF key gemma4.attention.sliding_window_pattern makes the last layer sliding; Gemma 4's is global"
+        )
+    shared = key("attention.shared_kv_layers", 0)
+    if shared >= n:
+        raise UnsupportedModelError(
+            f"GGUF key gemma4.attention.shared_kv_layers ({shared}) leaves no KV layer"
+        )
+    first_shared = n - shared
+    out: dict[str, Any] = {
+        "architectures": [_HF_CLASS["gemma4"]],
+        "model_type": _MODEL_TYPE["gemma4"],
+        "hidden_size": hidden,
+        "num_hidden_layers": n,
+        "num_attention_heads": heads,
+        "head_dim": sliding_dim,
+        "global_head_dim": global_dim,
+        "layer_types": types,
+        "num_kv_shared_layers": shared,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": key("context_length"),
+        "sliding_window": key("attention.sliding_window"),
+        "final_logit_softcapping": key("final_logit_softcapping") or None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": False,
+    }
+    if key("attn_logit_softcapping"):
+        raise UnsupportedModelError(
+            "GGUF key gemma4.attn_logit_softcapping: Gemma 4's attention has no soft-cap"
+        )
+    out |= _gemma4_attention(meta, names, types, first_shared, heads)
+    out |= _gemma4_widths(gguf, key, names, n, first_shared)
+    out["rope_parameters"] = _gemma4_rope_parameters(gguf, key, global_dim, sliding_dim)
+    out |= _gemma4_moe(key, names, n)
+    for hf_key in ("bos_token_id", "eos_token_id"):
+        if (token_id := checked_value(meta, f"tokenizer.ggml.{hf_key}", None, "size")) is not None:
+            out[hf_key] = token_id
+    return {k: v for k, v in out.items() if v is not None or k in _NULLABLE}
+
+
+def _gemma4_attention(
+    meta: dict[str, Any], names: dict[str, Any], types: list[str], first_shared: int, heads: int
+) -> dict[str, Any]:
+    """KV heads per layer type and K = V (the global layers computing K/V without attn_v)."""
+    n = len(types)
+    kv = _gemma4_per_layer(meta, "attention.head_count_kv", n, "count") or [heads] * n
+    per_type = {kind: {kv[i] for i in range(n) if types[i] == kind} for kind in (SLIDING, GLOBAL)}
+    if any(len(counts) > 1 for counts in per_type.values()):
+        raise UnsupportedModelError(
+            f"GGUF key gemma4.attention.head_count_kv {kv!r}: layers of one type with different KV head counts"
+        )
+    sliding_kv = next(iter(per_type[SLIDING]), None)
+    global_kv = next(iter(per_type[GLOBAL]))
+    if sliding_kv is None:  # no sliding layer: the sliding count is never used
+        sliding_kv = global_kv
+    no_v = {types[i] for i in range(first_shared) if f"blk.{i}.attn_v.weight" not in names}
+    with_v = {types[i] for i in range(first_shared) if f"blk.{i}.attn_v.weight" in names}
+    if SLIDING in no_v or no_v & with_v:
+        raise UnsupportedModelError(
+            "gemma4 GGUF: attn_v is missing from some layers only; onecall runs K = V (no attn_v) in "
+            "every global layer that computes K/V, and in no sliding layer"
+        )
+    k_eq_v = GLOBAL in no_v
+    out: dict[str, Any] = {"num_key_value_heads": sliding_kv, "attention_k_eq_v": k_eq_v}
+    if global_kv != sliding_kv:
+        if k_eq_v:
+            out["num_global_key_value_heads"] = global_kv
+        else:  # transformers keeps num_global_key_value_heads for K = V models: say it per layer
+            out["per_layer_config"] = {
+                str(i): {"num_key_value_heads": global_kv} for i in range(n) if types[i] == GLOBAL
+            }
+    return out
+
+
+def _gemma4_widths(
+    gguf: GGUFView, key: Callable[..., Any], names: dict[str, Any], n: int, first_shared: int
+) -> dict[str, Any]:
+    """The vocabularies (the embeddings' rows), the MLP width (and double-wide MLPs) and the per-layer
+    input's width."""
+    embed, per_layer = names.get("token_embd.weight"), names.get("per_layer_token_embd.weight")
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    vocab = embed.shape[0] if embed is not None else len(tokens) if isinstance(tokens, list) else None
+    widths = _gemma4_per_layer(gguf.metadata, "feed_forward_length", n, "count")
+    if widths is None:
+        raise UnsupportedModelError(f"{gguf.path.name} lacks gemma4.feed_forward_length")
+    width = widths[0]
+    double = [width] * first_shared + [2 * width] * (n - first_shared)
+    if widths not in ([width] * n, double):
+        raise UnsupportedModelError(
+            f"GGUF key gemma4.feed_forward_length {widths!r}: onecall runs one MLP width, doubled on the "
+            "KV-sharing layers only (use_double_wide_mlp)"
+        )
+    per_layer_width = key("embedding_length_per_layer_input", 0)
+    if per_layer_width and per_layer is None:
+        raise UnsupportedModelError(f"{gguf.path.name}: per-layer inputs without per_layer_token_embd.weight")
+    return {
+        "vocab_size": vocab,
+        "intermediate_size": width,
+        "use_double_wide_mlp": widths != [width] * n,
+        "hidden_size_per_layer_input": per_layer_width,
+        "vocab_size_per_layer_input": per_layer.shape[0]
+        if per_layer_width and per_layer is not None
+        else None,
+    }
+
+
+def _gemma4_rope_parameters(
+    gguf: GGUFView, key: Callable[..., Any], global_dim: int, sliding_dim: int
+) -> dict[str, Any]:
+    """Global layers: proportional RoPE, as the converter encodes it in rope_freqs (used by the global
+    layers only): n_rot = the whole head, each pair's frequency divided by its factor, 1e30 for the pairs
+    not rotated. Sliding layers: default RoPE over the whole head at rope.freq_base_swa."""
+    meta, arch = gguf.metadata, "gemma4"
+    scaling = sorted(
+        k for k in meta if k.startswith(f"{arch}.rope.scaling.") or k == f"{arch}.rope.scale_linear"
+    )
+    if scaling and not (scaling == [f"{arch}.rope.scaling.type"] and meta[scaling[0]] == "none"):
+        raise UnsupportedModelError(f"GGUF keys {', '.join(scaling)}: Gemma 4 RoPE scaling is not supported")
+    if (rotated := key("rope.dimension_count", global_dim)) != global_dim:
+        raise UnsupportedModelError(
+            f"GGUF key gemma4.rope.dimension_count is {rotated}; Gemma 4's global layers rotate the whole "
+            f"head ({global_dim}), their proportion being in rope_freqs"
+        )
+    if (rotated := key("rope.dimension_count_swa", sliding_dim)) != sliding_dim:
+        raise UnsupportedModelError(
+            f"GGUF key gemma4.rope.dimension_count_swa is {rotated}: partial RoPE in the sliding layers "
+            f"(head size {sliding_dim}) is not supported"
+        )
+    global_theta = key("rope.freq_base", 10000.0)
+    factors = _float_tensor(gguf, "rope_freqs.weight")
+    if factors is None:
+        raise UnsupportedModelError(f"{gguf.path.name} lacks rope_freqs.weight (the global layers' RoPE)")
+    pairs = sum(1 for f in factors if f < _UNROTATED)
+    kept = set(factors[:pairs])
+    if (
+        len(factors) != global_dim // 2
+        or pairs == 0
+        or any(f < _UNROTATED for f in factors[pairs:])
+        or len(kept) != 1
+        or not min(kept) > 0
+    ):
+        raise UnsupportedModelError(
+            f"GGUF tensor rope_freqs.weight ({len(factors)} factors for heads of {global_dim}) is not "
+            "proportional RoPE (one factor for the leading pairs, 1e30 for the rest)"
+        )
+    global_rope = {"rope_type": "proportional", "partial_rotary_factor": pairs / (global_dim // 2),
+                   "rope_theta": global_theta}  # fmt: skip
+    if (factor := kept.pop()) != 1.0:
+        global_rope["factor"] = factor
+    return {
+        SLIDING: {"rope_type": "default", "rope_theta": key("rope.freq_base_swa", global_theta)},
+        GLOBAL: global_rope,
+    }
+
+
+def _gemma4_moe(key: Callable[..., Any], names: dict[str, Any], n: int) -> dict[str, Any]:
+    """The MoE block (26B-A4B) in every layer or none; llama.cpp routes it by softmax over every expert,
+    the top expert_used_count renormalised, then each expert scaled by its ffn_down_exps.scale."""
+    routed = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in names]
+    if not routed:
+        return {"enable_moe_block": False}
+    needed = ("ffn_gate_inp.scale", "ffn_down_exps.scale", "ffn_gate_up_exps.weight", "ffn_down_exps.weight",
+              "pre_ffw_norm_2.weight", "post_ffw_norm_1.weight", "post_ffw_norm_2.weight")  # fmt: skip
+    if lacking := [
+        f"blk.{i}.{t}" for i in range(n) for t in needed if i not in routed or f"blk.{i}.{t}" not in names
+    ]:
+        raise UnsupportedModelError(
+            f"gemma4 GGUF: the MoE block must be whole in every layer; it lacks {', '.join(lacking[:4])}"
+        )
+    num_experts, top_k = key("expert_count"), key("expert_used_count")
+    if not num_experts or not top_k:
+        raise UnsupportedModelError("GGUF lacks gemma4.expert_count or gemma4.expert_used_count")
+    width = key("expert_feed_forward_length") or names["blk.0.ffn_down_exps.weight"].shape[-1]
+    return {"enable_moe_block": True, "num_experts": num_experts, "top_k_experts": top_k,
+            "moe_intermediate_size": width}  # fmt: skip

@@ -182,3 +182,20 @@ def test_a_forward_that_never_ran_leaves_no_snapshot() -> None:
     assert s.best([1, 2, 3, 4], limit=3).slot == slot
     assert s.reserve([1, 2, 3]) is None  # kept already
     s.check_invariants()
+
+
+def test_snapshots_follow_prefix_caching_and_a_state_starved_budget_says_so(tmp_path: Any) -> None:
+    """Without prefix caching nothing resumes from a snapshot, so none are reserved by default; a
+    budget the states eat is refused naming the states' share, not only "0 blocks"."""
+    from onecall import LLM
+    from onecall.errors import InvalidParameterError
+    from tests.helpers.make_models import write_tiny_hybrid_chat_folder
+
+    assert EngineConfig(max_num_seqs=8).num_state_snapshots == 8
+    assert EngineConfig(max_num_seqs=8, enable_prefix_caching=False).num_state_snapshots == 0
+    assert EngineConfig(max_num_seqs=8, enable_prefix_caching=False, state_snapshots=3).num_state_slots == 11
+    folder = write_tiny_hybrid_chat_folder(tmp_path / "tiny-qwen3.5")
+    with pytest.raises(
+        InvalidParameterError, match=r"states take .* \(16 slots of .*max_num_seqs 8 \+ state_snapshots 8"
+    ):
+        LLM(model=str(folder), kv_cache_gib=1e-5, max_num_seqs=8)
