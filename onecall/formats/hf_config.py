@@ -19,6 +19,7 @@ from onecall.model.config import (
     MOE,
     SLIDING,
     SUPPORTED,
+    DeepseekSpec,
     Gemma4Spec,
     GemmaSpec,
     GptOssSpec,
@@ -53,7 +54,7 @@ _REQUIRED_KEYS = (
 _DEFAULT_MAX_POSITIONS = {
     "llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma2": 8192, "gemma3": 131072,
     "qwen3_moe": 32768, "mixtral": 131072, "qwen3_5": 32768, "qwen3_5_moe": 32768, "qwen3_next": 32768,
-    "gpt_oss": 131072, "gemma4": 131072,
+    "gpt_oss": 131072, "gemma4": 131072, "deepseek_v3": 4096,
 }  # fmt: skip
 # transformers' default sliding_window where a family honours one (MistralConfig: 4096).
 _DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "phi3": None, "mixtral": None}
@@ -131,6 +132,8 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     _check_unsupported_features(d, arch)
     if arch == "gemma4":
         return _gemma4_config(d)
+    if arch == "deepseek_v3":
+        return _deepseek_v3_config(d)
     # 4. Defaults as transformers applies them.
     num_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim")
@@ -388,6 +391,78 @@ def _gemma4_config(d: dict[str, Any]) -> ModelConfig:
         attention_bias=bool(d.get("attention_bias", False)),
         qk_norm=False,  # Gemma 4's q/k/v norms are its layers' own (model/gemma4.py)
         gemma4=spec,
+    )
+
+
+def _deepseek_v3_config(d: dict[str, Any]) -> ModelConfig:
+    """transformers' DeepseekV3Config, its defaults where the file leaves keys out (DeepSeek-V3's own
+    shapes). Refused by name: a router other than noaux_tc / sigmoid scores, RoPE other than plain or
+    yarn, no shared expert. The multi-token-prediction layers (model.layers.{num_hidden_layers}.*) are
+    not run: loading/weights.py skips their tensors, as transformers does."""
+    topk_method = d.get("topk_method", "noaux_tc")
+    if topk_method != "noaux_tc":
+        raise UnsupportedModelError(f"deepseek_v3: topk_method {topk_method!r} is not supported; only 'noaux_tc' is")
+    scoring = d.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise UnsupportedModelError(f"deepseek_v3: scoring_func {scoring!r} is not supported; only 'sigmoid' is")
+    # the MLA shapes decide every attention tensor's shape: a file that leaves them out is not a
+    # DeepSeek-V3 config (transformers' defaults are the 671B model's), so they are required
+    mla = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    if missing := [k for k in mla if d.get(k) is None]:
+        raise UnsupportedModelError(
+            f"DeepseekV3ForCausalLM config is missing its multi-head latent attention keys: {', '.join(missing)}"
+        )
+    n, rope_dim = d["num_hidden_layers"], d["qk_rope_head_dim"]
+    max_positions = d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS["deepseek_v3"])
+    scaling = rope_scaling_from_hf(d, "deepseek_v3", max_positions, rope_dim if isinstance(rope_dim, int) else 0)
+    if scaling is not None and scaling.rope_type != "yarn":
+        raise UnsupportedModelError(
+            f"deepseek_v3: rope_type {scaling.rope_type!r} is not supported; only the default and 'yarn' are"
+        )
+    shared = d.get("n_shared_experts", 1)
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared <= 0:
+        raise UnsupportedModelError(f"deepseek_v3: n_shared_experts {shared!r} is not supported; only 1 or more")
+    dense = d.get("first_k_dense_replace", 3)
+    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+        raise UnsupportedModelError(f"first_k_dense_replace must be a non-negative integer, got {dense!r}")
+    inter = d.get("moe_intermediate_size", 2048)
+    spec = DeepseekSpec(
+        q_lora_rank=d.get("q_lora_rank", 1536),
+        kv_lora_rank=d.get("kv_lora_rank", 512),
+        qk_nope_head_dim=d.get("qk_nope_head_dim", 128),
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=d.get("v_head_dim", 128),
+        rope_interleave=bool(d.get("rope_interleave", True)),
+        n_group=d.get("n_group") or 1,
+        topk_group=d.get("topk_group") or 1,
+        routed_scaling_factor=_number(d, "routed_scaling_factor", 2.5),
+    )
+    moe = MoESpec(
+        num_experts=d.get("n_routed_experts", d.get("num_local_experts", 256)),
+        num_experts_per_tok=d.get("num_experts_per_tok") or 8,
+        moe_intermediate_size=inter,
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        sparse_layers=tuple(i >= dense for i in range(n)),
+        shared_expert_intermediate_size=inter * shared if isinstance(inter, int) else 0,
+    )
+    return ModelConfig(
+        architecture="deepseek_v3",
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=n,
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=1,  # the cache's one latent row a token (model/deepseek.py)
+        head_dim=spec.cache_head_dim,
+        rms_norm_eps=_number(d, "rms_norm_eps", _DEFAULT_RMS_NORM_EPS),
+        rope_theta=_rope_theta(d),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=bool(d.get("attention_bias", False)),
+        qk_norm=False,
+        rope_scaling=scaling,
+        moe=moe,
+        deepseek=spec,
     )
 
 

@@ -7,7 +7,7 @@ gate/up tensors into the fused projections (DecoderLM.PROJECTION_PARTS, part_row
 arrive, and no dense projection weight is ever allocated; MoE experts a GGUF stored in a native form
 are not copied either: their layer runs them from the groups (model/moe.py, _use_stored_experts).
 
-Five rewrites happen on the way in, all to Hugging Face-named tensors, before anything else sees them
+Six rewrites happen on the way in, all to Hugging Face-named tensors, before anything else sees them
 (the stored groups of a quantized GGUF, if any, rewritten with them: the fast kernels see one layout):
 | checkpoint tensor                          | becomes                                  | why                     |
 |--------------------------------------------|------------------------------------------|-------------------------|
@@ -21,6 +21,8 @@ Five rewrites happen on the way in, all to Hugging Face-named tensors, before an
 | *_blocks + *_scales pairs                  | dequantized exactly (dequantize_mxfp4)   |                         |
 | Gemma 4's KV-sharing layers' k/v_proj,     | dropped                                  | those layers compute no |
 | k/v_norm                                   |                                          | K/V (_gemma4_unshared)  |
+| DeepSeek-V3's MTP layers, model.layers.    | dropped                                  | not run (_deepseek_mtp) |
+| {num_hidden_layers and up}.*               |                                          |                         |
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ def load_weights(
         weights = _gpt_oss_layout(weights, _expert_dtype(model))
     if model.config.gemma4 is not None:
         weights = _gemma4_unshared(weights, model.config)
+    if model.config.deepseek is not None:
+        weights = _deepseek_mtp(weights, model.config.num_hidden_layers)
     tied = model.lm_head is None
     # a Hugging Face Gemma or Qwen3.5 checkpoint stores w, we hold 1 + w (not Qwen3.5's gated norm)
     fold_norms = model.config.gemma is not None or model.config.linear_attention is not None
@@ -498,6 +502,19 @@ def _gemma4_unshared(
     for name, tensor in weights:
         if name[: name.rfind(".") + 1] not in shared:
             yield name, tensor
+
+
+def _deepseek_mtp(
+    weights: Iterable[tuple[str, torch.Tensor]], num_layers: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drop DeepSeek-V3's multi-token-prediction layers (model.layers.{num_layers and up}.*): onecall
+    does not run them, and transformers ignores the same tensors on load."""
+    for name, tensor in weights:
+        if name.startswith("model.layers."):
+            index = name.split(".", 3)[2]
+            if index.isdigit() and int(index) >= num_layers:
+                continue
+        yield name, tensor
 
 
 def _gate_up_rows(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,13 @@ Gemma 4 carries a Gemma4Spec (model/gemma4.py: sliding and global layers of diff
 KV sharing, per-layer inputs, K = V, proportional RoPE, the MoE block); its num_key_value_heads x
 head_dim is the KV cache's row, which every layer's K/V fill (Gemma4Spec.cache_width).
 
+DeepSeek-V3 (and Kimi-K2 / GLM-4.7-Flash, same `deepseek_v3` architecture) carries a DeepseekSpec
+(model/deepseek.py: multi-head latent attention, the grouped sigmoid router) and a MoESpec (its first
+first_k_dense_replace layers dense, a shared expert of n_shared_experts x moe_intermediate_size). Its
+cache holds one latent row per token, [c_kv | k_pe]: num_key_value_heads is 1 and head_dim half that
+row (DeepseekSpec.cache_head_dim), K holding its first half and V its second, so the pool's bytes per
+token are the latent's, not per-head K and V.
+
 RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) is parsed into a
 RopeScaling; model/rope.py turns it into the cos/sin tables.
 """
@@ -59,11 +66,13 @@ ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma4ForCausalLM": "gemma4",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED = tuple(ARCHITECTURES.values())
 GEMMA = ("gemma2", "gemma3")
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # linear-attention (Gated DeltaNet) and attention layers
-MOE = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_next", "gpt_oss")
+MOE = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_next", "gpt_oss", "deepseek_v3")
+SHARED_EXPERT = (*HYBRID, "deepseek_v3")  # the MoE families with a shared expert beside the routed ones
 SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types values
 LINEAR = "linear_attention"  # a hybrid's Gated DeltaNet layers (its other layers are GLOBAL)
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
@@ -232,6 +241,56 @@ class Gemma4Spec:
 
 
 @dataclass(frozen=True)
+class DeepseekSpec:
+    """DeepSeek-V3's multi-head latent attention and router (Hugging Face names; model/deepseek.py runs
+    them). q: q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj when q_lora_rank is set; each head's q and
+    k are qk_nope_head_dim + qk_rope_head_dim wide, its v v_head_dim; K and V come from one latent per
+    token (kv_lora_rank, normed) through kv_b_proj, plus one shared roped key of qk_rope_head_dim."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the roped dims rotate as pairs (x0, x1), (x2, x3), ...
+    n_group: int = 1  # the routed experts in this many groups; a token picks topk_group of them first
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
+        q = self.q_lora_rank
+        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q <= 0):
+            raise UnsupportedModelError(f"model config q_lora_rank must be a positive integer or null, got {q!r}")
+        if self.qk_rope_head_dim % 2:
+            raise UnsupportedModelError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+        if self.topk_group > self.n_group:
+            raise UnsupportedModelError(f"topk_group ({self.topk_group}) exceeds n_group ({self.n_group})")
+        factor = self.routed_scaling_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise UnsupportedModelError(f"routed_scaling_factor must be a positive number, got {factor!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Floats one token keeps per layer: its normed c_kv then its roped k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def cache_head_dim(self) -> int:
+        """The pool's head_dim (one KV head): half the latent row (K holds the first half, V the rest),
+        rounded up to even (ModelConfig wants an even head_dim)."""
+        half = -(-self.latent_width // 2)
+        return half + half % 2
+
+
+@dataclass(frozen=True)
 class GptOssSpec:
     """The gpt-oss-only hyperparameters (Hugging Face names; model/gpt_oss.py runs them): which layers
     slide, and the experts' clamped SwiGLU. Attention sinks (a learned logit per head) are part of every
@@ -392,6 +451,9 @@ class ModelConfig:
     # gemma4: its own layers and model part (model/gemma4.py); num_key_value_heads x head_dim is then
     # the KV cache's row (Gemma4Spec.cache_width), not a layer's shape
     gemma4: Gemma4Spec | None = None
+    # deepseek_v3: multi-head latent attention and its router (model/deepseek.py); num_key_value_heads
+    # (1) x head_dim (DeepseekSpec.cache_head_dim) is then half the latent row the cache holds per token
+    deepseek: DeepseekSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from to_dict(): asdict flattens the nested dataclass
@@ -407,6 +469,14 @@ class ModelConfig:
             object.__setattr__(self, "gpt_oss", GptOssSpec(**self.gpt_oss))
         if isinstance(self.gemma4, dict):
             object.__setattr__(self, "gemma4", Gemma4Spec(**self.gemma4))
+        if isinstance(self.deepseek, dict):
+            object.__setattr__(self, "deepseek", DeepseekSpec(**self.deepseek))
+        if (self.deepseek is not None) != (self.architecture == "deepseek_v3"):
+            raise UnsupportedModelError(
+                f"{self.architecture}: a DeepseekSpec is for (and required by) deepseek_v3"
+            )
+        if self.deepseek is not None:
+            self._check_deepseek(self.deepseek)
         if (self.gemma4 is not None) != (self.architecture == "gemma4"):
             raise UnsupportedModelError(f"{self.architecture}: a Gemma4Spec is for (and required by) gemma4")
         if self.gemma4 is not None:
@@ -446,10 +516,10 @@ class ModelConfig:
         if (
             self.moe is not None
             and self.moe.shared_expert_intermediate_size
-            and self.architecture not in HYBRID
+            and self.architecture not in SHARED_EXPERT
         ):
             raise UnsupportedModelError(
-                f"{self.architecture}: a shared expert is implemented for {', '.join(HYBRID)} only"
+                f"{self.architecture}: a shared expert is implemented for {', '.join(SHARED_EXPERT)} only"
             )
         if (self.moe is not None) != (self.architecture in MOE):
             raise UnsupportedModelError(
@@ -530,6 +600,33 @@ class ModelConfig:
                 "gemma4: its MoE block, q/k/v norms, sliding window and RoPE are Gemma4Spec's"
             )
 
+    def _check_deepseek(self, spec: DeepseekSpec) -> None:
+        if (self.num_key_value_heads, self.head_dim) != (1, spec.cache_head_dim):
+            raise UnsupportedModelError(
+                f"deepseek_v3: the KV cache holds one latent row a token: num_key_value_heads 1 and head_dim "
+                f"{spec.cache_head_dim} (half of {spec.latent_width}), got {self.num_key_value_heads} x {self.head_dim}"
+            )
+        if (
+            self.moe is None
+            or self.qk_norm
+            or self.sliding_window is not None
+            or self.partial_rotary_factor != 1.0
+            or (self.rope_scaling is not None and self.rope_scaling.rope_type != "yarn")
+        ):
+            raise UnsupportedModelError(
+                "deepseek_v3: needs its MoESpec; no q/k norm, sliding window or partial rotary; RoPE plain or yarn"
+            )
+        if self.moe.num_experts % spec.n_group or self.moe.num_experts // spec.n_group < 2:
+            raise UnsupportedModelError(
+                f"deepseek_v3: {self.moe.num_experts} routed experts do not split into {spec.n_group} groups of "
+                "at least 2 (each group is scored by its top 2)"
+            )
+        if self.moe.num_experts_per_tok > spec.topk_group * (self.moe.num_experts // spec.n_group):
+            raise UnsupportedModelError(
+                f"deepseek_v3: num_experts_per_tok {self.moe.num_experts_per_tok} exceeds the experts of "
+                f"{spec.topk_group} groups"
+            )
+
     @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
@@ -570,6 +667,8 @@ class ModelConfig:
         """Parameter count (tied embeddings counted once)."""
         if self.gemma4 is not None:
             return self._gemma4_parameters(self.gemma4)
+        if self.deepseek is not None:
+            return self._deepseek_parameters(self.deepseek)
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * (q + 2 * kv) + q * h
@@ -624,6 +723,26 @@ class ModelConfig:
                 total += h * e + h + e + e * 3 * h * spec.moe_intermediate_size + 3 * h
             if p:  # per_layer_input_gate, per_layer_projection, post_per_layer_input_norm
                 total += 2 * h * p + h
+        return total
+
+    def _deepseek_parameters(self, spec: DeepseekSpec) -> int:
+        """num_parameters of a DeepSeek-V3 model (the router's e_score_correction_bias counted too)."""
+        h, heads, bias, moe = self.hidden_size, self.num_attention_heads, self.attention_bias, self.moe
+        assert moe is not None
+        q = heads * spec.qk_head_dim
+        attn = h * q if spec.q_lora_rank is None else h * spec.q_lora_rank + spec.q_lora_rank * (1 + q)
+        attn += spec.q_lora_rank * bias if spec.q_lora_rank is not None else 0
+        attn += (h + bias) * spec.latent_width + spec.kv_lora_rank  # kv_a_proj_with_mqa, kv_a_layernorm
+        attn += spec.kv_lora_rank * heads * (spec.qk_nope_head_dim + spec.v_head_dim)  # kv_b_proj
+        attn += heads * spec.v_head_dim * h + h * bias  # o_proj
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for sparse in moe.sparse_layers:
+            total += attn + 2 * h
+            if sparse:  # router (weight, correction bias), experts, shared experts
+                total += moe.num_experts * (h + 1 + 3 * h * moe.moe_intermediate_size)
+                total += 3 * h * moe.shared_expert_intermediate_size
+            else:
+                total += 3 * h * self.intermediate_size
         return total
 
     def to_dict(self) -> dict[str, Any]:

@@ -12,6 +12,8 @@ same names, plus an embedding scale and capped logits. gpt-oss (ModelConfig.gpt_
 full layers, its own MoE) and whose norms keep float32 weights; the loop, RoPE and logits stay these.
 The hybrids (ModelConfig.linear_attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are a DecoderModel whose
 layers are model/qwen35.py's (Gated DeltaNet or gated attention, each over its own cache) and whose norms are (1 + w).
+DeepSeek-V3 (ModelConfig.deepseek) is a DecoderModel whose layers and loop are model/deepseek.py's (multi-head
+latent attention over a latent cache row, the grouped sigmoid router), with a RoPE table of the rope dims.
 
 Per step: embed -> for each layer: h += attn(norm(h)); h += mlp(norm(h)) -> norm.
 RoPE cos/sin are looked up once per step (per table) and shared by the layers; the
@@ -31,6 +33,7 @@ from onecall.kernels.ops import REFERENCE_OPS, LayerOps
 from onecall.kernels.select import fast_kernels_supported, layer_ops
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig
+from onecall.model.deepseek import deepseek_forward, deepseek_layers, rotary_table
 from onecall.model.gemma import GemmaDecoderModel, GemmaRMSNorm, GemmaRotary, soft_cap
 from onecall.model.gemma4 import (
     GEMMA4_PROJECTION_PARTS,
@@ -147,6 +150,10 @@ class DecoderModel(nn.Module):
             self.layers = gpt_oss_layers(config, config.gpt_oss, dtype, device, ops)
             self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device, ops)
             return
+        if config.deepseek is not None:  # DeepSeek-V3: model/deepseek.py's MLA layers
+            self.layers = deepseek_layers(config, config.deepseek, dtype, device, ops)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
+            return
         if config.gemma4 is not None:  # Gemma 4: model/gemma4.py's layers and per-layer embeddings
             self.layers = gemma4_layers(config, config.gemma4, dtype, device, ops)
             self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device, ops)
@@ -190,7 +197,10 @@ class DecoderLM(nn.Module):
         self.vocab_size = config.vocab_size  # the whole vocabulary: what compute_logits returns
         self.tp = tp if tp is not None and tp.world_size > 1 else None
         if self.tp is not None and (
-            config.linear_attention is not None or config.gpt_oss is not None or config.gemma4 is not None
+            config.linear_attention is not None
+            or config.gpt_oss is not None
+            or config.gemma4 is not None
+            or config.deepseek is not None
         ):
             raise UnsupportedModelError(f"{config.architecture} does not run under tensor parallel")
         if self.tp is not None:
@@ -237,6 +247,8 @@ class DecoderLM(nn.Module):
             self.rotary = GemmaRotary(config, config.gemma, dtype, device)  # a table per layer type
         elif config.gemma4 is not None:
             self.rotary = Gemma4Rotary(config, config.gemma4, dtype, device)  # Gemma 4's two tables
+        elif config.deepseek is not None:  # the rope dims' table (qk_rope_head_dim, not head_dim)
+            self.rotary = rotary_table(config, config.deepseek, dtype, device)
         else:
             self.rotary = RotaryEmbedding.from_config(config, dtype, device)
 
@@ -250,6 +262,10 @@ class DecoderLM(nn.Module):
         """input_ids, positions: (num_tokens,) int64 -> hidden states (num_tokens, hidden_size)."""
         if isinstance(self.rotary, Gemma4Rotary):  # Gemma 4: its own loop (per-layer inputs, KV sharing)
             return gemma4_forward(self.model, input_ids, self.rotary(positions), kv_cache, meta)
+        if self.config.deepseek is not None:  # DeepSeek-V3: its own loop (no native step, no fused norms)
+            assert isinstance(self.rotary, RotaryEmbedding)
+            cos, sin = self.rotary(positions)
+            return deepseek_forward(self.model, input_ids, cos, sin, kv_cache, meta)
         step = self.native_step
         if (
             step is not None
@@ -323,7 +339,7 @@ class DecoderLM(nn.Module):
     def part_rows(self) -> dict[str, tuple[int, int]]:
         """Rows of a fused projection that each of its checkpoint parts fills."""
         c = self.config
-        if c.gemma4 is not None:  # unfused projections, each filled whole
+        if c.gemma4 is not None or c.deepseek is not None:  # unfused projections, each filled whole
             return {}
         q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         return {

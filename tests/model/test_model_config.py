@@ -251,8 +251,12 @@ def test_scaled_rope_families() -> None:
         (with_(MISTRAL, sliding_window=0), "sliding_window"),
         (with_(PHI4_MINI, sliding_window="2047"), "sliding_window"),
         (
+            with_(QWEN3, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2"),
+            "DeepseekV2ForCausalLM",
+        ),
+        (  # deepseek_v3 without its latent attention's shapes: refused, not transformers' 671B defaults
             with_(QWEN3, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
-            "DeepseekV3ForCausalLM",
+            "kv_lora_rank",
         ),
         (with_(SMOLLM2, architectures=["GemmaForCausalLM"]), "GemmaForCausalLM"),  # Gemma 1: not ours
         (with_(SMOLLM2, architectures=..., model_type="gemma"), "gemma"),
