@@ -8,7 +8,8 @@ Two sources, both read as plain data (JSON or GGUF key/values; nothing from a mo
   merges or scores, per-token types and a pre-tokenizer *name*; we rebuild the pipeline from them.
   `tokenizer.ggml.model` says which: "llama" is SentencePiece BPE (Llama-2, Mistral; built in
   onecall.text.sentencepiece), "gpt2" byte-level BPE (onecall.text.byte_level: the pre-tokenizer name
-  picks the split regexes).
+  picks the split regexes), "gemma4" Gemma 4's SentencePiece-style BPE over raw UTF-8 with merges
+  (onecall.text.gemma4).
 
 Control tokens (GGUF type 3; for SentencePiece also the unknown token, type 2) become special added
 tokens and user-defined ones (type 4, e.g. `<think>`) plain added tokens, so both are matched atomically
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from onecall.errors import InvalidParameterError, ModelFileError, ModelNotFoundError, UnsupportedModelError
 from onecall.text.byte_level import GGUF_PRE_TOKENIZERS, UNICODE_TO_BYTE, byte_level_from_gguf
+from onecall.text.gemma4 import build_gemma4_tokenizer
 from onecall.text.sentencepiece import build_spm_tokenizer, piece_bytes, without_space_prefix
 
 # How a vocab piece maps to bytes: GPT-2's byte alphabet, sentencepiece's "▁"/"<0xNN>", or neither.
@@ -33,7 +35,11 @@ PieceMode = Literal["byte_level", "sentencepiece", "plain"]
 
 _UNKNOWN, _CONTROL = 2, 3  # GGUF token types (1 normal, 4 user-defined, 5 unused, 6 byte)
 # tokenizer.ggml.model values we rebuild, and what they are
-_GGUF_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}
+_GGUF_TOKENIZER_MODELS = {
+    "gpt2": "byte-level BPE",
+    "llama": "SentencePiece BPE",
+    "gemma4": "Gemma 4 SentencePiece-style BPE",
+}
 
 
 class Tokenizer:
@@ -116,7 +122,8 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
         """Rebuild the tokenizer a GGUF's `tokenizer.ggml.*` metadata describes: byte-level BPE ("gpt2",
-        see the module doc) or SentencePiece ("llama", see onecall.text.sentencepiece)."""
+        see the module doc), SentencePiece ("llama", see onecall.text.sentencepiece) or Gemma 4's BPE
+        ("gemma4", see onecall.text.gemma4)."""
         # 1. what kind of tokenizer, and its pieces
         kind = metadata.get("tokenizer.ggml.model")
         if not isinstance(kind, str) or kind not in _GGUF_TOKENIZER_MODELS:
@@ -153,6 +160,16 @@ class Tokenizer:
             continuation = without_space_prefix(hf)
             # <unk> is special too: llama.cpp matches it in text and drops it on decode, as transformers does
             special_types, default_add_bos, piece_mode = (_CONTROL, _UNKNOWN), True, "sentencepiece"
+        elif kind == "gemma4":
+            hf = build_gemma4_tokenizer(
+                tokens,
+                _required(metadata, "tokenizer.ggml.merges"),
+                types,
+                unk_id=token_id("unknown_token_id"),
+                add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", False)),
+            )
+            continuation = None  # no space prefix, so text continues as it starts
+            special_types, default_add_bos, piece_mode = (_CONTROL, _UNKNOWN), True, "sentencepiece"
         else:
             pre = str(metadata.get("tokenizer.ggml.pre", "default"))
             hf = byte_level_from_gguf(tokens, _required(metadata, "tokenizer.ggml.merges"), types, pre)
@@ -169,7 +186,9 @@ class Tokenizer:
             eos_token_ids=frozenset(eos_ids),
             eos_token_id=eos_id,
             special_ids=frozenset(i for i, k in enumerate(types) if k in special_types),
-            add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)),
+            # llama.cpp forces BOS on for "gemma4" whatever the file says (llama-vocab.cpp, PR 21500)
+            add_bos_token=kind == "gemma4"
+            or bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)),
             chat_template=metadata.get("tokenizer.chat_template"),
             piece_mode=piece_mode,
             continuation=continuation,

@@ -35,6 +35,7 @@ Tolerances (float32, transformers' eager attention against ours; measured max ab
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,7 @@ def write_gemma4_gguf(
     cfg: dict[str, Any],
     weight_type: GGMLQuantizationType = F32,
     rope_factor: float = 1.0,
+    add_tokenizer: Callable[[GGUFWriter], None] | None = None,
 ) -> Path:
     """A Gemma4ForCausalLM state dict and config (to_dict()) as llama.cpp's converter lays them out
     (the module docstring lists what it writes). `rope_factor`: the value written for rope_freqs'
@@ -119,6 +121,8 @@ def write_gemma4_gguf(
         global_kv = first_global["num_key_value_heads"]
     w = GGUFWriter(str(path), "gemma4")
     w.add_string("general.name", path.stem)
+    if add_tokenizer is not None:  # the tokenizer.* keys
+        add_tokenizer(w)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(n)
@@ -281,3 +285,30 @@ def test_refusals(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError, match="ffn_up.bias"):
         path = _rewrite(tmp_path, hf, unknown_tensor)
         list(iter_weights(resolve_model(path), torch.float32))
+
+
+def test_a_gemma4_gguf_with_its_tokenizer_runs_in_the_engine(tmp_path: Path) -> None:
+    """The file as a user has it: the e2b model and a gemma4 tokenizer (tests/text/test_tokenizer_gemma4.py's
+    vocabulary, as Gemma4Model.set_vocab writes it) through LLM: the text's ids are the tokenizer's
+    (BOS first), and the greedy reply is transformers' generate on them."""
+    from onecall import LLM, SamplingParams
+    from tests.text.test_tokenizer_gemma4 import add_gemma4_tokenizer, gemma4_vocab
+
+    hf = build_hf("e2b")
+    vocab = gemma4_vocab()
+    assert len(vocab[0]) <= hf.config.vocab_size
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    path = write_gemma4_gguf(
+        tmp_path / "model.gguf",
+        state,
+        hf.config.to_dict(),
+        add_tokenizer=lambda w: add_gemma4_tokenizer(w, vocab),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model=str(path), kv_cache_gib=0.01, num_threads=1) as llm:
+        ids = llm.tokenizer.encode("the quick brown fox\n\njumps over the lazy dog", add_special_tokens=True)
+        out = llm.generate([ids], params)[0]
+    assert ids[0] == vocab[0].index("<bos>") and len(ids) > 8
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
+    assert list(out.token_ids) == want
