@@ -14,7 +14,8 @@ Tensor data is never copied until a tensor is requested: `iter_tensors` yields o
 dequantized, renamed tensor at a time, so the model is never held twice. What each family's
 tensors are called and what its metadata means (llama.cpp's converter, per architecture) is
 gguf_layout.py's; undoing what the converter did to the values (Q/K interleaving, Gemma's 1 + w,
-stacked experts, the hybrids' A, conv, norms and value-head order) is iter_tensors'.
+stacked experts, the hybrids' A, conv, norms and value-head order, gpt-oss's split gate/up biases) is
+iter_tensors'.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ from onecall.errors import ModelFileError, UnsupportedModelError
 from onecall.formats.ggml_types import GGML_TYPE_SIZES, GGMLType, GGUFValueType, TensorInfo, ggml_type_name
 from onecall.formats.gguf_layout import (
     GEMMA_ARCHITECTURES,
+    GPT_OSS_GATE_BIAS,
+    GPT_OSS_UP_BIAS,
     SKIPPED_TENSORS,
     HybridLayout,
     check_loadable,
+    gpt_oss_gate_up_bias,
     hf_tensor_name,
     hybrid_layout,
     key_reader,
@@ -302,6 +306,14 @@ class GGUFFile:
                     f"GGUF tensor {info.name!r} stacks experts, so it must be 3-D, got shape {info.shape}"
                 )
             plan.append((info, hf_name))
+        halves = {hf_name for _, hf_name in plan if hf_name.endswith((GPT_OSS_GATE_BIAS, GPT_OSS_UP_BIAS))}
+        for name in sorted(halves):
+            gate = name.replace(GPT_OSS_UP_BIAS, GPT_OSS_GATE_BIAS)
+            if gate not in halves or gate.replace(GPT_OSS_GATE_BIAS, GPT_OSS_UP_BIAS) not in halves:
+                layer = name.split(".")[2]
+                raise UnsupportedModelError(
+                    f"GGUF: layer {layer} has only one of blk.{layer}.ffn_gate_exps.bias and ffn_up_exps.bias"
+                )
         return plan
 
     def iter_tensors(
@@ -317,6 +329,10 @@ class GGUFFile:
         | Gemma `*norm.weight`, stored as 1 + w  | w in float64, whatever `dtype`: x - 1 is exact there |
         |                                        | and model/gemma.py's fold adds 1 back in float64, so |
         |                                        | the loaded norm is the file's float32 x bit for bit  |
+        | gpt-oss ffn_gate_exps / ffn_up_exps    | one `mlp.experts.gate_up_proj_bias` (E, 2I), columns |
+        | .bias (E, I) each                      | interleaved back (gate 2i, up 2i + 1) as transformers|
+        |                                        | holds it; its experts never kept as stored groups    |
+        |                                        | (model/gpt_oss.py runs them dense)                   |
         | a hybrid's (HybridLayout's table)      | its norms as Gemma's (not the gated ssm_norm),       |
         |                                        | A_log = log(-ssm_a), the conv (channels, 1, kernel), |
         |                                        | value heads back in grouped order (qwen35*: rows and |
@@ -341,6 +357,8 @@ class GGUFFile:
         num_kv_heads = key("attention.head_count_kv", num_heads) if permuted else 0
         gemma = self.architecture in GEMMA_ARCHITECTURES
         hybrid = hybrid_layout(self.metadata, self.architecture)
+        gpt_oss = self.architecture == "gpt-oss"
+        bias_halves: dict[str, torch.Tensor] = {}  # gpt-oss: a gate or up bias waiting for the other
         for info, hf_name in plan:
             heads = 0
             if self.architecture in _PERMUTED_QK_ARCHITECTURES:
@@ -350,7 +368,23 @@ class GGUFFile:
                     heads = num_kv_heads
             raw, ggml_type = self.raw_data(info), T(info.ggml_type)
             if "*" in hf_name:  # stacked experts: one (rows, cols) tensor per expert
-                yield from self._experts(info, hf_name, raw, dtype, stored_out)
+                yield from self._experts(info, hf_name, raw, dtype, None if gpt_oss else stored_out)
+                continue
+            if gpt_oss and hf_name.endswith((GPT_OSS_GATE_BIAS, GPT_OSS_UP_BIAS)):
+                half = dequantize(raw, ggml_type, info.shape, torch.float32)
+                is_gate = hf_name.endswith(GPT_OSS_GATE_BIAS)
+                partner = (
+                    hf_name.replace(GPT_OSS_GATE_BIAS, GPT_OSS_UP_BIAS)
+                    if is_gate
+                    else hf_name.replace(GPT_OSS_UP_BIAS, GPT_OSS_GATE_BIAS)
+                )
+                other = bias_halves.pop(partner, None)
+                if other is None:
+                    bias_halves[hf_name] = half
+                    continue
+                gate, up = (half, other) if is_gate else (other, half)
+                name = hf_name.rpartition(".mlp.")[0] + ".mlp.experts.gate_up_proj_bias"
+                yield name, gpt_oss_gate_up_bias(gate, up).to(dtype)
                 continue
             if gemma and hf_name.endswith("norm.weight"):
                 yield hf_name, dequantize(raw, ggml_type, info.shape, torch.float32).double() - 1.0

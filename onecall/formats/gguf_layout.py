@@ -28,6 +28,10 @@ names -> Hugging Face parameter names, and `{arch}.*` metadata -> the config.jso
 |                      |                         | ssm_conv1d, ssm_norm, ssm_out; MoE: experts | skipped; top-k always renormalised; the  |
 |                      |                         | plus ffn_{gate,up,down}_shexp and           | values: see HybridLayout                 |
 |                      |                         | ffn_gate_inp_shexp                          |                                          |
+| gpt-oss              | GptOssForCausalLM       | q/k/v/o biases, post_attention_norm,        | layer types (even layers slide) and the  |
+|                      |                         | attn_sinks, ffn_gate_inp(.bias) the router, | clamped SwiGLU as llama.cpp fixes them;  |
+|                      |                         | ffn_{gate,up,down}_exps(.bias) (MXFP4 or    | YaRN not truncated; gate/up biases put   |
+|                      |                         | float; gate and up apart, de-interleaved)   | back together: see _gpt_oss_config       |
 
 A stacked expert tensor (num_experts, rows, cols) maps to a name with "*" for the expert index;
 formats/gguf.py yields it as one tensor per expert (the per-expert names loading/weights.py stacks).
@@ -53,8 +57,9 @@ GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 # Qwen3.5 (dense and MoE) and Qwen3-Next: Gated DeltaNet layers beside gated full attention
 HYBRID_ARCHITECTURES = frozenset({"qwen35", "qwen35moe", "qwen3next"})
 SUPPORTED_ARCHITECTURES = frozenset(
-    {"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gemma4", *HYBRID_ARCHITECTURES}
-)
+    {"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gemma4", "gpt-oss",
+     *HYBRID_ARCHITECTURES}
+)  # fmt: skip
 # Architectures llama.cpp's converter writes that onecall does not run, each named for what it is.
 REFUSED_ARCHITECTURES = {
     "clip": "a multimodal projector (mmproj) file, not a language model: pass the text model's own GGUF "
@@ -70,6 +75,7 @@ _HF_CLASS = {
     "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM", "gemma4": "Gemma4ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }  # fmt: skip
 # block_count's bound: per-layer lists are built from it; far above any released model's (405B Llama: 126)
 _MAX_LAYERS = 4096
@@ -80,6 +86,7 @@ _MODEL_TYPE = {
     "qwen35moe": "qwen3_5_moe",
     "qwen3next": "qwen3_next",
     "gemma4": "gemma4_text",
+    "gpt-oss": "gpt_oss",
 }
 
 
@@ -167,6 +174,26 @@ _GEMMA4_TOP_LEVEL_NAMES = {
     "per_layer_token_embd": "model.embed_tokens_per_layer", "per_layer_model_proj": "model.per_layer_model_projection",
     "per_layer_proj_norm": "model.per_layer_projection_norm",
 }  # fmt: skip
+# gpt-oss (gguf-py's MODEL_ARCH.GPT_OSS names, llama.cpp's GptOssModel). The converter splits
+# transformers' gate_up_proj (E, H, 2I), its columns interleaved (gate 2i, up 2i + 1), into
+# ffn_gate_exps and ffn_up_exps (E, I, H) each, transposed, and its bias likewise into the two
+# experts' .bias (E, I); down_proj (E, I, H) is written transposed (E, H, I). Experts' weights are
+# named per expert ("*", the stacked-expert convention); the two halves of the bias come back as
+# GPT_OSS_GATE_BIAS / GPT_OSS_UP_BIAS, which formats/gguf.py re-interleaves into gate_up_proj_bias.
+GPT_OSS_GATE_BIAS, GPT_OSS_UP_BIAS = "mlp.experts.gate_proj_bias", "mlp.experts.up_proj_bias"
+_GPT_OSS_NAMES = {
+    ("attn_norm", "weight"): "input_layernorm.weight",
+    ("post_attention_norm", "weight"): "post_attention_layernorm.weight",
+    ("attn_sinks", "weight"): "self_attn.sinks",
+    ("ffn_gate_inp", "weight"): "mlp.router.weight", ("ffn_gate_inp", "bias"): "mlp.router.bias",
+    ("ffn_gate_exps", "weight"): "mlp.experts.*.gate_proj.weight",
+    ("ffn_up_exps", "weight"): "mlp.experts.*.up_proj.weight",
+    ("ffn_down_exps", "weight"): "mlp.experts.*.down_proj.weight",
+    ("ffn_gate_exps", "bias"): GPT_OSS_GATE_BIAS, ("ffn_up_exps", "bias"): GPT_OSS_UP_BIAS,
+    ("ffn_down_exps", "bias"): "mlp.experts.down_proj_bias",
+    **{(stem, kind): f"{_ATTENTION_NAMES[stem]}.{kind}" for stem in ("attn_q", "attn_k", "attn_v", "attn_output")
+       for kind in ("weight", "bias")},
+}  # fmt: skip
 # Not parameters, skipped by the weight iterator on purpose: llama-3 RoPE frequency factors and Phi-3's
 # longrope factors, which gguf_config_dict reads into the config's rope_scaling instead.
 SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
@@ -196,6 +223,8 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama", has_experts: boo
     is_block = len(parts) in (3, 4) and parts[0] == "blk" and parts[1].isdigit()
     if architecture == "gemma4":
         return _gemma4_tensor_name(gguf_name, parts)
+    if architecture == "gpt-oss":
+        return _gpt_oss_tensor_name(gguf_name, parts)
     if is_block and architecture in HYBRID_ARCHITECTURES:
         special = _HYBRID_SPECIAL_NAMES.get((parts[2], parts[3] if len(parts) == 4 else ""))
         if special is not None:
@@ -242,6 +271,33 @@ def _gemma4_tensor_name(gguf_name: str, parts: list[str]) -> str:
         if name is not None:
             return f"{name}.weight"
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no counterpart in onecall's gemma4 decoder")
+
+
+def _gpt_oss_tensor_name(gguf_name: str, parts: list[str]) -> str:
+    """A gpt-oss GGUF tensor's checkpoint name (transformers' GptOssForCausalLM, experts per expert)."""
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+        name = _GPT_OSS_NAMES.get((parts[2], parts[3]))
+        if name is not None:
+            return f"model.layers.{parts[1]}.{name}"
+        if parts[2] == "ffn_gate_up_exps":
+            raise UnsupportedModelError(
+                f"GGUF tensor {gguf_name!r}: gpt-oss's experts with gate and up fused; onecall loads them as "
+                "llama.cpp's converter writes them, apart (ffn_gate_exps, ffn_up_exps)"
+            )
+    elif len(parts) == 2 and parts[1] == "weight" and parts[0] in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[parts[0]]}.weight"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no counterpart in onecall's gpt-oss decoder")
+
+
+def gpt_oss_gate_up_bias(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """ffn_gate_exps.bias and ffn_up_exps.bias (E, I) -> transformers' gate_up_proj_bias (E, 2I), columns
+    interleaved again (gate 2i, up 2i + 1): the tensor the converter split, exactly."""
+    if gate.shape != up.shape or gate.dim() != 2:
+        raise UnsupportedModelError(
+            f"gpt-oss GGUF: the experts' gate and up biases have shapes {tuple(gate.shape)} and "
+            f"{tuple(up.shape)}; expected two equal (experts, intermediate) tensors"
+        )
+    return torch.stack((gate, up), dim=-1).reshape(gate.shape[0], 2 * gate.shape[1])
 
 
 # ---------------------------------------------------------------- metadata -> config.json
@@ -301,6 +357,8 @@ def gguf_config_dict(gguf: GGUFView) -> dict[str, Any]:
         config |= _moe_keys(arch, key, config, names)
     if (hybrid := hybrid_layout(meta, arch)) is not None:
         config |= _hybrid_keys(hybrid, key, config, names)
+    if arch == "gpt-oss":
+        config |= _gpt_oss_keys(gguf, key, config, names)
     if arch == "phi3":
         config["sliding_window"] = key("attention.sliding_window") or None  # the converter writes 0 for none
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
@@ -882,3 +940,60 @@ def _gemma4_moe(key: Callable[..., Any], names: dict[str, Any], n: int) -> dict[
     width = key("expert_feed_forward_length") or names["blk.0.ffn_down_exps.weight"].shape[-1]
     return {"enable_moe_block": True, "num_experts": num_experts, "top_k_experts": top_k,
             "moe_intermediate_size": width}  # fmt: skip
+
+
+# The gpt-oss keys llama.cpp's converter writes (GptOssModel.set_gguf_parameters on TextModel's), and
+# what llama.cpp fixes instead of reading (llama_model gpt-oss, its graph): every other layer slides,
+# the even ones (swa pattern 2); the experts' SwiGLU clamps at 7.0 with alpha 1.702 (transformers'
+# GptOssConfig defaults, which the released checkpoints keep); the router's softmax over the top k.
+_GPT_OSS_SWIGLU_LIMIT = 7.0
+
+
+def _gpt_oss_keys(
+    gguf: GGUFView, key: Callable[..., Any], config: dict[str, Any], names: dict[str, Any]
+) -> dict[str, Any]:
+    """The GptOssConfig keys a gpt-oss GGUF was converted from, beyond the generic ones:
+
+    | config.json                 | from                                                           |
+    |-----------------------------|----------------------------------------------------------------|
+    | intermediate_size           | expert_feed_forward_length (= feed_forward_length, as written) |
+    | num_local_experts, _per_tok | expert_count, expert_used_count                                |
+    | sliding_window, layer_types | attention.sliding_window; even layers sliding (llama.cpp's)   |
+    | rope_scaling                | rope.scaling.* yarn (required: the converter asserts it), not  |
+    |                             | truncated (the released config's truncate false)               |
+    | swiglu_limit, hidden_act    | 7.0 (llama.cpp's constant); transformers never reads the act   |
+    """
+    file, n = gguf.path.name, config["num_hidden_layers"]
+    width, expert_width = key("feed_forward_length"), key("expert_feed_forward_length")
+    if width is not None and expert_width is not None and width != expert_width:
+        raise UnsupportedModelError(
+            f"GGUF keys gpt-oss.feed_forward_length ({width}) and expert_feed_forward_length ({expert_width}) "
+            "differ; gpt-oss has only experts, one width"
+        )
+    experts, used = key("expert_count"), key("expert_used_count")
+    window = key("attention.sliding_window")
+    if (expert_width or width) is None or experts is None or used is None or not window:
+        raise UnsupportedModelError(
+            f"{file} lacks gpt-oss.expert_feed_forward_length, expert_count, expert_used_count or "
+            "attention.sliding_window"
+        )
+    if not 0 < used <= experts:
+        raise UnsupportedModelError(f"GGUF key gpt-oss.expert_used_count {used} is not in 1..{experts}")
+    rope = config.get("rope_scaling")
+    if rope is None or rope.get("rope_type") != "yarn":
+        raise UnsupportedModelError(
+            f"{file}: gpt-oss's RoPE is YaRN (rope.scaling.type yarn, as llama.cpp's converter writes it); "
+            f"got {rope!r}"
+        )
+    for required in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "attn_sinks.weight"):
+        if f"blk.0.{required}" not in names:
+            raise UnsupportedModelError(f"{file}: gpt-oss GGUF lacks blk.0.{required}")
+    return {
+        "intermediate_size": expert_width or width,
+        "num_local_experts": experts,
+        "num_experts_per_tok": used,
+        "sliding_window": window,
+        "layer_types": [SLIDING if i % 2 == 0 else GLOBAL for i in range(n)],
+        "rope_scaling": {"truncate": False, **rope},
+        "swiglu_limit": _GPT_OSS_SWIGLU_LIMIT,
+    }
