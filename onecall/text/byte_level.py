@@ -9,6 +9,9 @@ llama-vocab.cpp and the models' own tokenizer.json files):
     smollm, starcoder, refact  every digit alone (\\p{N}), then GPT-2's
     qwen2, deepseek-r1-qwen    llama-3 shape but every digit alone; case-insensitive contractions
     llama-bpe, llama3          digits in runs of at most 3; a piece that is a whole vocab entry is kept
+    gpt-4o                     o200k (gpt-oss): words split at case changes, with marks, contractions
+                               attached; digits in runs of at most 3; a whole vocab entry is kept (as
+                               tiktoken does)
 """
 
 from __future__ import annotations
@@ -26,6 +29,22 @@ _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 _LLAMA3_BODY = r"[^\r\n\p{L}\p{N}]?\p{L}+|{digits}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|" + _LLAMA3_BODY.replace("{digits}", r"\p{N}{1,3}")
 _QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|" + _LLAMA3_BODY.replace("{digits}", r"\p{N}")
+_UPPER, _LOWER, _CONTRACTION = (
+    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]",
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+)
+_O200K_SPLIT = "|".join(
+    (
+        rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}",
+        rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +65,7 @@ GGUF_PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
+    "gpt-4o": PreTokenizerSpec((_O200K_SPLIT,), ignore_merges=True),
 }  # fmt: skip
 
 
