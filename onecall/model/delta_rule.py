@@ -80,6 +80,29 @@ def recurrent_gated_delta_rule(
     return out, s
 
 
+def gated_delta_step_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """One token of each of n sequences, the state updated in place: q, k (n, heads, k_dim), v (n, heads,
+    v_dim), g, beta (n, heads), state (n, heads, k_dim, v_dim) float32 -> outputs (n, heads, v_dim).
+    recurrent_gated_delta_rule's step with two passes over the state where it makes four copies: the
+    decay and the rank-one update (a batched outer product added in place) write it, the two
+    contractions read it. Decode's form (model/qwen35.py)."""
+    n, heads, k_dim, v_dim = state.shape
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    state.mul_(g.exp()[..., None, None])
+    flat = state.view(n * heads, k_dim, v_dim)
+    predicted = torch.bmm(k.reshape(n * heads, 1, k_dim), flat).view(n, heads, v_dim)
+    delta = beta[..., None] * (v - predicted)  # (n, heads, v_dim)
+    flat.baddbmm_(k.reshape(n * heads, k_dim, 1), delta.reshape(n * heads, 1, v_dim))
+    return torch.bmm(q.reshape(n * heads, 1, k_dim), flat).view(n, heads, v_dim)
+
+
 def chunked_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -55,7 +55,7 @@ from onecall.kernels.ops import REFERENCE_OPS, LayerOps
 from onecall.model.attention import paged_attention
 from onecall.model.attention_metadata import AttentionMetadata, SeqSpan
 from onecall.model.config import LINEAR, LinearAttentionSpec, ModelConfig
-from onecall.model.delta_rule import chunked_gated_delta_rule, prepare_qk, recurrent_gated_delta_rule
+from onecall.model.delta_rule import chunked_gated_delta_rule, gated_delta_step_, prepare_qk
 from onecall.model.gemma import GemmaRMSNorm
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, Linear
@@ -212,21 +212,22 @@ class GatedDeltaNet(nn.Module):
         row_list = [meta.seqs[i].q_start for i in decode]
         rows = torch.tensor(row_list, dtype=torch.int64, device=device)
         slots = meta.state_slots[torch.tensor(decode, dtype=torch.int64, device=device)]
-        resumed = torch.tensor([meta.seqs[i].seq_len > 1 for i in decode], device=device)
+        fresh = [j for j, i in enumerate(decode) if meta.seqs[i].seq_len <= 1]  # known on the host
         conv_cache, recurrent_cache = state.conv[layer], state.recurrent[layer]
-        before = torch.where(resumed[:, None, None], conv_cache[slots], 0)  # (n, conv_dim, kernel - 1)
-        s0 = torch.where(resumed[:, None, None, None], recurrent_cache[slots], 0)  # (n, heads, k_dim, v_dim)
+        before = conv_cache.index_select(0, slots)  # (n, conv_dim, kernel - 1): gathered copies
+        s = recurrent_cache.index_select(0, slots).float()  # (n, heads, k_dim, v_dim)
+        if fresh:
+            before[fresh] = 0
+            s[fresh] = 0
         prefix = row_list == list(range(len(row_list)))  # the engine packs decode rows first
         n = len(row_list)
         mixed, conv_after = self.conv1d.step(qkv[:n] if prefix else qkv[rows], before)
         q, k, v = self._split_heads(mixed)  # (n, heads, dim)
         g_rows, beta_rows = (g[:n], beta[:n]) if prefix else (g[rows], beta[rows])
-        o, s1 = recurrent_gated_delta_rule(
-            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g_rows.unsqueeze(1), beta_rows.unsqueeze(1), s0
-        )
-        conv_cache[slots] = conv_after.to(conv_cache.dtype)
-        recurrent_cache[slots] = s1
-        core[rows] = o[:, 0].to(core.dtype)
+        o = gated_delta_step_(q, k, v, g_rows, beta_rows, s)  # s updated in place
+        conv_cache.index_copy_(0, slots, conv_after.to(conv_cache.dtype))
+        recurrent_cache.index_copy_(0, slots, s.to(recurrent_cache.dtype))
+        core[rows] = o.to(core.dtype)
 
     def _prompt_chunk(
         self,
@@ -261,7 +262,12 @@ class GatedDeltaNet(nn.Module):
             mixed, before = self.conv1d.chunk(qkv[part], before)
             q, k, v = self._split_heads(mixed)  # (tokens, heads, dim)
             o, s0 = chunked_gated_delta_rule(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g[part].unsqueeze(0), beta[part].unsqueeze(0), s0
+                q.unsqueeze(0),
+                k.unsqueeze(0),
+                v.unsqueeze(0),
+                g[part].unsqueeze(0),
+                beta[part].unsqueeze(0),
+                s0,
             )
             outs.append(o[0])
             if snapshot is not None and part.stop == seq.q_start + split:  # the state after p tokens

@@ -56,7 +56,12 @@ from onecall.loading.weights import load_weights
 from onecall.model.attention_metadata import build_attention_metadata
 from onecall.model.config import GLOBAL, LINEAR
 from onecall.model.decoder import DecoderLM
-from onecall.model.delta_rule import chunked_gated_delta_rule, prepare_qk, recurrent_gated_delta_rule
+from onecall.model.delta_rule import (
+    chunked_gated_delta_rule,
+    gated_delta_step_,
+    prepare_qk,
+    recurrent_gated_delta_rule,
+)
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.moe import SparseMoE
 from onecall.model.qwen35 import CausalConv1d, GatedAttention, GatedDeltaNet
@@ -235,6 +240,22 @@ def test_delta_rule_split_anywhere_carries_its_state() -> None:
     second, end2 = recurrent_gated_delta_rule(q[:, 70:], k[:, 70:], v[:, 70:], g[:, 70:], beta[:, 70:], mid)
     assert max_diff(torch.cat((first, second), dim=1), whole) <= ATOL_RULE
     assert max_diff(end2, end) <= ATOL_RULE
+
+
+def test_in_place_decode_step_is_the_recurrence() -> None:
+    """gated_delta_step_ (decode's in-place form) equals recurrent_gated_delta_rule token by token,
+    outputs and state, from a random state through 5 steps."""
+    gen = torch.Generator().manual_seed(4)
+    q, k = prepare_qk(torch.randn(3, 5, 2, 8, generator=gen), torch.randn(3, 5, 2, 8, generator=gen), 4)
+    v, g = torch.randn(3, 5, 4, 12, generator=gen), -torch.rand(3, 5, 4, generator=gen) * 3
+    beta = torch.rand(3, 5, 4, generator=gen)
+    state = torch.randn(3, 4, 8, 12, generator=gen)
+    want, want_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    s = state.clone()
+    got = torch.stack(
+        [gated_delta_step_(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s) for t in range(5)], 1
+    )
+    assert max_diff(got, want) <= ATOL_RULE and max_diff(s, want_state) <= ATOL_RULE
 
 
 # ---------------------------------------------------------------- (2)-(4) the whole model
