@@ -40,8 +40,6 @@ experts on the host; the engine then runs eager steps (it captures no CUDA graph
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,7 +49,7 @@ from onecall.model import rope
 from onecall.model.attention_metadata import AttentionMetadata, SeqSpan
 from onecall.model.config import DeepseekSpec, ModelConfig
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from onecall.model.layers import Linear, ModelPart, RMSNorm, RotaryEmbedding, apply_rope
 
 MODES = ("auto", "decompressed", "absorbed")
 
@@ -337,19 +335,6 @@ def deepseek_layers(
     return nn.ModuleList(
         DeepseekDecoderLayer(config, spec, i, dtype, device, ops) for i in range(config.num_hidden_layers)
     )
-
-
-class ModelPart(Protocol):
-    """What deepseek_forward reads of the `model.` part (a DecoderModel built with DeepSeek layers)."""
-
-    @property
-    def embed_tokens(self) -> nn.Module: ...
-
-    @property
-    def layers(self) -> nn.ModuleList: ...
-
-    @property
-    def norm(self) -> nn.Module: ...
 
 
 def deepseek_forward(

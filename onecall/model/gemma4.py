@@ -41,8 +41,6 @@ gate_up: a layer's shapes depend on its type), loaded by name; the fast path may
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,7 +52,7 @@ from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import GLOBAL, SLIDING, Gemma4Spec, ModelConfig
 from onecall.model.gemma import GemmaRMSNorm, GemmaRotary, embed_scale
 from onecall.model.kv_cache import PagedKVCache
-from onecall.model.layers import Linear, RotaryEmbedding, apply_rope
+from onecall.model.layers import Linear, ModelPart, RotaryEmbedding, apply_rope
 
 # Gemma 4's projections (each one checkpoint tensor, under its own name), for DecoderLM.projections.
 GEMMA4_PROJECTION_PARTS = {
@@ -338,19 +336,6 @@ def add_per_layer_inputs(
         config.hidden_size, width, bias=False, dtype=dtype, device=device
     )
     model.per_layer_projection_norm = GemmaRMSNorm(p, config.rms_norm_eps, device)
-
-
-class ModelPart(Protocol):
-    """What gemma4_forward reads of the `model.` part (a DecoderModel built with Gemma 4 layers)."""
-
-    @property
-    def embed_tokens(self) -> nn.Module: ...
-
-    @property
-    def layers(self) -> nn.ModuleList: ...
-
-    @property
-    def norm(self) -> nn.Module: ...
 
 
 def gemma4_forward(

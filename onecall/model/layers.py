@@ -10,7 +10,7 @@ by the AttentionMetadata only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -247,3 +247,17 @@ class Attention(nn.Module):
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one go
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v
+
+
+class ModelPart(Protocol):
+    """What a family's own forward loop (model/gemma4.py, model/deepseek.py) reads of the `model.` part:
+    a DecoderModel built with that family's layers."""
+
+    @property
+    def embed_tokens(self) -> nn.Module: ...
+
+    @property
+    def layers(self) -> nn.ModuleList: ...
+
+    @property
+    def norm(self) -> nn.Module: ...
