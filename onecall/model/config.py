@@ -176,16 +176,14 @@ class Gemma4Spec:
             raise UnsupportedModelError(
                 f"layer_types {bad!r} are not supported; only {SLIDING!r} and {GLOBAL!r} are"
             )
-        for name in (
+        _require_positive_ints(
+            self,
             "sliding_window",
             "sliding_head_dim",
             "sliding_kv_heads",
             "global_head_dim",
             "global_kv_heads",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
+        )
         if self.sliding_head_dim % 2 or self.global_head_dim % 2:
             raise UnsupportedModelError("Gemma 4 head sizes must be even for RoPE")
         n = len(self.layer_types)
@@ -258,15 +256,24 @@ class DeepseekSpec:
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this
 
     def __post_init__(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
+        _require_positive_ints(
+            self,
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "n_group",
+            "topk_group",
+        )
         q = self.q_lora_rank
         if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q <= 0):
-            raise UnsupportedModelError(f"model config q_lora_rank must be a positive integer or null, got {q!r}")
+            raise UnsupportedModelError(
+                f"model config q_lora_rank must be a positive integer or null, got {q!r}"
+            )
         if self.qk_rope_head_dim % 2:
-            raise UnsupportedModelError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+            raise UnsupportedModelError(
+                f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}"
+            )
         if self.topk_group > self.n_group:
             raise UnsupportedModelError(f"topk_group ({self.topk_group}) exceeds n_group ({self.n_group})")
         factor = self.routed_scaling_factor
@@ -336,10 +343,7 @@ class MoESpec:
     def __post_init__(self) -> None:
         if isinstance(self.sparse_layers, list):  # from to_dict()
             object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
+        _require_positive_ints(self, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
         shared = self.shared_expert_intermediate_size
         if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
             raise UnsupportedModelError(
@@ -378,16 +382,14 @@ class LinearAttentionSpec:
                 raise UnsupportedModelError(
                     f"a hybrid model needs at least one {kind!r} layer; layer_types has none"
                 )
-        for name in (
+        _require_positive_ints(
+            self,
             "linear_conv_kernel_dim",
             "linear_key_head_dim",
             "linear_value_head_dim",
             "linear_num_key_heads",
             "linear_num_value_heads",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
+        )
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise UnsupportedModelError(
                 f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
@@ -541,7 +543,8 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED)}"
             )
-        for name in (
+        _require_positive_ints(
+            self,
             "vocab_size",
             "hidden_size",
             "intermediate_size",
@@ -550,10 +553,7 @@ class ModelConfig:
             "num_key_value_heads",
             "head_dim",
             "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
+        )
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -747,3 +747,11 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _require_positive_ints(spec: object, *names: str) -> None:
+    """Refuse a config whose named fields are not positive integers (bools are not integers here)."""
+    for name in names:
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UnsupportedModelError(f"model config {name} must be a positive integer, got {value!r}")
