@@ -12,9 +12,9 @@ as the server does it: the conversation (and tools) rendered by openai-harmony, 
 at <|return|> or <|call|>, and the output parsed from its token ids: the final channel is the text
 (content), analysis the `reasoning`, commentary calls to functions.* the tool_calls. chat() then
 returns HarmonyChatOutput (a RequestOutput with `reasoning`) or, with tools, HarmonyToolChatOutput (a
-ToolChatOutput with `reasoning`). What the server refuses for harmony is refused here with the same
-InvalidParameterError: a forced tool_choice ("required" or a named function), structured outputs,
-a chat_template.
+ToolChatOutput with `reasoning`). A forced tool_choice ("required" or a named function) and
+structured outputs become a grammar over harmony's channels, as in the server
+(tools/harmony_grammar.py); a chat_template is refused (an InvalidParameterError naming it).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from onecall.text.chat_template import RenderedPrompt, render_chat
 from onecall.text.harmony import parse_harmony, render_harmony, speaks_harmony, stop_token_ids
 from onecall.tools.calling import ChatTools, ToolChatOutput
 from onecall.tools.calls import ToolCall
+from onecall.tools.harmony_grammar import harmony_constraint
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -79,7 +80,11 @@ class ModelInfo:
         """Bytes a one-sequence decode step reads when it attends over `num_positions` positions:
         every weight once, plus K and V of each position in every attention layer, plus (a hybrid
         model) the sequence's linear-attention state, read and written once."""
-        return self.weight_bytes_per_step + self.kv_bytes_per_token * num_positions + 2 * self.state_bytes_per_sequence
+        return (
+            self.weight_bytes_per_step
+            + self.kv_bytes_per_token * num_positions
+            + 2 * self.state_bytes_per_sequence
+        )
 
 
 @dataclass
@@ -324,13 +329,21 @@ class LLM:
             )
         return render_harmony(messages, tools.tools if tools else None, reasoning_effort=effort)
 
-    def _harmony_params(self, params: SamplingParams | None) -> SamplingParams:
-        """`params` with harmony's stop tokens added (<|return|>, <|call|>); structured outputs refused."""
+    def _harmony_params(
+        self, params: SamplingParams | None, tools: ChatTools | None = None
+    ) -> SamplingParams:
+        """`params` with harmony's stop tokens added (<|return|>, <|call|>), and a forced call's or
+        structured outputs' constraint as a grammar over harmony's channels (tools/harmony_grammar.py)."""
         params = params if params is not None else SamplingParams()
-        if params.structured_outputs is not None:
+        if tools is not None and tools.choice.mode == "required" and params.structured_outputs is not None:
             raise InvalidParameterError(
-                "structured_outputs", "structured outputs are not supported yet for gpt-oss (harmony) models"
+                "structured_outputs",
+                "cannot be combined with a forced tool_choice, which sets the output's grammar",
             )
+        asked = (params.structured_outputs, "structured_outputs") if params.structured_outputs else None
+        constraint = harmony_constraint(tools, asked, params.max_tokens)
+        if constraint is not None:
+            params = dataclasses.replace(params, structured_outputs=constraint[0])
         extra = tuple(sorted(set(stop_token_ids()) - set(params.stop_token_ids)))
         return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
 
@@ -353,13 +366,7 @@ class LLM:
             chat_tools = ChatTools.build(
                 tools, tool_choice, self.tokenizer, parallel_tool_calls=parallel_tool_calls
             )
-            if chat_tools.choice.mode == "required":  # the server's refusal (serving_chat.py)
-                raise InvalidParameterError(
-                    "tool_choice",
-                    f"{chat_tools.choice.mode!r} (a forced call) is not supported yet for gpt-oss (harmony) "
-                    "models; use 'auto' or 'none'",
-                )
-        per_prompt = [self._harmony_params(p) for p in _per_prompt_params(params, len(convs))]
+        per_prompt = [self._harmony_params(p, chat_tools) for p in _per_prompt_params(params, len(convs))]
         rendered = [
             self._render_harmony(conv, chat_tools, chat_template=chat_template, **render_kwargs)
             for conv in convs

@@ -17,8 +17,8 @@
 A gpt-oss model (text/harmony.py's speaks_harmony: architecture gpt_oss, or <|channel|> a special
 token) is rendered by openai-harmony instead of a template, its output parsed from token ids by a
 HarmonyChoiceParser, and <|return|> and <|call|> stop it. A forced call (tool_choice "required" or
-a named function) and structured outputs need a grammar that admits harmony's channels: not yet, a
-400 naming the field.
+a named function) and structured outputs get a grammar over harmony's channels (an optional bounded
+analysis message, then the call or the final answer: tools/harmony_grammar.py).
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from onecall.text.harmony import render_harmony, speaks_harmony, stop_token_ids
 from onecall.text.reasoning import ReasoningFormat
 from onecall.text.tokenizer import Tokenizer
 from onecall.tools.calling import ChatTools
+from onecall.tools.harmony_grammar import harmony_constraint
 
 
 async def create_chat_completion(state: ServerState, request: Request, request_id: str) -> Response:
@@ -173,7 +174,7 @@ async def prepare_chat(engine: Engine, req: ChatCompletionRequest) -> ChatSetup:
         # Responses mode sends the same schema as the tool and as text.format)
         asked = None
     if speaks_harmony(engine.model_config.architecture, tokenizer):
-        return await _prepare_harmony(req, tools, asked)
+        return await _prepare_harmony(engine, req, tools, asked)
     # 2. render (tools through the template, or the json convention's system prompt)
     messages, template_tools = tools.template_inputs(template_messages(req.messages))
     rendered = await asyncio.to_thread(
@@ -196,20 +197,14 @@ async def prepare_chat(engine: Engine, req: ChatCompletionRequest) -> ChatSetup:
 
 
 async def _prepare_harmony(
-    req: ChatCompletionRequest, tools: ChatTools, asked: tuple[StructuredOutputsParams, str] | None
+    engine: Engine,
+    req: ChatCompletionRequest,
+    tools: ChatTools,
+    asked: tuple[StructuredOutputsParams, str] | None,
 ) -> ChatSetup:
     """A gpt-oss request: rendered by openai-harmony, parsed from its tokens, stopped at <|return|> or
-    <|call|>. What needs a grammar over harmony's channels is refused (a 400 naming the field)."""
-    if tools.enforced() is not None:
-        raise InvalidParameterError(
-            "tool_choice",
-            f"{tools.choice.mode!r} (a forced call) is not supported yet for gpt-oss (harmony) models; "
-            "use 'auto' or 'none'",
-        )
-    if asked is not None:
-        raise InvalidParameterError(
-            asked[1], "structured outputs are not supported yet for gpt-oss (harmony) models"
-        )
+    <|call|>. A forced call or structured outputs get a grammar over harmony's channels
+    (tools/harmony_grammar.py), compiled off the engine thread like any other."""
     kwargs = req.chat_template_kwargs or {}
     effort = kwargs.get("reasoning_effort")
     if effort is not None and not isinstance(effort, str):
@@ -219,7 +214,15 @@ async def _prepare_harmony(
     rendered = await asyncio.to_thread(
         render_harmony, template_messages(req.messages), tools.tools, reasoning_effort=effort
     )
-    return ChatSetup(rendered, None, tools, None, False, False, harmony=True, stop_token_ids=stop_token_ids())
+    room = max(1, engine.max_model_len - len(rendered.token_ids))
+    constraint = harmony_constraint(tools, asked, req.max_completion_tokens or req.max_tokens or room)
+    so, grammar = None, None
+    if constraint is not None:
+        so, field = constraint
+        grammar = await compile_structured_outputs(engine, so, field)
+    return ChatSetup(
+        rendered, so, tools, None, False, False, grammar, harmony=True, stop_token_ids=stop_token_ids()
+    )
 
 
 def chat_choice(

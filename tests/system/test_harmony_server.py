@@ -6,7 +6,8 @@ words; the model is a script that, after the prompt, emits a completion openai-h
 (analysis, a call to functions.get_weather, <|call|>), then EOS. What is checked, with the openai
 client over ASGI: the prompt is openai-harmony's rendering, the response's reasoning_content and
 tool_calls (arguments JSON), finish_reason "tool_calls" (<|call|> stopped it), whole and streamed
-the same; a forced tool_choice is a 400 naming tool_choice.
+the same; a forced tool_choice (named or "required") is a call whatever the model wanted, after its
+analysis, which is bounded; structured outputs shape the final message.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ import httpx
 import openai
 import pytest
 import torch
-from tokenizers import AddedToken
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.models import WordLevel
 
 pytest.importorskip("openai_harmony")
 
@@ -36,10 +34,9 @@ from onecall.server.app import create_app  # noqa: E402
 from onecall.server.async_engine import AsyncEngine  # noqa: E402
 from onecall.text.harmony import harmony_encoding, render_harmony  # noqa: E402
 from onecall.text.tokenizer import Tokenizer  # noqa: E402
+from tests.helpers.harmony_tokenizer import EOS, VOCAB, harmony_bytes_tokenizer  # noqa: E402
 from tests.helpers.tiny_engine import tiny_model  # noqa: E402
 
-VOCAB = 201088  # o200k_harmony
-EOS = 199999  # <|endoftext|>
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
@@ -52,22 +49,9 @@ COMPLETION = (
 
 
 def harmony_tokenizer() -> Tokenizer:
-    enc = harmony_encoding()
-    specials = {t: enc.encode(t, allowed_special="all")[0] for t in enc.special_tokens_set}
-    by_id = {i: t for t, i in specials.items() if i < VOCAB}
-    vocab = {by_id.get(i, f"w{i}"): i for i in range(VOCAB)}
-    hf = HFTokenizer(WordLevel(vocab, unk_token="w0"))
-    hf.add_special_tokens([AddedToken(t, special=True) for t in by_id.values()])
-    return Tokenizer(
-        hf,
-        bos_token_id=None,
-        eos_token_ids=frozenset({EOS}),
-        eos_token_id=EOS,
-        special_ids=frozenset(by_id),
-        add_bos_token=False,
-        chat_template=None,
-        piece_mode="plain",
-    )
+    """o200k_harmony's ids with their real bytes (tests/helpers/harmony_tokenizer.py): the grammars of
+    forced calls and structured outputs read them."""
+    return harmony_bytes_tokenizer()
 
 
 class ScriptedLM(torch.nn.Module):
@@ -162,10 +146,114 @@ def test_harmony_chat_reasoning_and_call(engine: Engine) -> None:
             "tool_calls",
         )
 
+    serve(engine, test)
+
+
+UNIT = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}
+BOTH = [*TOOLS, {"type": "function", "function": {"name": "set_unit", "parameters": UNIT}}]
+ANSWER = (
+    "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"
+)
+
+
+def _script(engine: Engine, prompt_ids: list[int], completion: str) -> list[int]:
+    """The model answers `completion` after this prompt (EOS anywhere off the script)."""
+    ids = list(harmony_encoding().encode(completion, allowed_special="all"))
+    model = engine.parts.model
+    assert isinstance(model, ScriptedLM)
+    model.script = {len(prompt_ids) + k: t for k, t in enumerate(ids)}
+    return ids
+
+
+def test_forced_call_is_a_call_whatever_the_model_wanted(engine: Engine) -> None:
+    """A model that would answer in the final channel, with tool_choice naming set_unit: its analysis
+    is kept, then the grammar makes the rest a call of set_unit whose arguments match its schema;
+    <|call|> ends it. A model that already calls (tool_choice "required") is not disturbed."""
+    _script(engine, render_harmony(HI, BOTH).token_ids, ANSWER)
+
+    async def test(client: openai.AsyncOpenAI) -> None:
+        named = {"type": "function", "function": {"name": "set_unit"}}
+        whole = await client.chat.completions.create(
+            model=MODEL, messages=HI, tools=BOTH, tool_choice=named, max_tokens=60, temperature=0
+        )  # type: ignore[arg-type]
+        choice = whole.choices[0]
+        assert (choice.message.model_extra or {}).get("reasoning_content") == "Easy."
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls or []
+        assert call.function.name == "set_unit"
+        assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
+
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=HI, tools=BOTH, tool_choice=named, max_tokens=60, temperature=0, stream=True
+        )  # type: ignore[arg-type]
+        arguments, names = "", []
+        async for chunk in stream:
+            for ch in chunk.choices:
+                for d in ch.delta.tool_calls or []:
+                    names += [d.function.name] if d.function and d.function.name else []
+                    arguments += (d.function.arguments or "") if d.function else ""
+        assert names == ["set_unit"] and arguments == call.function.arguments
+
+    serve(engine, test)
+
+    ids = _script(engine, render_harmony(HI, BOTH).token_ids, COMPLETION)
+
+    async def conforming(client: openai.AsyncOpenAI) -> None:
+        whole = await client.chat.completions.create(
+            model=MODEL, messages=HI, tools=BOTH, tool_choice="required", max_tokens=60, temperature=0
+        )  # type: ignore[arg-type]
+        [call] = whole.choices[0].message.tool_calls or []
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        assert whole.usage is not None and whole.usage.completion_tokens == len(ids)
+
+    serve(engine, conforming)
+
+
+def test_analysis_before_a_forced_call_is_bounded(engine: Engine) -> None:
+    """An analysis that would go on past half of max_tokens is cut there; the call still comes."""
+    _script(engine, render_harmony(HI, BOTH).token_ids, "<|channel|>analysis<|message|>" + " word" * 100)
+
+    async def test(client: openai.AsyncOpenAI) -> None:
+        named = {"type": "function", "function": {"name": "set_unit"}}
+        whole = await client.chat.completions.create(
+            model=MODEL, messages=HI, tools=BOTH, tool_choice=named, max_tokens=80, temperature=0
+        )  # type: ignore[arg-type]
+        choice = whole.choices[0]
+        reasoning = (choice.message.model_extra or {}).get("reasoning_content") or ""
+        assert reasoning == " word" * 40  # the budget: 80 // 2 tokens of analysis text
+        assert choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls or []
+        assert call.function.name == "set_unit"
+
+    serve(engine, test)
+
+
+def test_structured_outputs_shape_the_final_message(engine: Engine) -> None:
+    """response_format json_schema on a model that would answer "Sunny.": the final message is JSON
+    of the schema, the analysis before it kept as reasoning_content; a Lark grammar is refused."""
+    _script(engine, render_harmony(HI).token_ids, ANSWER)
+    schema = {"type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"]}
+
+    async def test(client: openai.AsyncOpenAI) -> None:
+        whole = await client.chat.completions.create(
+            model=MODEL,
+            messages=HI,  # type: ignore[arg-type]
+            max_tokens=60,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+        )
+        choice = whole.choices[0]
+        assert (choice.message.model_extra or {}).get("reasoning_content") == "Easy."
+        assert isinstance(json.loads(choice.message.content or "")["sunny"], bool)
+        assert choice.finish_reason == "stop"
+
         with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(
-                model=MODEL, messages=HI, tools=TOOLS, tool_choice="required"
+                model=MODEL,
+                messages=HI,
+                max_tokens=8,
+                extra_body={"structured_outputs": {"grammar": 'start: "x"'}},
             )  # type: ignore[arg-type]
-        assert "tool_choice" in str(err.value)
+        assert "structured_outputs" in str(err.value) and "harmony" in str(err.value)
 
     serve(engine, test)

