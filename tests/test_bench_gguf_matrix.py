@@ -64,6 +64,7 @@ def _mix_from(types: dict[str, tuple[str, tuple[int, ...]]], mixes: ModuleType) 
     return {role: dict(counts) for role, counts in mix.items()}
 
 
+@pytest.mark.slow
 def test_f16_file_layout_tokenizer_and_reported_mix(mixes: ModuleType, f16_file: Path) -> None:
     from onecall.formats.gguf import GGUFFile
 

@@ -9,12 +9,14 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from onecall.server.app import ServerConfig, create_app
 from onecall.server.async_engine import AsyncEngine
 from tests.helpers.tiny_engine import tiny_engine
 
 
+@pytest.mark.slow
 def test_requests_share_cached_prefixes_only_under_one_salt() -> None:
     async def main() -> None:
         app = create_app(AsyncEngine(tiny_engine()), ServerConfig(served_model_name="tiny"))

@@ -30,6 +30,7 @@ def test_buckets() -> None:
     assert list(BUCKETS) == sorted(BUCKETS)
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize(
     "num_requests", [1, pytest.param(3, marks=pytest.mark.slow), pytest.param(5, marks=pytest.mark.slow)]
@@ -61,6 +62,7 @@ def test_static_decode_gives_the_eager_tokens(num_requests: int) -> None:
     assert not any(hasattr(g, "logits") for g in graphs._graphs.values())
 
 
+@pytest.mark.slow
 @needs_triton
 def test_an_engine_on_the_triton_backend_sets_static_decode_up_itself(
     monkeypatch: pytest.MonkeyPatch,
@@ -78,6 +80,7 @@ def test_an_engine_on_the_triton_backend_sets_static_decode_up_itself(
     assert not tiny_engine(arch="llama", cuda_graphs=False).runner.decode_graphs
 
 
+@pytest.mark.slow
 @needs_triton
 def test_a_capture_that_raises_any_error_falls_back_to_the_eager_step(
     monkeypatch: pytest.MonkeyPatch,
@@ -139,6 +142,7 @@ def test_the_kv_budget_leaves_room_for_the_static_logits(monkeypatch: pytest.Mon
     assert blocks[True] == (budget - DecodeGraphs.logits_bytes(64, mc.vocab_size)) // per_block
 
 
+@pytest.mark.slow
 @needs_triton
 def test_common_layouts_are_prepared_at_start_up_on_scratch_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """prepare_common runs (on CUDA: captures) the common layouts before any request, on rows that live

@@ -251,6 +251,7 @@ def test_a_failed_step_fails_only_its_batch(stage: str, monkeypatch: pytest.Monk
     assert_pool_drains(engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["grammar mask", "grammar advance", "detokenizer"])
 def test_a_request_fault_ends_that_request_alone(stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request's own grammar or detokenizer raising ends that request (a RequestFaultError naming the
@@ -445,6 +446,7 @@ def streamed(r: httpx.Response) -> tuple[str, dict[str, Any] | None]:
     return text, error
 
 
+@pytest.mark.slow
 def test_on_the_wire_a_failed_step_is_a_500_body_or_an_error_event(monkeypatch: pytest.MonkeyPatch) -> None:
     params16 = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     want = {out.request_id: out.text for out in run_all(tiny_engine(), dict(zip(IDS, PROMPTS, strict=True)), params16).values()}  # fmt: skip

@@ -98,6 +98,7 @@ def test_concurrent_chunked_requests_equal_transformers(hf: Any) -> None:
     assert not slots._live  # every finished request gave its live slot back
 
 
+@pytest.mark.slow
 def test_a_chat_turn_resumes_from_the_previous_turns_state(hf: Any) -> None:
     """Turn 2 re-sends turn 1's prompt and answer: its KV matches all turn 1 fed, and the state resumes
     from the snapshot taken when turn 1 finished: only the new tokens are prefilled, and the answer is
@@ -130,6 +131,7 @@ def test_the_same_system_prompt_resumes_from_the_prompt_snapshot(hf: Any) -> Non
     assert list(out.token_ids) == transformers_greedy(hf, b, 4)
 
 
+@pytest.mark.slow
 def test_preemption_and_abort_keep_every_state_right(hf: Any) -> None:
     """A pool too small for all three requests preempts (recompute; a preempted request may resume from
     its own snapshot) and an abort mid-generation frees its slot for the next request: every completed
@@ -149,6 +151,7 @@ def test_preemption_and_abort_keep_every_state_right(hf: Any) -> None:
     engine.scheduler.state_slots.check_invariants()  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_a_rewritten_prompt_end_resumes_at_the_aligned_snapshot(hf: Any) -> None:
     """Qwen3's template drops the empty think block it wrote at the end of turn k's prompt once that
     turn is history: turn k + 1 diverges a few tokens before turn k's prompt end, past the prompt-end

@@ -244,6 +244,7 @@ def _wait_for_threads(backend: GrammarBackend) -> None:
     raise AssertionError("compile threads still alive")
 
 
+@pytest.mark.slow
 def test_timed_out_compiles_are_refused_again_at_once_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
     limits = GrammarLimits(compile_timeout_s=0.05, max_compile_threads=2, timeout_memory_s=1.0)

@@ -334,6 +334,7 @@ SMOLLM2_CHECKED = ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_k.wei
                    "blk.1.attn_q.weight", "blk.1.attn_k.weight", "blk.1.ffn_down.weight"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_embedded_smollm2_against_transformers() -> None:
     """Config, names and a few tensors of the default model: Q8_0/Q4_1/F32 dequantized by gguf's
     numpy reference, Q/K un-permuted by transformers' GGUF loader (LlamaTensorProcessor)."""

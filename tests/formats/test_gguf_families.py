@@ -232,6 +232,7 @@ def test_a_quantized_gguf_matches_transformers_on_its_weights(
         assert diff <= FAST_ATOL[qtype], f"decode: max abs diff {diff:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "qtype"), [("gemma3", Q8_0), ("phi3", Q4_0), ("qwen3_moe", Q4_0)])
 def test_the_engine_serves_a_converted_gguf(family: str, qtype: GGMLQuantizationType, tmp_path: Path) -> None:
     """What a user runs: LLM(model=file.gguf) on the default (fast) kernels, the file carrying the

@@ -297,6 +297,7 @@ _PROMPT_SEEDS = {"qwen3_5": 23, "qwen3_5_moe": 13, "qwen3_next": 26}
 MARGIN = 0.4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_the_engine_serves_a_converted_hybrid_gguf(family: str, tmp_path: Path) -> None:
     """What a user runs: LLM(model=file.gguf), Q8_0, on the default (fast) kernels, the file carrying the

@@ -180,6 +180,7 @@ def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
         native_build._build_and_load()
 
 
+@pytest.mark.slow
 def test_a_second_copy_of_the_sources_loads_beside_the_first(tmp_path: Path) -> None:
     """load_from (bench_kernels.py --against): the same sources built apart give the same bits; sources
     without a kernels.h, whose header lacks a GEMM or declares one that takes other arguments, or that

@@ -321,6 +321,7 @@ def _prefill_and_decode(
 BACKENDS = ["reference", "paged"] + (["triton"] if _has_triton else [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_and_decode_match_transformers(models: tuple[Any, DecoderLM], backend: str) -> None:
     hf, ours = models

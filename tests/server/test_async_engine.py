@@ -461,6 +461,7 @@ class _FakeGroup:
         pass
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_while_idle_kills_the_engine_without_a_request() -> None:
     """The idle thread polls the group about once a second: the death shows in dead_reason (what /health
     reports) within a few seconds, no request needed; later adds are refused naming the rank."""
@@ -485,6 +486,7 @@ def test_a_rank_that_dies_while_idle_kills_the_engine_without_a_request() -> Non
     run(body, engine)
 
 
+@pytest.mark.slow
 def test_without_a_group_the_idle_thread_never_wakes_to_check_ranks() -> None:
     """No tensor parallel: one blocking wait, no periodic wake-up (the same counter as above)."""
     engine = tiny_engine()

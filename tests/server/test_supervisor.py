@@ -218,6 +218,7 @@ async def stop_engine(ae: AsyncEngine, tag: str) -> Any:
     return await outcome(second)
 
 
+@pytest.mark.slow
 def test_past_the_restart_budget_the_engine_stays_dead(monkeypatch: pytest.MonkeyPatch) -> None:
     always_failing_sampler(monkeypatch)
     metrics = Metrics()

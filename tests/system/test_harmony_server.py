@@ -24,6 +24,7 @@ import pytest
 import torch
 
 pytest.importorskip("openai_harmony")
+pytestmark = pytest.mark.slow  # builds gpt-oss's 200k-token tokenizer (~3 s a process)
 
 from onecall.config import EngineConfig  # noqa: E402
 from onecall.engine.engine import Engine  # noqa: E402

@@ -100,6 +100,7 @@ def test_hostile_templates_hit_a_named_limit(source: str, match: str) -> None:
     assert time.perf_counter() - start < SMALL.max_seconds + 1.0
 
 
+@pytest.mark.slow
 def test_default_limits() -> None:
     start = time.perf_counter()
     with pytest.raises(TemplateError, match=r"time limit \(1 s\)"):

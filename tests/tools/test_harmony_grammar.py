@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("openai_harmony")
+pytestmark = pytest.mark.slow  # builds gpt-oss's 200k-token tokenizer (~3 s a process)
 
 from onecall.errors import InvalidParameterError  # noqa: E402
 from onecall.sampling.grammar import GrammarBackend  # noqa: E402
