@@ -35,7 +35,7 @@ from onecall.errors import ContextLengthExceededError, InvalidParameterError
 from onecall.model.attention_probe import last_position_attention
 from onecall.sampling_params import SamplingParams
 from onecall.text.chat_template import RenderedPrompt, render_chat
-from onecall.text.harmony import parse_harmony, render_harmony, speaks_harmony, stop_token_ids
+from onecall.text.harmony import HarmonyStream, parse_harmony, render_harmony, speaks_harmony, stop_token_ids
 from onecall.tools.calling import ChatTools, ToolChatOutput
 from onecall.tools.calls import ToolCall
 from onecall.tools.harmony_grammar import harmony_constraint
@@ -91,9 +91,12 @@ class ModelInfo:
 class HarmonyChatOutput(RequestOutput):
     """LLM.chat's output for a harmony model (gpt-oss): `text` is the final channel's text ("" when
     it said nothing there), `reasoning` the analysis channel's (None when empty). token_ids, the
-    trace and finish_reason are the engine's, for the whole completion."""
+    trace and finish_reason are the engine's, for the whole completion. In LLM.chat_stream each
+    output is one token's: `delta_text` and `delta_reasoning` what it added to each channel, `text`
+    and `reasoning` the channels so far."""
 
     reasoning: str | None = None
+    delta_reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -392,12 +395,21 @@ class LLM:
         **render_kwargs: Any,
     ) -> Iterator[RequestOutput]:
         """Yield an output per new token of one conversation's reply. A harmony model's prompt is
-        openai-harmony's and its stop tokens end it, but the stream is not split by channel: the text
-        is the whole completion's (chat() splits it)."""
+        openai-harmony's, its stop tokens end it, and each output is a HarmonyChatOutput split by
+        channel as it streams: final -> text / delta_text, analysis -> reasoning / delta_reasoning."""
         rendered = self.render(messages, chat_template=chat_template, **render_kwargs)
-        if self.speaks_harmony:
-            params = self._harmony_params(params)
-        yield from self._stream(rendered, params)
+        if not self.speaks_harmony:
+            yield from self._stream(rendered, params)
+            return
+        stream, text, reasoning = HarmonyStream(), "", ""
+        for out in self._stream(rendered, self._harmony_params(params)):
+            d = stream.feed(out.delta_token_ids)
+            if out.finished:
+                d.add(stream.finish())
+            text, reasoning = text + d.content, reasoning + d.reasoning
+            fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.init}
+            fields.update(text=text, delta_text=d.content)
+            yield HarmonyChatOutput(**fields, reasoning=reasoning or None, delta_reasoning=d.reasoning)
 
     # ---- inspection --------------------------------------------------------------------------
     @functools.cached_property

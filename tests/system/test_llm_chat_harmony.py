@@ -180,3 +180,17 @@ def test_forced_call_and_structured_outputs(llm: LLM) -> None:
     [plain] = llm.chat(HI, SamplingParams(temperature=0, max_tokens=80, structured_outputs=so))
     assert isinstance(plain, HarmonyChatOutput) and plain.reasoning == "Easy."
     assert isinstance(json.loads(plain.text)["sunny"], bool)
+
+
+def test_chat_stream_splits_by_channel(llm: LLM) -> None:
+    """Each streamed output is one token's: its deltas add up to the channels chat() splits whole."""
+    ids = script(llm, render_harmony(HI).token_ids, ANSWER)
+    outs = list(llm.chat_stream(HI, GREEDY))
+    assert all(isinstance(o, HarmonyChatOutput) for o in outs)
+    assert [t for o in outs for t in o.delta_token_ids] == ids  # <|return|> stopped it
+    assert "".join(o.delta_text for o in outs) == outs[-1].text == "Sunny."
+    assert "".join(o.delta_reasoning for o in outs) == "Easy."  # type: ignore[attr-defined]
+    last = outs[-1]
+    assert isinstance(last, HarmonyChatOutput) and last.reasoning == "Easy." and last.finished
+    [whole] = llm.chat(HI, GREEDY)
+    assert (whole.text, whole.reasoning) == (last.text, last.reasoning)  # type: ignore[attr-defined]
