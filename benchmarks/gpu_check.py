@@ -289,8 +289,9 @@ def check_new_family(
 ) -> dict[str, Any]:
     """A newer family's tiny random model, float32, greedy through onecall's engine against transformers'
     generate on the same device: "qwen3_5" (the hybrid: Gated DeltaNet's state cache beside the paged
-    KV) and "gpt_oss" (attention sinks in the paged / Triton kernels, sliding layers, its MoE). Three
-    prompts in one batch; the tokens must be equal."""
+    KV), "gpt_oss" (attention sinks in the paged / Triton kernels, sliding layers, its MoE), "gemma4"
+    (per-layer embeddings, KV shared by the last layers, proportional RoPE) and "deepseek_v3" (the
+    latent KV cache, grouped routing). Three prompts in one batch; the tokens must be equal."""
     torch.manual_seed(0)
     if family == "qwen3_5":
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -312,17 +313,48 @@ def check_new_family(
             num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
         )  # fmt: skip
         hf = GptOssForCausalLM(hf_config)
+    elif family == "gemma4":  # per-layer embeddings, the last two layers' KV shared, double-wide MLPs
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+        sliding, full = "sliding_attention", "full_attention"
+        hf_config = Gemma4TextConfig(
+            vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=6,
+            max_position_embeddings=512, layer_types=[sliding, full] * 3,
+            rope_parameters={sliding: {"rope_type": "default", "rope_theta": 10000.0},
+                             full: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                    "factor": 2.0, "rope_theta": 1e6}},
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY_VOCAB, num_kv_shared_layers=2,
+            use_double_wide_mlp=True, final_logit_softcapping=30.0,
+        )  # fmt: skip
+        hf = Gemma4ForCausalLM(hf_config)
+    elif family == "deepseek_v3":  # multi-head latent attention, grouped top-k routing, a shared expert
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        hf_config = DeepseekV3Config(
+            vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+            n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+            kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            first_k_dense_replace=1, max_position_embeddings=512, rope_interleave=True,
+        )  # fmt: skip
+        hf = DeepseekV3ForCausalLM(hf_config)
     else:
         raise ValueError(f"unknown family {family!r}")
     hf = hf.eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p)) if family == "gpt_oss" else p.normal_(0.0, 0.2)
+                p.copy_(1.0 + 0.2 * torch.randn_like(p)) if family != "qwen3_5" else p.normal_(0.0, 0.2)
             elif "A_log" in name:
                 p.uniform_(-2.0, 0.0)
             else:
                 p.normal_(0.0, 0.3)  # wide logit gaps: greedy is not decided by rounding
+        for name, buf in hf.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4: each layer's output scale
+                buf.copy_(0.5 + torch.rand_like(buf))
+            elif name.endswith("e_score_correction_bias"):  # DeepSeek: the routing bias
+                buf.copy_(0.3 * torch.randn_like(buf))
     ours = DecoderLM(model_config_from_hf(hf.config.to_dict()), dtype=torch.float32, device=device)
     load_weights(ours, hf.state_dict().items())
     hf = hf.to(device)
@@ -611,6 +643,14 @@ def sec_tiny_gpt_oss(b: Bench) -> dict[str, Any]:
     return check_new_family(b.device, "gpt_oss")
 
 
+def sec_tiny_gemma4(b: Bench) -> dict[str, Any]:
+    return check_new_family(b.device, "gemma4")
+
+
+def sec_tiny_deepseek_v3(b: Bench) -> dict[str, Any]:
+    return check_new_family(b.device, "deepseek_v3")
+
+
 def sec_tensor_parallel(b: Bench) -> dict[str, Any]:
     size = b.tensor_parallel
     gpus = torch.cuda.device_count() if b.device.type == "cuda" else 0
@@ -734,6 +774,8 @@ SECTIONS = (
     Section("tiny_qwen3_bf16", sec_tiny_qwen3_bf16),
     Section("tiny_qwen3_5", sec_tiny_qwen3_5),
     Section("tiny_gpt_oss", sec_tiny_gpt_oss),
+    Section("tiny_gemma4", sec_tiny_gemma4),
+    Section("tiny_deepseek_v3", sec_tiny_deepseek_v3),
     Section("tensor_parallel", sec_tensor_parallel),
     Section("model_8b", sec_model_8b),
     Section("copy_bandwidth", sec_copy_bandwidth),

@@ -189,11 +189,18 @@ def test_after_an_error_that_loses_the_cuda_context_the_rest_is_skipped(
     assert result["errors"] == ["fault"] and result["skipped"] == ["next"]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
-@pytest.mark.parametrize("backend", ["paged", pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family, backend",
+    [
+        *[(f, "paged") for f in ("qwen3_5", "gpt_oss", "gemma4", "deepseek_v3")],
+        # DeepSeek's latent attention runs on the paged backend on every device (default_backend)
+        *[pytest.param(f, "triton", marks=pytest.mark.slow) for f in ("qwen3_5", "gpt_oss", "gemma4")],
+    ],
+)
 def test_the_new_families_greedy_equals_transformers(family: str, backend: str) -> None:
-    """The sections that check the newer families on a GPU (the hybrid's state cache, gpt-oss's sinks)
-    run here on CPU: the engine's greedy tokens equal transformers'."""
+    """The sections that check the newer families on a GPU (the hybrid's state cache, gpt-oss's sinks,
+    Gemma 4's shared KV, DeepSeek's latent cache) run here on CPU: the engine's greedy tokens equal
+    transformers'."""
     _needs_interpreter(backend)
     result = _gpu_check().check_new_family(torch.device("cpu"), family, attention_backend=backend, max_tokens=6)
     assert result["attention_backend"] == backend

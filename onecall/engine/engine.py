@@ -98,7 +98,8 @@ class Engine:
         self._stage = ""  # the phase of the step now running, to name it if it raises
         self._last_fault: EngineStepError | None = None  # set by a recovered step, cleared by a good one
         self.dead_reason: str | None = None  # set once the engine refuses to go on (see the docstring)
-        backend = default_backend(self.device, self.config.kernels)
+        latent = p.model_config.deepseek is not None
+        backend = default_backend(self.device, self.config.kernels, latent_attention=latent)
         # static steps: fast kernels on CUDA, one process, and a model whose forward has no host syncs (a
         # MoE layer reads its expert counts on the host, .tolist(), which no CUDA graph can capture)
         static = self.config.cuda_graphs and backend == "triton" and p.tp_group is None

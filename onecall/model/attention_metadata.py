@@ -27,9 +27,13 @@ from onecall.kernels.select import attention_kernels, triton_available
 ATTENTION_BACKENDS = ("reference", "paged", "triton")
 
 
-def default_backend(device: torch.device | str, kernels: str) -> str:
+def default_backend(device: torch.device | str, kernels: str, *, latent_attention: bool = False) -> str:
     """The attention backend for a device and the kernels switch: "triton" on CUDA with the fast
-    kernels (when triton is installed, as it is with torch's CUDA builds), "paged" otherwise."""
+    kernels (when triton is installed, as it is with torch's CUDA builds), "paged" otherwise. A model
+    with latent attention (DeepSeek-V3's MLA, model/deepseek.py) attends in its own torch code over
+    each sequence's cache rows, which only the "paged" metadata carries: "paged" on every device."""
+    if latent_attention:
+        return "paged"
     if torch.device(device).type == "cuda" and kernels == "fast" and triton_available():
         return "triton"
     return "paged"

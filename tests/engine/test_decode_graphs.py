@@ -71,7 +71,7 @@ def test_an_engine_on_the_triton_backend_sets_static_decode_up_itself(
     the backend forced: the static path is set up in the constructor (without capture off CUDA)."""
     import onecall.engine.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "default_backend", lambda device, kernels: "triton")
+    monkeypatch.setattr(engine_module, "default_backend", lambda device, kernels, **_: "triton")
     engine = tiny_engine(arch="llama")
     assert engine.runner.decode_graphs is not None and not engine.runner.decode_graphs.capture
     out = run_all(engine, {"a": "Hello there", "b": "Two"}, SamplingParams(temperature=0.0, max_tokens=4))

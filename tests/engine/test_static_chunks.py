@@ -222,7 +222,7 @@ def _engines(monkeypatch: pytest.MonkeyPatch, **config: Any) -> tuple[LLM, LLM]:
 
     reference = tiny_engine(arch="qwen2", cuda_graphs=False, **config)
     reference.runner.attention_backend = "reference"
-    monkeypatch.setattr(engine_module, "default_backend", lambda device, kernels: "triton")
+    monkeypatch.setattr(engine_module, "default_backend", lambda device, kernels, **_: "triton")
     static = tiny_engine(arch="qwen2", **config)
     assert static.runner.decode_graphs is not None and not static.runner.decode_graphs.capture
     return LLM(engine=static), LLM(engine=reference)

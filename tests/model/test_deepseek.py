@@ -264,3 +264,12 @@ def test_the_engine_generates_what_transformers_does(variant: str, tmp_path: Any
         with torch.no_grad():
             want = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
         assert list(out.token_ids) == want
+
+
+def test_latent_attention_takes_the_paged_backend_on_every_device() -> None:
+    """MLA attends in its own torch code over each sequence's cache rows, which the Triton backend's
+    metadata (block tables as tensors) does not carry: a DeepSeek model gets "paged" even on CUDA."""
+    from onecall.model.attention_metadata import default_backend
+
+    assert default_backend("cuda", "fast", latent_attention=True) == "paged"
+    assert default_backend("cpu", "fast", latent_attention=True) == "paged"

@@ -294,7 +294,7 @@ def test_a_moe_model_gets_no_static_steps(monkeypatch: pytest.MonkeyPatch) -> No
     from onecall.engine import engine as engine_module
     from tests.helpers.tiny_engine import tiny_engine, tiny_model
 
-    monkeypatch.setattr(engine_module, "default_backend", lambda device, kernels: "triton")
+    monkeypatch.setattr(engine_module, "default_backend", lambda device, kernels, **_: "triton")
     config_cls, model_cls, extra = WHOLE["qwen3_moe"]
     _, moe = hf_and_ours(
         config_cls(**{**_TINY, "vocab_size": tiny_model().config.vocab_size}, **extra),

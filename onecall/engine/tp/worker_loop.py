@@ -110,7 +110,7 @@ def serve_steps(
         local.num_kv_layers, int(blocks.item()), config.block_size, local.num_key_value_heads,
         local.head_dim, kv_dtype, device,
     )  # fmt: skip
-    backend = default_backend(device, config.kernels)
+    backend = default_backend(device, config.kernels, latent_attention=local.deepseek is not None)
     runner = ModelRunner(model, kv_cache, None, device, backend, block_size=config.block_size)
     while (step := receive_step(control)) is not None:
         runner.run(step)
