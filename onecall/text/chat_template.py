@@ -6,9 +6,14 @@ same text), strict about unsafe attributes and bounded in render time and size (
 failure a template or a request can cause surfaces as a TemplateError with a message that says what went
 wrong: a syntax error, raise_exception() in the template, an attempt to leave the sandbox, a limit.
 
-Messages are checked before rendering (role a string; content a string, None or a list of text parts)
-and list content is flattened to one string, parts joined by newlines as vLLM does, since many templates
-(SmolLM2's, Qwen3's) only read string content.
+Messages are checked before rendering (role a string; content a string, None or a list of text parts).
+List content is flattened to one string, parts joined by newlines as vLLM does, since many templates
+(SmolLM2's, Qwen3's) only read string content; a template that loops over a message's content itself
+(Qwen3.5's, Gemma 3's and 4's) gets the list, as transformers gives it. Keys whose value is None are
+dropped, as transformers does (an OpenAI client sends `"content": null` beside tool calls; Qwen3's and
+gpt-oss's templates test `'...' in message.content`, which a missing key passes and None fails).
+tests/text/test_chat_templates_real.py renders real models' templates here and with transformers and
+compares the text.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import loopcontrols
 
 from onecall.errors import TemplateError
 from onecall.text.template_limits import LimitExceeded, RenderLimits, render_bounded
-from onecall.text.template_sandbox import TemplateSandbox
+from onecall.text.template_sandbox import GenerationBlock, TemplateSandbox
 from onecall.text.tokenizer import Tokenizer
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -52,6 +59,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template does not compile (line {e.lineno}): {e.message}") from e
         self.source = source
+        self.walks_content_lists = _walks_content_lists(source)
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.limits = limits or RenderLimits()
@@ -68,8 +76,9 @@ class ChatTemplate:
         context = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
+            "documents": None,  # transformers always defines it (RAG templates test `documents is not none`)
             **kwargs,
-            "messages": _checked_messages(messages),
+            "messages": _checked_messages(messages, flatten=not self.walks_content_lists),
             "tools": _checked_tools(tools),
             "add_generation_prompt": add_generation_prompt,
         }
@@ -87,8 +96,29 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from e
 
 
-def _checked_messages(messages: Any) -> list[dict[str, Any]]:
-    """Validate the conversation; return copies with list content flattened to a string."""
+def _walks_content_lists(source: str) -> bool:
+    """Does the template loop over a message's content itself (`for item in message['content']`, or over a
+    name `content`, as Qwen3.5's render_content macro does)? Then list content reaches it as a list, as
+    transformers passes it (vLLM decides its "openai" content format the same way)."""
+    tree = jinja2.Environment(extensions=[loopcontrols, GenerationBlock]).parse(source)  # parsed, never run
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        if (
+            (isinstance(it, nodes.Name) and it.name == "content")
+            or (isinstance(it, nodes.Getattr) and it.attr == "content")
+            or (
+                isinstance(it, nodes.Getitem)
+                and isinstance(it.arg, nodes.Const)
+                and it.arg.value == "content"
+            )
+        ):
+            return True
+    return False
+
+
+def _checked_messages(messages: Any, *, flatten: bool = True) -> list[dict[str, Any]]:
+    """Validate the conversation; return copies with list content flattened to a string (`flatten`) or
+    kept as a list of text-part copies."""
     if not isinstance(messages, list):
         raise TemplateError(f"messages must be a list of message objects, got {type(messages).__name__}")
     checked = []
@@ -108,14 +138,17 @@ def _checked_messages(messages: Any) -> list[dict[str, Any]]:
                     raise TemplateError(
                         f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': str}}"
                     )
-            content = "\n".join(part["text"] for part in content)
+            content = (
+                "\n".join(part["text"] for part in content) if flatten else [{**part} for part in content]
+            )
         elif content is not None and not isinstance(content, str):
             raise TemplateError(
                 f"messages[{i}].content must be a string, null or a list of text parts, got {type(content).__name__}"
             )
-        checked.append(
-            _with_reasoning_aliases({**message, "content": content} if "content" in message else message)
-        )
+        # keys set to None are left out, as transformers' apply_chat_template does: templates test a missing
+        # key (`'x' in message.content`, `message.tool_calls is defined`) where None would crash or render "None"
+        message = {**message, "content": content} if "content" in message else message
+        checked.append(_with_reasoning_aliases({k: v for k, v in message.items() if v is not None}))
     return checked
 
 
