@@ -24,6 +24,12 @@ Shapes (random weights: for speed and memory only, never for quality; the vocabu
                6 gated attention: 3 to 1), attention 8/2 heads of 256, DeltaNet 16 key heads of 128
                and 16 value heads of 128, conv 4, tied (~0.55B parameters), written by
                tests/helpers/make_models.py: write_converted_hybrid_gguf (llama.cpp's arch `qwen35`)
+  deepseek-v3-0.4b  a DeepSeek-V3 (multi-head latent attention, grouped sigmoid-routed MoE) at a small
+               shape: hidden 1024, 12 layers (1 dense of 2816, 11 MoE), 8 heads, q_lora_rank 512,
+               kv_lora_rank 256, qk_nope 64 + qk_rope 32, v 64, 32 routed experts of 256 in 4 groups
+               (top 4 of the best 2 groups) plus 1 shared, untied (~0.42B parameters, ~0.13B active a
+               token), written by tests/helpers/make_models.py: write_converted_deepseek_gguf
+               (llama.cpp's arch `deepseek2`, kv_b split into attn_k_b / attn_v_b)
 
 Files go to --out (default /tmp/onecall-mixes, never the repository) as SHAPE-PRESET.gguf, with
 the quantizer's log beside each as SHAPE-PRESET.quantize.log; existing files are kept unless
@@ -74,8 +80,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         linear_conv_kernel_dim=4, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768,
         layer_types=["linear_attention"] * 3 + ["full_attention"],  # repeated to num_hidden_layers
     ),
+    "deepseek-v3-0.4b": dict(
+        model_type="deepseek_v3", hidden_size=1024, intermediate_size=2816, moe_intermediate_size=256,
+        num_hidden_layers=12, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
+        q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        max_position_embeddings=8192, rope_theta=10000.0,
+    ),
 }  # fmt: skip
 HYBRID_TYPES = ("qwen3_5_text",)  # shapes written by the hybrid converter layout
+DEEPSEEK_TYPES = ("deepseek_v3",)  # shapes written by the deepseek2 converter layout
 # preset -> llama.cpp's llama_ftype name (llama_cpp.LLAMA_FTYPE_MOSTLY_<preset>); F16 is the source itself
 PRESETS = ("F16", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")
 _LAYER = re.compile(r"^blk\.\d+\.")
@@ -182,6 +197,45 @@ def hybrid_config_and_state(
         else:
             state[name] = torch.randn(size, generator=gen).mul_(0.02)
     return config, state
+
+
+def deepseek_config_and_state(
+    shape: str, vocab_size: int, seed: int = 0
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A DeepSeek shape's config.json dict (transformers' DeepseekV3Config with SHAPES' settings) and
+    HF-named float32 parameters at a trained model's scale: weights ~N(0, 0.02), norms ~1 + N(0, 0.1),
+    the routers' e_score_correction_bias ~N(0, 0.02)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    settings = dict(SHAPES[shape])
+    settings.pop("model_type")
+    config = DeepseekV3Config(vocab_size=vocab_size, **settings).to_dict()
+    with torch.device("meta"):
+        shapes = {
+            n: tuple(p.shape)
+            for n, p in DeepseekV3ForCausalLM(DeepseekV3Config(**config)).state_dict().items()
+        }
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, size in shapes.items():
+        noise = torch.randn(size, generator=gen)
+        state[name] = noise.mul_(0.1).add_(1.0) if "norm" in name else noise.mul_(0.02)
+    return config, state
+
+
+def write_deepseek_f16(path: Path, shape: str, tokenizer: dict[str, Any], seed: int = 0) -> Path:
+    """A DeepSeek shape's F16 GGUF as convert_hf_to_gguf.py --outtype f16 writes it (norms, the router and
+    its bias F32)."""
+    from gguf import GGMLQuantizationType
+
+    _importable_tests()
+    from tests.helpers.make_models import write_converted_deepseek_gguf
+
+    config, state = deepseek_config_and_state(shape, len(tokenizer["tokenizer.ggml.tokens"]), seed)
+    return write_converted_deepseek_gguf(
+        path, state, config, GGMLQuantizationType.F16, extra_metadata=tokenizer
+    )
 
 
 def write_f16(path: Path, config: dict[str, Any], tokenizer: dict[str, Any], seed: int = 0) -> Path:
@@ -302,6 +356,8 @@ def make(shapes: list[str], presets: list[str], out: Path, threads: int, force: 
             partial = source.with_suffix(".partial")
             if SHAPES[shape]["model_type"] in HYBRID_TYPES:
                 write_hybrid_f16(partial, shape, tokenizer).rename(source)
+            elif SHAPES[shape]["model_type"] in DEEPSEEK_TYPES:
+                write_deepseek_f16(partial, shape, tokenizer).rename(source)
             else:
                 config = hf_config(shape, len(tokenizer["tokenizer.ggml.tokens"]))
                 write_f16(partial, config, tokenizer).rename(source)

@@ -14,8 +14,8 @@ Tensor data is never copied until a tensor is requested: `iter_tensors` yields o
 dequantized, renamed tensor at a time, so the model is never held twice. What each family's
 tensors are called and what its metadata means (llama.cpp's converter, per architecture) is
 gguf_layout.py's; undoing what the converter did to the values (Q/K interleaving, Gemma's 1 + w,
-stacked experts, the hybrids' A, conv, norms and value-head order, gpt-oss's split gate/up biases) is
-iter_tensors'.
+stacked experts, the hybrids' A, conv, norms and value-head order, gpt-oss's split gate/up biases,
+DeepSeek's split kv_b) is iter_tensors'.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 
 from onecall.errors import ModelFileError, UnsupportedModelError
 from onecall.formats.ggml_types import GGML_TYPE_SIZES, GGMLType, GGUFValueType, TensorInfo, ggml_type_name
+from onecall.formats.gguf_deepseek import DEEPSEEK_K_B, DEEPSEEK_V_B, deepseek_kv_b
 from onecall.formats.gguf_layout import (
     GEMMA_ARCHITECTURES,
     GPT_OSS_GATE_BIAS,
@@ -314,10 +315,20 @@ class GGUFFile:
                 raise UnsupportedModelError(
                     f"GGUF: layer {layer} has only one of blk.{layer}.ffn_gate_exps.bias and ffn_up_exps.bias"
                 )
+        kv_b = {hf_name for _, hf_name in plan if hf_name.endswith((DEEPSEEK_K_B, DEEPSEEK_V_B))}
+        for name in sorted(kv_b):
+            layer = name.removesuffix(DEEPSEEK_K_B).removesuffix(DEEPSEEK_V_B)
+            if {layer + DEEPSEEK_K_B, layer + DEEPSEEK_V_B} - kv_b:
+                raise UnsupportedModelError(
+                    f"GGUF: layer {layer.split('.')[2]} has only one of attn_k_b.weight and attn_v_b.weight"
+                )
         return plan
 
     def iter_tensors(
-        self, dtype: torch.dtype, stored_out: dict[str, StoredGroups] | None = None, expand_stored: bool = True
+        self,
+        dtype: torch.dtype,
+        stored_out: dict[str, StoredGroups] | None = None,
+        expand_stored: bool = True,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, dequantized CPU tensor in `dtype`), one tensor at a time, undoing what
         the converter changed (gguf_layout.py has the names):
@@ -333,6 +344,10 @@ class GGUFFile:
         | .bias (E, I) each                      | interleaved back (gate 2i, up 2i + 1) as transformers|
         |                                        | holds it; its experts never kept as stored groups    |
         |                                        | (model/gpt_oss.py runs them dense)                   |
+        | deepseek2 attn_k_b (H, rank, nope) and | one `self_attn.kv_b_proj.weight` (H * (nope + v),    |
+        | attn_v_b (H, v, rank)                  | rank), each head's [k; v] rows; its experts never    |
+        |                                        | kept as stored groups (model/deepseek.py runs them   |
+        |                                        | dense)                                               |
         | a hybrid's (HybridLayout's table)      | its norms as Gemma's (not the gated ssm_norm),       |
         |                                        | A_log = log(-ssm_a), the conv (channels, 1, kernel), |
         |                                        | value heads back in grouped order (qwen35*: rows and |
@@ -358,7 +373,9 @@ class GGUFFile:
         gemma = self.architecture in GEMMA_ARCHITECTURES
         hybrid = hybrid_layout(self.metadata, self.architecture)
         gpt_oss = self.architecture == "gpt-oss"
+        dense_experts = gpt_oss or self.architecture == "deepseek2"  # their MoE modules read float weights
         bias_halves: dict[str, torch.Tensor] = {}  # gpt-oss: a gate or up bias waiting for the other
+        kv_b_halves: dict[str, torch.Tensor] = {}  # deepseek2: a k_b or v_b waiting for the other
         for info, hf_name in plan:
             heads = 0
             if self.architecture in _PERMUTED_QK_ARCHITECTURES:
@@ -368,7 +385,17 @@ class GGUFFile:
                     heads = num_kv_heads
             raw, ggml_type = self.raw_data(info), T(info.ggml_type)
             if "*" in hf_name:  # stacked experts: one (rows, cols) tensor per expert
-                yield from self._experts(info, hf_name, raw, dtype, None if gpt_oss else stored_out)
+                yield from self._experts(info, hf_name, raw, dtype, None if dense_experts else stored_out)
+                continue
+            if hf_name.endswith((DEEPSEEK_K_B, DEEPSEEK_V_B)):
+                part = dequantize(raw, ggml_type, info.shape, torch.float32)
+                layer = hf_name.removesuffix(DEEPSEEK_K_B).removesuffix(DEEPSEEK_V_B)
+                other = kv_b_halves.pop(layer, None)
+                if other is None:
+                    kv_b_halves[layer] = part
+                    continue
+                k_b, v_b = (part, other) if hf_name.endswith(DEEPSEEK_K_B) else (other, part)
+                yield f"{layer}self_attn.kv_b_proj.weight", deepseek_kv_b(k_b, v_b).to(dtype)
                 continue
             if gpt_oss and hf_name.endswith((GPT_OSS_GATE_BIAS, GPT_OSS_UP_BIAS)):
                 half = dequantize(raw, ggml_type, info.shape, torch.float32)

@@ -32,6 +32,8 @@ names -> Hugging Face parameter names, and `{arch}.*` metadata -> the config.jso
 |                      |                         | attn_sinks, ffn_gate_inp(.bias) the router, | clamped SwiGLU as llama.cpp fixes them;  |
 |                      |                         | ffn_{gate,up,down}_exps(.bias) (MXFP4 or    | YaRN not truncated; gate/up biases put   |
 |                      |                         | float; gate and up apart, de-interleaved)   | back together: see _gpt_oss_config       |
+| deepseek2            | DeepseekV3ForCausalLM   | MLA (attn_q_a/_b, attn_kv_a_mqa, attn_k_b / | formats/gguf_deepseek.py (names, config, |
+|                      |                         | attn_v_b or attn_kv_b), exp_probs_b, shexp  | kv_b put back together)                  |
 
 A stacked expert tensor (num_experts, rows, cols) maps to a name with "*" for the expert index;
 formats/gguf.py yields it as one tensor per expert (the per-expert names loading/weights.py stacks).
@@ -50,6 +52,7 @@ import torch
 
 from onecall.errors import UnsupportedModelError
 from onecall.formats.ggml_types import GGUFView, checked_value
+from onecall.formats.gguf_deepseek import deepseek2_config, deepseek2_tensor_name
 from onecall.formats.gguf_rope_scaling import _float_tensor, rope_scaling_dict
 from onecall.model.config import GLOBAL, LINEAR, SLIDING
 
@@ -57,7 +60,7 @@ GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 # Qwen3.5 (dense and MoE) and Qwen3-Next: Gated DeltaNet layers beside gated full attention
 HYBRID_ARCHITECTURES = frozenset({"qwen35", "qwen35moe", "qwen3next"})
 SUPPORTED_ARCHITECTURES = frozenset(
-    {"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gemma4", "gpt-oss",
+    {"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gemma4", "gpt-oss", "deepseek2",
      *HYBRID_ARCHITECTURES}
 )  # fmt: skip
 # Architectures llama.cpp's converter writes that onecall does not run, each named for what it is.
@@ -225,6 +228,8 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama", has_experts: boo
         return _gemma4_tensor_name(gguf_name, parts)
     if architecture == "gpt-oss":
         return _gpt_oss_tensor_name(gguf_name, parts)
+    if architecture == "deepseek2":
+        return deepseek2_tensor_name(gguf_name)
     if is_block and architecture in HYBRID_ARCHITECTURES:
         special = _HYBRID_SPECIAL_NAMES.get((parts[2], parts[3] if len(parts) == 4 else ""))
         if special is not None:
@@ -310,6 +315,8 @@ def gguf_config_dict(gguf: GGUFView) -> dict[str, Any]:
     check_loadable(arch, meta, gguf.path.name)
     if arch == "gemma4":
         return _gemma4_config(gguf)
+    if arch == "deepseek2":
+        return deepseek2_config(gguf)
     key = key_reader(meta, arch)
     required = {name: key(name) for name in ("embedding_length", "attention.head_count", "block_count")}
     if missing := [f"{arch}.{name}" for name, value in required.items() if value is None]:

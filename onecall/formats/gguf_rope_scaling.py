@@ -39,6 +39,7 @@ def rope_scaling_dict(gguf: GGUFView, arch: str) -> dict[str, Any] | None:
     | tensor rope_freqs.weight (Llama 3.1+: no keys)      | llama3, freq_factors (inv_freq divisors)      |
     | phi3: tensors rope_factors_long/short,              | longrope, long/short_factor, original_...,    |
     |   .original_context_length, .attn_factor           |   attention_factor (if not the derived one)   |
+    | deepseek2: yarn plus .yarn_log_multiplier (required)| yarn, mscale = mscale_all_dim = it / 0.1       |
     Anything else (unknown keys or types) is refused by name.
     """
     meta = gguf.metadata
@@ -50,6 +51,8 @@ def rope_scaling_dict(gguf: GGUFView, arch: str) -> dict[str, Any] | None:
         return _phi3_longrope(gguf, scaling)
     rope_type = scaling.pop("type", None)
     scaling.pop("finetuned", None)  # informational only
+    # deepseek2: 0.1 * mscale_all_dim (DeepseekV2Model's; llama.cpp divides the 0.1 back out)
+    log_mul = scaling.pop("yarn_log_multiplier", None) if arch == "deepseek2" else None
     for name, neutral in _NEUTRAL_YARN_KEYS.items():
         if name in scaling and scaling.pop(name) != neutral:
             raise UnsupportedModelError(
@@ -65,6 +68,8 @@ def rope_scaling_dict(gguf: GGUFView, arch: str) -> dict[str, Any] | None:
         for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
             if theirs in scaling:
                 rope[ours] = scaling.pop(theirs)
+        if arch == "deepseek2":
+            rope |= _deepseek2_mscale(log_mul, prefix)
     elif rope_type not in (None, "none"):
         raise UnsupportedModelError(
             f"GGUF {prefix}type {rope_type!r} is not supported (only linear and yarn)"
@@ -84,6 +89,20 @@ def rope_scaling_dict(gguf: GGUFView, arch: str) -> dict[str, Any] | None:
             )
         rope = {"rope_type": "llama3", "freq_factors": freqs}
     return {k: v for k, v in rope.items() if v is not None} if rope is not None else None
+
+
+def _deepseek2_mscale(log_mul: Any, prefix: str) -> dict[str, float]:
+    """deepseek2's yarn as llama.cpp runs it: the softmax scaled by mscale(factor, log_mul / 0.1)^2 and the
+    cos/sin by 1 (its ratio mscale / mscale_all_dim is 1 for this arch): transformers' DeepseekV3 with
+    mscale = mscale_all_dim = log_mul / 0.1. Without the key llama.cpp would scale cos/sin instead, which
+    no DeepSeek-V3 conversion writes: refused."""
+    if log_mul is None or isinstance(log_mul, bool) or not isinstance(log_mul, (int, float)) or log_mul <= 0:
+        raise UnsupportedModelError(
+            f"deepseek2 yarn RoPE needs {prefix}yarn_log_multiplier (0.1 * mscale_all_dim, as llama.cpp's "
+            f"converter writes it) to be positive, got {log_mul!r}"
+        )
+    mscale = float(log_mul) / 0.1
+    return {"mscale": mscale, "mscale_all_dim": mscale}
 
 
 def _phi3_longrope(gguf: GGUFView, scaling: dict[str, Any]) -> dict[str, Any] | None:

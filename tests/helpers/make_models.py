@@ -839,3 +839,134 @@ def hybrid_file_weights(
             data = torch.from_numpy(dequantize(stored, qtype).astype(np.float32)).reshape(data.shape)
         out[name] = data
     return out
+
+
+# ---------------------------------------------------------------- DeepSeek-V3 (llama.cpp's deepseek2)
+# the checkpoint tensors the converter keeps F32 whatever the output type: 1-D tensors, and the router
+_DEEPSEEK_F32 = (".mlp.gate.weight",)
+
+
+def write_converted_deepseek_gguf(
+    path: str | Path,
+    hf_state_dict: Mapping[str, torch.Tensor],
+    hf_config_dict: Mapping[str, Any],
+    weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    *,
+    split_kv_b: bool = True,
+    extra_metadata: Mapping[str, Any] | None = None,
+    metadata_overrides: Mapping[str, Any] | None = None,
+    omit: tuple[str, ...] = (),
+) -> Path:
+    """A DeepseekV3ForCausalLM state dict and config (to_dict()) as llama.cpp's converter writes them
+    (DeepseekV2Model on TextModel, arch deepseek2), from the converter's description:
+
+    - metadata: TextModel's (context, embedding and feed-forward lengths, head counts with
+      head_count_kv 1 (the heads in the older layout), rope.freq_base, rms epsilon, expert_count / _used_count, expert_group_count /
+      _used_count from n_group / topk_group, expert_gating_func 2 for sigmoid, yarn's type, factor,
+      original context and betas), then DeepseekV2Model's: leading_dense_block_count, vocab_size,
+      q_lora_rank (only when set), kv_lora_rank, key_length kv_lora_rank + rope and value_length
+      kv_lora_rank, key_length_mla / value_length_mla the per-head sizes, expert_feed_forward_length,
+      expert_shared_count, expert_weights_scale, expert_weights_norm (only when true),
+      rope.dimension_count and, under yarn, yarn_log_multiplier = 0.1 * mscale_all_dim;
+    - tensors: gguf-py's DEEPSEEK2 name table; e_score_correction_bias as exp_probs_b.bias; the
+      experts stacked (E, rows, cols) as ffn_{gate,up,down}_exps (transformers' (E, 2I, H) [gate; up]
+      split); kv_b_proj split per head into attn_k_b (H, rank, nope: transposed) and attn_v_b (H, v,
+      rank); no lm_head when tied; nothing permuted (llama.cpp's deepseek2 RoPE rotates adjacent pairs,
+      as rope_interleave does).
+    `split_kv_b` False: the layout of converters before the split (attn_kv_b whole; key_length /
+    value_length the per-head sizes, no *_mla keys). `weight_type` for tensors of 2+ dims but the router
+    (the converter's F16 where a row is not whole blocks). `metadata_overrides`: key (without the arch) ->
+    value, None to leave a key out. `omit`: GGUF tensor names left out.
+    """
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    cfg, arch = hf_config_dict, "deepseek2"
+    n, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    nope, rope_dim, v_dim, rank = (cfg[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                                    "kv_lora_rank"))  # fmt: skip
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    # 1. metadata
+    meta: dict[str, Any] = {
+        "context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
+        "block_count": n, "feed_forward_length": cfg["intermediate_size"], "attention.head_count": heads,
+        "attention.head_count_kv": 1, "rope.freq_base": float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))),
+        "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
+        "expert_count": cfg["n_routed_experts"], "expert_used_count": cfg["num_experts_per_tok"],
+        "expert_group_count": cfg["n_group"], "expert_group_used_count": cfg["topk_group"],
+        "expert_gating_func": 2, "leading_dense_block_count": cfg["first_k_dense_replace"],
+        "vocab_size": cfg["vocab_size"], "attention.kv_lora_rank": rank,
+        "expert_feed_forward_length": cfg["moe_intermediate_size"], "expert_shared_count": cfg["n_shared_experts"],
+        "expert_weights_scale": float(cfg["routed_scaling_factor"]), "rope.dimension_count": rope_dim,
+    }  # fmt: skip
+    if cfg.get("q_lora_rank") is not None:
+        meta["attention.q_lora_rank"] = cfg["q_lora_rank"]
+    if cfg.get("norm_topk_prob"):
+        meta["expert_weights_norm"] = True
+    if split_kv_b:
+        meta |= {"attention.key_length": rank + rope_dim, "attention.value_length": rank,
+                 "attention.key_length_mla": nope + rope_dim, "attention.value_length_mla": v_dim}  # fmt: skip
+    else:  # the MHA view (head_count_kv the heads): "converts into MQA" came with the split
+        meta |= {"attention.key_length": nope + rope_dim, "attention.value_length": v_dim,
+                 "attention.head_count_kv": heads}  # fmt: skip
+    if rope.get("rope_type") == "yarn":
+        meta |= {"rope.scaling.type": "yarn", "rope.scaling.factor": float(rope["factor"]),
+                 "rope.scaling.original_context_length": rope["original_max_position_embeddings"]}  # fmt: skip
+        for ours in ("beta_fast", "beta_slow"):
+            if rope.get(ours) is not None:
+                meta[f"rope.scaling.yarn_{ours}"] = float(rope[ours])
+        if rope.get("mscale_all_dim") is not None:
+            meta["rope.scaling.yarn_log_multiplier"] = 0.1 * float(rope["mscale_all_dim"])
+    for key, value in (metadata_overrides or {}).items():
+        meta.pop(key, None)
+        if value is not None:
+            meta[key] = value
+    writer = GGUFWriter(str(path), arch)
+    writer.add_string("general.name", Path(path).stem)
+    for key, value in meta.items():
+        _add_value(writer, f"{arch}.{key}", value)
+    for key, value in (extra_metadata or {}).items():
+        _add_value(writer, key, value)
+    # 2. tensors
+    name_map = get_tensor_name_map(MODEL_ARCH.DEEPSEEK2, n)
+    tensors: dict[str, tuple[torch.Tensor, bool]] = {}  # GGUF name -> (data, kept F32)
+
+    def put(hf_name: str, data: torch.Tensor, keep_f32: bool = False) -> None:
+        found = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert found is not None, hf_name
+        tensors[str(found)] = (data, keep_f32)
+
+    for name, tensor in hf_state_dict.items():
+        data = tensor.detach().to(torch.float32)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        if name.endswith("e_score_correction_bias"):
+            put(name.replace("e_score_correction_bias", "e_score_correction.bias"), data)
+        elif name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H): each expert's [gate; up] rows
+            gate, up = data.chunk(2, dim=1)
+            put(f"model.layers.{layer}.mlp.experts.gate_proj.weight", gate)
+            put(f"model.layers.{layer}.mlp.experts.up_proj.weight", up)
+        elif name.endswith(".mlp.experts.down_proj"):
+            put(f"model.layers.{layer}.mlp.experts.down_proj.weight", data)
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:
+            k_b, v_b = data.view(heads, nope + v_dim, rank).split((nope, v_dim), dim=1)
+            put(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2))
+            put(name.replace("kv_b_proj", "v_b_proj"), v_b)
+        else:
+            put(name, data, name.endswith(_DEEPSEEK_F32))
+    for name, (data, keep_f32) in tensors.items():
+        if name in omit:
+            continue
+        array = data.contiguous().numpy()
+        qtype = hybrid_weight_type(keep_f32 or array.ndim < 2, array.shape, weight_type)
+        if qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(name, array.astype(np.float16))
+        elif qtype != GGMLQuantizationType.F32:
+            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
