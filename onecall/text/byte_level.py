@@ -8,7 +8,12 @@ llama-vocab.cpp and the models' own tokenizer.json files):
     gpt-2, default             GPT-2: contractions, ` ?letters`, ` ?digits`, ` ?punctuation`, spaces
     smollm, starcoder, refact  every digit alone (\\p{N}), then GPT-2's
     qwen2, deepseek-r1-qwen    llama-3 shape but every digit alone; case-insensitive contractions
+    qwen35                     Qwen3.5/3.6's: qwen2's with combining marks (\\p{M}) inside words, not
+                               split off into punctuation pieces
     llama-bpe, llama3          digits in runs of at most 3; a piece that is a whole vocab entry is kept
+    deepseek-v3                digits in runs of at most 3; then runs of CJK ideographs and kana;
+                               then an ASCII punctuation mark joined to the ASCII word after it,
+                               words with marks, punctuation runs (\\p{P}\\p{S}), spaces (DeepSeek-V3)
     gpt-4o                     o200k (gpt-oss): words split at case changes, with marks, contractions
                                attached; digits in runs of at most 3; a whole vocab entry is kept (as
                                tiktoken does)
@@ -29,6 +34,16 @@ _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 _LLAMA3_BODY = r"[^\r\n\p{L}\p{N}]?\p{L}+|{digits}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|" + _LLAMA3_BODY.replace("{digits}", r"\p{N}{1,3}")
 _QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|" + _LLAMA3_BODY.replace("{digits}", r"\p{N}")
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",  # CJK ideographs, hiragana, katakana
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 _UPPER, _LOWER, _CONTRACTION = (
     r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]",
     r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]",
@@ -63,7 +78,8 @@ _LLAMA3 = PreTokenizerSpec((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
 GGUF_PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     "gpt-2": _GPT2, "default": _GPT2,
     "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
-    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "qwen35": PreTokenizerSpec((_QWEN35_SPLIT,)),
+    "deepseek-v3": PreTokenizerSpec(_DEEPSEEK_V3_SPLITS),
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
     "gpt-4o": PreTokenizerSpec((_O200K_SPLIT,), ignore_merges=True),
 }  # fmt: skip

@@ -178,6 +178,15 @@ def pieces(pre: str, text: str) -> list[str]:
         # llama-3/qwen2 glue one leading non-letter to a word
         ("qwen2", "(hello", ["(hello"]),
         ("gpt-2", "(hello", ["(", "hello"]),
+        # qwen35 (Qwen3.5/3.6) keeps combining marks inside words; qwen2 cuts them off
+        ("qwen2", "cafe\u0301 ok", ["cafe", "\u0301", " ok"]),
+        ("qwen35", "cafe\u0301 ok", ["cafe\u0301", " ok"]),
+        ("qwen35", "abc 12345", ["abc", " ", "1", "2", "3", "4", "5"]),
+        # deepseek-v3: digits in runs of 3, CJK runs apart from Latin, ASCII punctuation + ASCII word
+        ("deepseek-v3", "abc 12345 def", ["abc", " ", "123", "45", " def"]),
+        ("deepseek-v3", "ab\u65e5\u672c", ["ab", "\u65e5\u672c"]),
+        ("qwen2", "ab\u65e5\u672c", ["ab\u65e5\u672c"]),
+        ("deepseek-v3", 'x"Hello a.b say "so', ["x", '"Hello', " a", ".b", " say", ' "', "so"]),
     ],
 )
 def test_pre_tokenizer_documented_splits(pre: str, text: str, expected: list[str]) -> None:
