@@ -30,6 +30,15 @@ Shapes (random weights: for speed and memory only, never for quality; the vocabu
                (top 4 of the best 2 groups) plus 1 shared, untied (~0.42B parameters, ~0.13B active a
                token), written by tests/helpers/make_models.py: write_converted_deepseek_gguf
                (llama.cpp's arch `deepseek2`, kv_b split into attn_k_b / attn_v_b)
+  gpt-oss-0.4b gpt-oss-20b's structure at a small shape: hidden 768, 12 layers alternating 128-token
+               sliding and full attention, 12/4 heads of 64 with sinks, 16 experts of 768 (top 4) with
+               biases and the clamped SwiGLU, YaRN x32, untied (~0.43B parameters, ~0.13B active a
+               token), written by tests/helpers/make_models.py: write_gpt_oss_gguf (llama.cpp's arch
+               `gpt-oss`). Its "F16" file is what the converter makes of gpt-oss's released checkpoint:
+               the experts in MXFP4 (quantized from the random float experts by gguf's quantizer), the
+               rest F16; llama.cpp's quantizer then refuses to requantize the MXFP4 experts for the
+               ordinary presets: use MXFP4_MOE (experts kept, the rest Q8_0), the mix of ggml-org's
+               gpt-oss downloads
 
 Files go to --out (default /tmp/onecall-mixes, never the repository) as SHAPE-PRESET.gguf, with
 the quantizer's log beside each as SHAPE-PRESET.quantize.log; existing files are kept unless
@@ -88,9 +97,18 @@ SHAPES: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6,
         max_position_embeddings=8192, rope_theta=10000.0,
     ),
+    "gpt-oss-0.4b": dict(
+        model_type="gpt_oss", hidden_size=768, intermediate_size=768, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_local_experts=16,
+        num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "original_max_position_embeddings": 4096, "truncate": False},
+        swiglu_limit=7.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 HYBRID_TYPES = ("qwen3_5_text",)  # shapes written by the hybrid converter layout
 DEEPSEEK_TYPES = ("deepseek_v3",)  # shapes written by the deepseek2 converter layout
+GPT_OSS_TYPES = ("gpt_oss",)  # shapes written by the gpt-oss converter layout, experts in MXFP4
 # preset -> llama.cpp's llama_ftype name (llama_cpp.LLAMA_FTYPE_MOSTLY_<preset>); F16 is the source itself
 PRESETS = ("F16", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")
 _LAYER = re.compile(r"^blk\.\d+\.")
@@ -238,6 +256,64 @@ def write_deepseek_f16(path: Path, shape: str, tokenizer: dict[str, Any], seed: 
     )
 
 
+def gpt_oss_config_and_state(
+    shape: str, vocab_size: int, seed: int = 0
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A gpt-oss shape's config.json dict (transformers' GptOssConfig with SHAPES' settings) and HF-named
+    float32 parameters at a trained model's scale: weights and biases ~N(0, 0.02), norms ~1 + N(0, 0.1),
+    the sinks ~N(0, 1)."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    settings = dict(SHAPES[shape])
+    settings.pop("model_type")
+    config = GptOssConfig(vocab_size=vocab_size, **settings).to_dict()
+    with torch.device("meta"):
+        shapes = {
+            n: tuple(p.shape) for n, p in GptOssForCausalLM(GptOssConfig(**config)).state_dict().items()
+        }
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, size in shapes.items():
+        noise = torch.randn(size, generator=gen)
+        if "norm" in name:
+            state[name] = noise.mul_(0.1).add_(1.0)
+        elif name.endswith("sinks"):
+            state[name] = noise
+        else:
+            state[name] = noise.mul_(0.02)
+    return config, state
+
+
+def write_gpt_oss_source(path: Path, shape: str, tokenizer: dict[str, Any], seed: int = 0) -> Path:
+    """A gpt-oss shape's GGUF as convert_hf_to_gguf.py --outtype f16 writes the released checkpoint: the
+    experts MXFP4 (gguf's quantizer on the random float experts, rows as the converter splits gate_up),
+    the other 2-D weights F16, norms, biases, sinks and the router F32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    _importable_tests()
+    from tests.helpers.make_models import write_gpt_oss_gguf
+
+    config, state = gpt_oss_config_and_state(shape, len(tokenizer["tokenizer.ggml.tokens"]), seed)
+
+    def mxfp4(weight: torch.Tensor) -> Any:  # (E, rows, cols) float -> (E, rows, cols / 32 * 17) bytes
+        flat = weight.contiguous().reshape(-1, weight.shape[-1]).numpy()
+        return gguf_quantize(flat, GGMLQuantizationType.MXFP4).reshape(*weight.shape[:2], -1)
+
+    experts = {}
+    for i in range(config["num_hidden_layers"]):
+        gate_up = state[f"model.layers.{i}.mlp.experts.gate_up_proj"].transpose(-1, -2)  # (E, 2I, H)
+        experts[f"blk.{i}.ffn_gate_exps.weight"] = mxfp4(gate_up[:, ::2])
+        experts[f"blk.{i}.ffn_up_exps.weight"] = mxfp4(gate_up[:, 1::2])
+        experts[f"blk.{i}.ffn_down_exps.weight"] = mxfp4(
+            state[f"model.layers.{i}.mlp.experts.down_proj"].transpose(-1, -2)
+        )
+    return write_gpt_oss_gguf(
+        path, state, config, experts, weight_type=GGMLQuantizationType.F16, extra_metadata=tokenizer
+    )
+
+
 def write_f16(path: Path, config: dict[str, Any], tokenizer: dict[str, Any], seed: int = 0) -> Path:
     """The F16 GGUF convert_hf_to_gguf.py --outtype f16 would write: 2-D weights F16, norms and
     biases F32."""
@@ -358,6 +434,8 @@ def make(shapes: list[str], presets: list[str], out: Path, threads: int, force: 
                 write_hybrid_f16(partial, shape, tokenizer).rename(source)
             elif SHAPES[shape]["model_type"] in DEEPSEEK_TYPES:
                 write_deepseek_f16(partial, shape, tokenizer).rename(source)
+            elif SHAPES[shape]["model_type"] in GPT_OSS_TYPES:
+                write_gpt_oss_source(partial, shape, tokenizer).rename(source)
             else:
                 config = hf_config(shape, len(tokenizer["tokenizer.ggml.tokens"]))
                 write_f16(partial, config, tokenizer).rename(source)

@@ -970,3 +970,112 @@ def write_converted_deepseek_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+# ---- gpt-oss in llama.cpp's converter layout (arch gpt-oss) ----
+def _gpt_oss_rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return params, float(params.get("rope_theta", cfg.get("rope_theta", 150000.0)))
+
+
+def nibbles_to_ggml(blocks: torch.Tensor) -> torch.Tensor:
+    """transformers' MXFP4 bytes (..., 16), value 2j in byte j's low nibble and 2j + 1 in its high one ->
+    ggml's block_mxfp4 qs (value j low, j + 16 high): what GptOssModel.transform_nibble_layout does."""
+    values = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # (..., 32) in order
+    return values[..., :16] | (values[..., 16:] << 4)
+
+
+def mxfp4_bytes(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """A checkpoint's blocks (E, rows, G, 16) and scales (E, rows, G) -> ggml MXFP4 bytes (E, rows, G * 17)
+    (GptOssModel.repack_mxfp4: the scale byte, then the reordered nibbles, per block)."""
+    packed = torch.cat((scales.unsqueeze(-1), nibbles_to_ggml(blocks)), dim=-1)
+    return packed.reshape(*packed.shape[:2], -1).numpy()
+
+
+def write_gpt_oss_gguf(
+    path: Path,
+    state: dict[str, torch.Tensor],
+    cfg: dict[str, Any],
+    experts: dict[str, np.ndarray] | None = None,
+    omit: tuple[str, ...] = (),
+    extra: dict[str, Any] | None = None,
+    yarn: bool = True,
+    weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    extra_metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """A GptOssForCausalLM state dict and config (to_dict()) as llama.cpp's converter lays them out (the
+    module docstring lists what it writes). `experts`: GGUF expert weight name -> its MXFP4 bytes, in
+    place of the float tensors; `omit`: GGUF tensor names left out; `extra`: more metadata (key -> int);
+    `weight_type` F16: the 2-D weights but the router in F16, as convert_hf_to_gguf.py --outtype f16
+    writes them (norms, biases, sinks and ffn_gate_inp F32); `extra_metadata`: more keys of any type
+    (a tokenizer's)."""
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    n = cfg["num_hidden_layers"]
+    rope, theta = _gpt_oss_rope(cfg)
+    from gguf import RopeScalingType
+
+    w = GGUFWriter(str(path), "gpt-oss")
+    w.add_string("general.name", path.stem)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(n)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    if yarn:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope.get("original_max_position_embeddings", 4096)))
+    for token in ("bos", "eos"):
+        if isinstance(cfg.get(f"{token}_token_id"), int):
+            getattr(w, f"add_{token}_token_id")(cfg[f"{token}_token_id"])
+    for key, value in (extra or {}).items():
+        w.add_uint32(key, value)
+    for key, value in (extra_metadata or {}).items():
+        _add_value(w, key, value)
+    tensor_map = get_tensor_name_map(MODEL_ARCH.GPT_OSS, n)
+    tensors: dict[str, torch.Tensor | np.ndarray] = {}
+    for name, tensor in state.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name.endswith("mlp.experts.gate_up_proj"):
+            t = tensor.transpose(-1, -2)  # (E, 2I, H), rows interleaved
+            tensors[f"blk.{layer}.ffn_gate_exps.weight"] = t[:, ::2]
+            tensors[f"blk.{layer}.ffn_up_exps.weight"] = t[:, 1::2]
+        elif name.endswith("mlp.experts.gate_up_proj_bias"):
+            tensors[f"blk.{layer}.ffn_gate_exps.bias"] = tensor[..., ::2]
+            tensors[f"blk.{layer}.ffn_up_exps.bias"] = tensor[..., 1::2]
+        elif name.endswith("mlp.experts.down_proj"):
+            tensors[f"blk.{layer}.ffn_down_exps.weight"] = tensor.transpose(-1, -2)
+        elif name.endswith("mlp.experts.down_proj_bias"):
+            tensors[f"blk.{layer}.ffn_down_exps.bias"] = tensor
+        else:
+            suffix = ".weight" if name.endswith("sinks") else ""
+            gguf_name = tensor_map.get_name(name + suffix, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, name
+            tensors[gguf_name] = tensor
+    tensors |= experts or {}
+    for gguf_name, value in tensors.items():
+        if gguf_name in omit:
+            continue
+        if isinstance(value, np.ndarray):
+            w.add_tensor(gguf_name, value, raw_dtype=GGMLQuantizationType.MXFP4)
+        elif weight_type == GGMLQuantizationType.F16 and value.dim() >= 2 and "ffn_gate_inp" not in gguf_name:
+            w.add_tensor(gguf_name, value.detach().half().contiguous().numpy())
+        else:
+            w.add_tensor(
+                gguf_name, value.detach().float().contiguous().numpy(), raw_dtype=GGMLQuantizationType.F32
+            )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
