@@ -30,6 +30,11 @@ Shapes (random weights: for speed and memory only, never for quality; the vocabu
                (top 4 of the best 2 groups) plus 1 shared, untied (~0.42B parameters, ~0.13B active a
                token), written by tests/helpers/make_models.py: write_converted_deepseek_gguf
                (llama.cpp's arch `deepseek2`, kv_b split into attn_k_b / attn_v_b)
+  gemma4-0.6b  Gemma 4 E2B's structure at a small shape: hidden 1024, 15 layers (4 sliding of 512 to 1
+               global; heads 8/1 of 256, global heads of 512 with proportional RoPE on a quarter),
+               per-layer embeddings of 256, the last 5 layers sharing KV with double-wide MLPs (8192),
+               logit soft-cap 30, tied (~0.6B parameters, a third of them the per-layer embeddings),
+               written by tests/helpers/make_models.py: write_gemma4_gguf (llama.cpp's arch `gemma4`)
   gpt-oss-0.4b gpt-oss-20b's structure at a small shape: hidden 768, 12 layers alternating 128-token
                sliding and full attention, 12/4 heads of 64 with sinks, 16 experts of 768 (top 4) with
                biases and the clamped SwiGLU, YaRN x32, untied (~0.43B parameters, ~0.13B active a
@@ -105,9 +110,20 @@ SHAPES: dict[str, dict[str, Any]] = {
                       "original_max_position_embeddings": 4096, "truncate": False},
         swiglu_limit=7.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
+    "gemma4-0.6b": dict(
+        model_type="gemma4_text", hidden_size=1024, intermediate_size=4096, num_hidden_layers=15,
+        num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512, sliding_window=512,
+        max_position_embeddings=32768, layer_types=["sliding_attention"] * 4 + ["full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}},
+        hidden_size_per_layer_input=256, num_kv_shared_layers=5, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
 }  # fmt: skip
 HYBRID_TYPES = ("qwen3_5_text",)  # shapes written by the hybrid converter layout
 DEEPSEEK_TYPES = ("deepseek_v3",)  # shapes written by the deepseek2 converter layout
+GEMMA4_TYPES = ("gemma4_text",)  # shapes written by the gemma4 converter layout
 GPT_OSS_TYPES = ("gpt_oss",)  # shapes written by the gpt-oss converter layout, experts in MXFP4
 # preset -> llama.cpp's llama_ftype name (llama_cpp.LLAMA_FTYPE_MOSTLY_<preset>); F16 is the source itself
 PRESETS = ("F16", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")
@@ -285,6 +301,56 @@ def gpt_oss_config_and_state(
     return config, state
 
 
+def gemma4_config_and_state(
+    shape: str, vocab_size: int, seed: int = 0
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A Gemma 4 shape's config.json dict (transformers' Gemma4TextConfig with SHAPES' settings, the
+    layer pattern repeated to num_hidden_layers) and HF-named float32 parameters at a trained model's
+    scale: weights ~N(0, 0.02), norms ~1 + N(0, 0.1) (Gemma 4 scales by w itself), layer scalars in
+    [0.5, 1.5]."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    settings = dict(SHAPES[shape])
+    settings.pop("model_type")
+    period, layers = settings.pop("layer_types"), settings["num_hidden_layers"]
+    config = Gemma4TextConfig(
+        vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size,
+        layer_types=(period * layers)[:layers], **settings,
+    ).to_dict()  # fmt: skip
+    with torch.device("meta"):
+        shapes = {
+            n: tuple(p.shape) for n, p in Gemma4ForCausalLM(Gemma4TextConfig(**config)).state_dict().items()
+        }
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, size in shapes.items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings", True):
+            continue
+        noise = torch.randn(size, generator=gen)
+        if name.endswith("layer_scalar"):
+            state[name] = torch.rand(size, generator=gen).add_(0.5)
+        elif "norm" in name:
+            state[name] = noise.mul_(0.1).add_(1.0)
+        else:
+            state[name] = noise.mul_(0.02)
+    return config, state
+
+
+def write_gemma4_f16(path: Path, shape: str, tokenizer: dict[str, Any], seed: int = 0) -> Path:
+    """A Gemma 4 shape's F16 GGUF as the converter writes it (1-D tensors F32, rope_freqs for the
+    proportional RoPE's rotated pairs)."""
+    from gguf import GGMLQuantizationType
+
+    _importable_tests()
+    from tests.helpers.make_models import write_gemma4_gguf
+
+    config, state = gemma4_config_and_state(shape, len(tokenizer["tokenizer.ggml.tokens"]), seed)
+    return write_gemma4_gguf(
+        path, state, config, weight_type=GGMLQuantizationType.F16, extra_metadata=tokenizer
+    )
+
+
 def write_gpt_oss_source(path: Path, shape: str, tokenizer: dict[str, Any], seed: int = 0) -> Path:
     """A gpt-oss shape's GGUF as convert_hf_to_gguf.py --outtype f16 writes the released checkpoint: the
     experts MXFP4 (gguf's quantizer on the random float experts, rows as the converter splits gate_up),
@@ -434,6 +500,8 @@ def make(shapes: list[str], presets: list[str], out: Path, threads: int, force: 
                 write_hybrid_f16(partial, shape, tokenizer).rename(source)
             elif SHAPES[shape]["model_type"] in DEEPSEEK_TYPES:
                 write_deepseek_f16(partial, shape, tokenizer).rename(source)
+            elif SHAPES[shape]["model_type"] in GEMMA4_TYPES:
+                write_gemma4_f16(partial, shape, tokenizer).rename(source)
             elif SHAPES[shape]["model_type"] in GPT_OSS_TYPES:
                 write_gpt_oss_source(partial, shape, tokenizer).rename(source)
             else:

@@ -1,7 +1,7 @@
 """Gemma 4 (text) from GGUF files laid out as llama.cpp's converter writes them (arch `gemma4`), loaded
 through onecall as the engine loads them (resolve_model -> config -> DecoderLM -> load_weights).
 
-write_gemma4_gguf below follows llama.cpp's Gemma4Model (conversion/gemma.py, on Gemma3Model and
+tests/helpers/make_models.py's write_gemma4_gguf follows llama.cpp's Gemma4Model (conversion/gemma.py, on Gemma3Model and
 TextModel) and gguf-py's MODEL_ARCH.GEMMA4 name table, independently of onecall's reader:
 
 - norms as they are (Gemma 4's norm_shift is 0: no 1 + w), no lm_head when tied;
@@ -35,14 +35,12 @@ Tolerances (float32, transformers' eager attention against ours; measured max ab
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 
 from onecall.errors import UnsupportedModelError
 from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
@@ -50,8 +48,9 @@ from onecall.formats.gguf import GGUFFile
 from onecall.formats.gguf_layout import gguf_config_dict
 from onecall.formats.hf_config import model_config_from_hf
 from onecall.loading.weights import load_weights
-from onecall.model.config import GLOBAL, SLIDING
+from onecall.model.config import GLOBAL
 from onecall.model.decoder import DecoderLM
+from tests.helpers.make_models import write_gemma4_gguf
 from tests.model.test_gemma4 import _COMMON, VARIANTS, KVHarness, assert_close
 from tests.model.test_model_numerics import Seq, hf_logits, prompt
 
@@ -79,98 +78,6 @@ def build_hf(variant: str, seed: int = 0, factor: float = 1.0) -> Any:
         for layer in hf.model.layers:
             layer.layer_scalar.copy_(0.5 + torch.rand(1))
     return hf
-
-
-def _gguf_name(name: str, tensor_map: Any) -> str | None:
-    """A checkpoint name -> its GGUF name, as Gemma4Model.filter_tensors / modify_tensors rename it."""
-    parts = name.split(".")
-    if name.endswith(("router.scale", "router.per_expert_scale")):
-        stem = "ffn_gate_inp" if name.endswith("router.scale") else "ffn_down_exps"
-        return f"blk.{parts[2]}.{stem}.scale"
-    if name.endswith("layer_scalar") or (".experts." in name and not name.endswith(".weight")):
-        name += ".weight"
-    return tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
-
-
-def write_gemma4_gguf(
-    path: Path,
-    state: dict[str, torch.Tensor],
-    cfg: dict[str, Any],
-    weight_type: GGMLQuantizationType = F32,
-    rope_factor: float = 1.0,
-    add_tokenizer: Callable[[GGUFWriter], None] | None = None,
-) -> Path:
-    """A Gemma4ForCausalLM state dict and config (to_dict()) as llama.cpp's converter lays them out
-    (the module docstring lists what it writes). `rope_factor`: the value written for rope_freqs'
-    rotated pairs (the converter: 1.0)."""
-    from gguf import MODEL_ARCH, get_tensor_name_map
-
-    n, types = cfg["num_hidden_layers"], cfg["layer_types"]
-    swa = [t == SLIDING for t in types]
-    shared = cfg.get("num_kv_shared_layers") or 0
-    rope = cfg["rope_parameters"]
-    sliding_dim, kv = cfg["head_dim"], cfg["num_key_value_heads"]
-    # config.json's global_head_dim / num_global_key_value_heads (transformers 5 keeps them per layer)
-    per_layer = cfg.get("per_layer_config") or {}
-    first_global = next(
-        (per_layer[str(i)] for i, t in enumerate(types) if t == GLOBAL and str(i) in per_layer), {}
-    )
-    global_dim = cfg.get("global_head_dim") or first_global.get("head_dim", sliding_dim)
-    global_kv = cfg.get("num_global_key_value_heads")
-    if global_kv is None and first_global.get("num_key_value_heads", kv) != kv:
-        global_kv = first_global["num_key_value_heads"]
-    w = GGUFWriter(str(path), "gemma4")
-    w.add_string("general.name", path.stem)
-    if add_tokenizer is not None:  # the tokenizer.* keys
-        add_tokenizer(w)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(n)
-    width = cfg["intermediate_size"]
-    if cfg.get("use_double_wide_mlp"):
-        w.add_feed_forward_length([width if i < n - shared else 2 * width for i in range(n)])
-    else:
-        w.add_feed_forward_length(width)
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv([kv if s else global_kv for s in swa] if global_kv is not None else kv)
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_key_length(global_dim)
-    w.add_value_length(global_dim)
-    w.add_key_length_swa(sliding_dim)
-    w.add_value_length_swa(sliding_dim)
-    w.add_rope_freq_base(float(rope[GLOBAL]["rope_theta"]))
-    w.add_rope_freq_base_swa(float(rope[SLIDING]["rope_theta"]))
-    if cfg.get("final_logit_softcapping"):
-        w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
-    w.add_sliding_window(cfg["sliding_window"])
-    w.add_shared_kv_layers(shared)
-    w.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
-    w.add_sliding_window_pattern(swa)
-    if cfg.get("enable_moe_block"):
-        w.add_expert_count(cfg["num_experts"])
-        w.add_expert_used_count(cfg["top_k_experts"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_rope_dimension_count(global_dim)
-    w.add_rope_dimension_count_swa(int(sliding_dim * cfg.get("partial_rotary_factor", 1.0)))
-    rotated = int(global_dim * rope[GLOBAL]["partial_rotary_factor"] / 2)
-    freqs = [rope_factor] * rotated + [1e30] * (global_dim // 2 - rotated)
-    tensors = {"rope_freqs.weight": torch.tensor(freqs, dtype=torch.float32)}
-    tensor_map = get_tensor_name_map(MODEL_ARCH.GEMMA4, n)
-    for name, tensor in state.items():
-        if name == "lm_head.weight" and cfg.get("tie_word_embeddings", True):
-            continue  # tied: a checkpoint on disk holds no lm_head
-        gguf_name = _gguf_name(name, tensor_map)
-        assert gguf_name is not None, name
-        tensors[gguf_name] = tensor
-    for gguf_name, tensor in tensors.items():
-        kind = weight_type if tensor.dim() >= 2 else F32
-        array = tensor.detach().float().numpy().astype(np.float16 if kind == F16 else np.float32)
-        w.add_tensor(gguf_name, array, raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def load(path: Path) -> DecoderLM:

@@ -14,7 +14,7 @@ direction is the converter's, HF -> GGUF) so round trips through the loader test
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -1074,6 +1074,106 @@ def write_gpt_oss_gguf(
             w.add_tensor(
                 gguf_name, value.detach().float().contiguous().numpy(), raw_dtype=GGMLQuantizationType.F32
             )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---- Gemma 4 in llama.cpp's converter layout (arch gemma4) ----
+def _gemma4_gguf_name(name: str, tensor_map: Any) -> str | None:
+    """A checkpoint name -> its GGUF name, as Gemma4Model.filter_tensors / modify_tensors rename it."""
+    parts = name.split(".")
+    if name.endswith(("router.scale", "router.per_expert_scale")):
+        stem = "ffn_gate_inp" if name.endswith("router.scale") else "ffn_down_exps"
+        return f"blk.{parts[2]}.{stem}.scale"
+    if name.endswith("layer_scalar") or (".experts." in name and not name.endswith(".weight")):
+        name += ".weight"
+    return tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+
+
+def write_gemma4_gguf(
+    path: Path,
+    state: dict[str, torch.Tensor],
+    cfg: dict[str, Any],
+    weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    rope_factor: float = 1.0,
+    add_tokenizer: Callable[[GGUFWriter], None] | None = None,
+    extra_metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """A Gemma4ForCausalLM state dict and config (to_dict()) as llama.cpp's converter lays them out
+    (the module docstring lists what it writes). `rope_factor`: the value written for rope_freqs'
+    rotated pairs (the converter: 1.0); `add_tokenizer` writes the tokenizer.* keys, or `extra_metadata`
+    gives more keys of any type (a tokenizer's)."""
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    from onecall.model.config import GLOBAL, SLIDING
+
+    n, types = cfg["num_hidden_layers"], cfg["layer_types"]
+    swa = [t == SLIDING for t in types]
+    shared = cfg.get("num_kv_shared_layers") or 0
+    rope = cfg["rope_parameters"]
+    sliding_dim, kv = cfg["head_dim"], cfg["num_key_value_heads"]
+    # config.json's global_head_dim / num_global_key_value_heads (transformers 5 keeps them per layer)
+    per_layer = cfg.get("per_layer_config") or {}
+    first_global = next(
+        (per_layer[str(i)] for i, t in enumerate(types) if t == GLOBAL and str(i) in per_layer), {}
+    )
+    global_dim = cfg.get("global_head_dim") or first_global.get("head_dim", sliding_dim)
+    global_kv = cfg.get("num_global_key_value_heads")
+    if global_kv is None and first_global.get("num_key_value_heads", kv) != kv:
+        global_kv = first_global["num_key_value_heads"]
+    w = GGUFWriter(str(path), "gemma4")
+    w.add_string("general.name", path.stem)
+    if add_tokenizer is not None:  # the tokenizer.* keys
+        add_tokenizer(w)
+    for key, value in (extra_metadata or {}).items():
+        _add_value(w, key, value)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(n)
+    width = cfg["intermediate_size"]
+    if cfg.get("use_double_wide_mlp"):
+        w.add_feed_forward_length([width if i < n - shared else 2 * width for i in range(n)])
+    else:
+        w.add_feed_forward_length(width)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([kv if s else global_kv for s in swa] if global_kv is not None else kv)
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_key_length(global_dim)
+    w.add_value_length(global_dim)
+    w.add_key_length_swa(sliding_dim)
+    w.add_value_length_swa(sliding_dim)
+    w.add_rope_freq_base(float(rope[GLOBAL]["rope_theta"]))
+    w.add_rope_freq_base_swa(float(rope[SLIDING]["rope_theta"]))
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern(swa)
+    if cfg.get("enable_moe_block"):
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["top_k_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_rope_dimension_count(global_dim)
+    w.add_rope_dimension_count_swa(int(sliding_dim * cfg.get("partial_rotary_factor", 1.0)))
+    rotated = int(global_dim * rope[GLOBAL]["partial_rotary_factor"] / 2)
+    freqs = [rope_factor] * rotated + [1e30] * (global_dim // 2 - rotated)
+    tensors = {"rope_freqs.weight": torch.tensor(freqs, dtype=torch.float32)}
+    tensor_map = get_tensor_name_map(MODEL_ARCH.GEMMA4, n)
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings", True):
+            continue  # tied: a checkpoint on disk holds no lm_head
+        gguf_name = _gemma4_gguf_name(name, tensor_map)
+        assert gguf_name is not None, name
+        tensors[gguf_name] = tensor
+    for gguf_name, tensor in tensors.items():
+        kind = weight_type if tensor.dim() >= 2 else GGMLQuantizationType.F32
+        f16 = kind == GGMLQuantizationType.F16
+        array = tensor.detach().float().numpy().astype(np.float16 if f16 else np.float32)
+        w.add_tensor(gguf_name, array, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
