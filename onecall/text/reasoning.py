@@ -5,6 +5,18 @@ Templates that think (Qwen3, DeepSeek-R1 style) put the model's reasoning in a l
     <think>\\nLet me see...\\n</think>\\n\\nThe answer is 4.
     reasoning_content = "Let me see..."   content = "The answer is 4."
 
+Two formats, chosen per template by ReasoningFormat.for_template():
+
+    format   markers                                   templates
+    THINK    <think> ... </think>                      Qwen3, Qwen3.5, DeepSeek
+    GEMMA4   <|channel>thought\\n ... <channel|>        Gemma 4 (enable_thinking; off, its generation
+                                                       prompt ends with an empty closed block)
+
+Gemma 4's start marker is one token, `<|channel>`, followed by the channel's name as text: the
+format's `label` ("thought"), dropped from the reasoning when the output writes it right after the
+marker. So `start` stays one token, which structured outputs need to defer past a block
+(server/serving_structured.py with_reasoning).
+
 Three prompt shapes reach the parser:
 
     prompt ends                              output starts           parser built with
@@ -77,12 +89,18 @@ class ReasoningFormat:
 
     start: str = "<think>"
     end: str = "</think>"
+    label: str = ""  # text right after `start` that names the block, not part of the reasoning
 
     @classmethod
     def for_template(cls, chat_template: str | None) -> ReasoningFormat | None:
-        """THINK for a template that writes `<think>...</think>` blocks (Qwen3), else None (SmolLM2)."""
-        if chat_template and THINK.start in chat_template and THINK.end in chat_template:
+        """THINK for a template that writes `<think>...</think>` blocks (Qwen3), GEMMA4 for one that
+        writes `<|channel>thought...<channel|>` (Gemma 4), else None (SmolLM2)."""
+        if not chat_template:
+            return None
+        if THINK.start in chat_template and THINK.end in chat_template:
             return THINK
+        if GEMMA4.start + GEMMA4.label in chat_template and GEMMA4.end in chat_template:
+            return GEMMA4
         return None
 
     def prompt_opens_reasoning(self, prompt_text: str) -> bool:
@@ -94,6 +112,7 @@ class ReasoningFormat:
 
 
 THINK = ReasoningFormat()
+GEMMA4 = ReasoningFormat(start="<|channel>", end="<channel|>", label="thought")
 
 
 class ReasoningParser:
@@ -111,6 +130,7 @@ class ReasoningParser:
         self._buf = ""  # undecided text: a possible marker prefix, or the preamble so far
         self._reasoning = StrippedStream()
         self._strip_content_start = False  # content after </think> loses its leading whitespace
+        self._label_pending = False  # the output opened a block whose label may still follow
         self.saw_reasoning = False  # did a reasoning block start (emitted text or not)
 
     @property
@@ -132,6 +152,8 @@ class ReasoningParser:
 
     def finish(self) -> ReasoningDelta:
         """End of output: what was held back goes out as what it is (an unfinished marker is text)."""
+        if self._state == self._REASONING and self._label_pending:
+            self._drop_label(at_end=True)
         text, self._buf = self._buf, ""
         if self._state == self._REASONING:
             return ReasoningDelta(self._reasoning.push(text), "")
@@ -143,12 +165,15 @@ class ReasoningParser:
         if stripped.startswith(self.fmt.start):
             self._state = self._REASONING
             self._buf = stripped[len(self.fmt.start) :]
+            self._label_pending = bool(self.fmt.label)
         elif not self.fmt.start.startswith(stripped):  # "" (whitespace only) still may open a block
             self._state = self._CONTENT
 
     def _advance_reasoning(self) -> str:
         """Emit reasoning up to `</think>` (then switch to CONTENT) or up to a possible partial marker."""
         self.saw_reasoning = True
+        if self._label_pending and not self._drop_label(at_end=False):
+            return ""
         end = self._buf.find(self.fmt.end)
         if end >= 0:
             out = self._reasoning.push(self._buf[:end])  # its held trailing whitespace is dropped
@@ -159,6 +184,20 @@ class ReasoningParser:
         out = self._reasoning.push(self._buf[: len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep :]
         return out
+
+    def _drop_label(self, *, at_end: bool) -> bool:
+        """Drop the block's label ("thought") from the start of the buffer when it is the whole word
+        (whitespace or the end marker follows); False while that cannot be decided yet."""
+        label, buf = self.fmt.label, self._buf
+        rest = buf[len(label) :] if buf.startswith(label) else None
+        if rest is not None and (
+            rest[:1].isspace() or rest.startswith(self.fmt.end) or (at_end and not rest)
+        ):
+            self._buf = rest
+        elif not at_end and (label.startswith(buf) or (rest is not None and self.fmt.end.startswith(rest))):
+            return False  # "tho", "thought", "thought<chan": not decided yet
+        self._label_pending = False
+        return True
 
     def _content(self, text: str) -> str:
         if self._strip_content_start:

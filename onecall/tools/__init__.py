@@ -3,6 +3,9 @@
     specs.py    `tools` / `tool_choice` validated; the tools described to a template without a tool
                 format; the schema or grammar that enforces a required or named call
     calls.py    tool calls out of model output: whole-text and streaming parsers (hermes and json)
+    xml_calls.py  Qwen3.5's XML calls (<function=NAME><parameter=KEY>): scan, values typed by the
+                schema, the forced-call grammar
+    harmony_grammar.py  gpt-oss: a forced call or structured outputs as a grammar over harmony's channels
     calling.py  ChatTools: one request's tools for one model's template (what to render, what to
                 enforce, a parser per choice); ToolChatOutput, what LLM.chat returns with tools
 

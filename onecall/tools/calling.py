@@ -7,6 +7,8 @@ not in tools, non-object parameters, a bad name):
     format    the template renders                        enforcement ("required", a named function)
     hermes    the tools, tool_calls and tool messages      a Lark grammar: <tool_call> blocks
               itself (Qwen2.5, Qwen3)
+    xml       as hermes, calls as <function=...> tags      a Lark grammar: <function=...> blocks,
+              (Qwen3.5; tools/xml_calls.py)                 values typed by the parameters' schemas
     json      no tools: tools_system_prompt() goes into     a JSON Schema: {"tool_calls": [...]}
               the system message, assistant tool_calls
               become the convention's JSON (SmolLM2)
@@ -40,6 +42,7 @@ from onecall.tools.specs import (
     tool_call_schema,
     validate_tools,
 )
+from onecall.tools.xml_calls import xml_tool_call_grammar
 
 if TYPE_CHECKING:
     from onecall.engine.engine import RequestOutput
@@ -59,7 +62,7 @@ class ChatTools:
     format: ToolFormat
     tools: list[dict[str, Any]] | None  # as sent; None when none are offered (tool_choice "none")
     parallel: bool
-    special_markers: bool  # hermes: <tool_call> is a special token of this tokenizer
+    special_markers: bool  # hermes, xml: <tool_call> is a special token of this tokenizer
 
     @classmethod
     def build(
@@ -73,14 +76,14 @@ class ChatTools:
             format=fmt,
             tools=tools if choice.mode != "none" else None,
             parallel=parallel_tool_calls is not False,
-            special_markers=fmt == ToolFormat.HERMES and is_special(tokenizer, TOOL_CALL_OPEN),
+            special_markers=fmt != ToolFormat.JSON and is_special(tokenizer, TOOL_CALL_OPEN),
         )
 
     def template_inputs(
         self, messages: list[dict[str, Any]]
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """(messages, tools) for render_chat."""
-        if self.format == ToolFormat.HERMES:
+        if self.format != ToolFormat.JSON:  # hermes, xml: the template renders tools and calls
             return messages, self.tools
         return messages_for_json_tools(messages, self.tools), None
 
@@ -93,6 +96,13 @@ class ChatTools:
         if self.format == ToolFormat.JSON:
             return StructuredOutputsParams(
                 json=tool_call_schema(self.tools, required_name=name, parallel=self.parallel)
+            )
+        if self.format == ToolFormat.XML:
+            functions = [(f.name, f.parameters) for f in self.choice.functions if name in (None, f.name)]
+            return StructuredOutputsParams(
+                grammar=xml_tool_call_grammar(
+                    functions, parallel=self.parallel and name is None, special_markers=self.special_markers
+                )
             )
         grammar = tool_call_grammar(
             self.tools, required_name=name, parallel=self.parallel, special_markers=self.special_markers
@@ -125,7 +135,10 @@ class ChatTools:
         # a grammar-constrained call streams its arguments as they are generated (it cannot fail to
         # validate); without one, the parser holds each call until it is complete and valid
         return ToolCallParser(
-            self.format, tool_names=self.tool_names, stream_arguments=self.choice.mode == "required"
+            self.format,
+            tool_names=self.tool_names,
+            stream_arguments=self.choice.mode == "required",
+            tool_parameters={f.name: f.parameters for f in self.choice.functions},
         )
 
     def parse(self, out: RequestOutput) -> ToolChatOutput:

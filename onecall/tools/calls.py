@@ -1,6 +1,6 @@
 """Tool calls out of model output: whole-text and streaming parsers (tools themselves: tools/specs.py).
 
-Two formats, chosen per model by ToolFormat.for_template():
+Three formats, chosen per model by ToolFormat.for_template():
 
     hermes   the template renders tools itself and the model answers (Qwen2.5, Qwen3)
                  I'll check.\\n<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>
@@ -10,16 +10,21 @@ Two formats, chosen per model by ToolFormat.for_template():
                  {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
              optionally inside a ``` or ```json fence. Only output that starts with the object counts;
              a bare call object {"name": ..., "arguments": ...} is accepted too.
+    xml      Qwen3.5's template (Qwen3-Coder's layout), calls as tags in <tool_call> blocks
+                 <tool_call>\\n<function=get_weather>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>...
+             each value typed by the function's schema (tools/xml_calls.py); text before them is content.
 
 A call is valid when its JSON parses, "name" is a non-empty string (one of the tools, when the parser
 knows them) and "arguments" (or "parameters") is an object or a string holding one; missing arguments
-are {}. An invalid call stays in the content as the text it was: parsing never raises.
+are {}; an xml call is valid when it scans (tools/xml_calls.py scan_call) and names one of the tools.
+An invalid call stays in the content as the text it was: parsing never raises.
 
 ToolCallParser streams: a call goes out, as (index, id, name) then its arguments, once it is complete
 and validated (at `</tool_call>`, or when the JSON object closes); text that may still become a call
 is held back until decided. With stream_arguments (grammar-constrained output: tool_choice "required"
 or a named function, whose calls cannot fail to validate) each call's head goes out as soon as its
-name is written and its raw arguments as they are generated (_ArgumentStreamer); a call that max_tokens
+name is written and its raw arguments as they are generated (_ArgumentStreamer; xml: a parameter at a
+time, as each "</parameter>" arrives, typed as the whole call's JSON will be); a call that max_tokens
 cuts short then stays partial, with finish_reason "length", as OpenAI's streams do. Content is the text outside calls, stripped at both ends (None when
 empty). Invariant: the concatenation of everything streamed equals parse_tool_calls(whole text), which
 is implemented by feeding the text in one piece.
@@ -35,7 +40,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +48,7 @@ from onecall.text.reasoning import StrippedStream, partial_marker_len
 from onecall.tools.specs import TOOL_CALL_CLOSE as _CLOSE
 from onecall.tools.specs import TOOL_CALL_OPEN as _OPEN
 from onecall.tools.specs import ToolFormat
+from onecall.tools.xml_calls import arguments_prefix, scan_call
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 _FENCE = "```"
@@ -131,6 +137,7 @@ class ToolCallParser:
         tool_names: Collection[str] | None = None,
         new_id: Callable[[], str] = new_tool_call_id,
         stream_arguments: bool = False,
+        tool_parameters: Mapping[str, dict[str, Any]] | None = None,
     ) -> None:
         self.fmt = fmt
         # stream_arguments: only for grammar-constrained output (tool_choice "required" or a named
@@ -140,10 +147,18 @@ class ToolCallParser:
         # until it is complete and validated, because text that looks like a call may still turn
         # out not to be one (a wrong name, bad JSON, prose after it), and a streamed piece cannot
         # be taken back.
-        self._streamer = _ArgumentStreamer(new_id) if stream_arguments else None
+        is_xml = fmt == ToolFormat.XML
+        self._streamer = _ArgumentStreamer(new_id) if stream_arguments and not is_xml else None
+        self._stream_xml = stream_arguments and is_xml  # xml: parameter by parameter (_advance_xml)
+        self._xml_head: str | None = None  # xml: the id of the call whose head went out, if any
+        self._xml_sent = 0  # xml: characters of that call's arguments sent
+        # xml: each function's parameters schema, to type its values (tools/xml_calls.py)
+        self._parameters = tool_parameters or {}
+        if tool_names is None and tool_parameters is not None:
+            tool_names = list(tool_parameters)
         self._names = tool_names  # when given, a call to another name is not a call
         self._new_id = new_id
-        self._state = "outside" if fmt == ToolFormat.HERMES else "start"
+        self._state = "start" if fmt == ToolFormat.JSON else "outside"
         self._buf = ""
         self._content = StrippedStream()
         self._num_calls = 0
@@ -156,6 +171,8 @@ class ToolCallParser:
             self._streamer.push(delta)
         if self.fmt == ToolFormat.HERMES:
             self._scan_hermes()
+        elif self.fmt == ToolFormat.XML:
+            self._scan_xml()
         else:
             self._scan_json(may_close="}" in delta)
         if self._streamer is not None:
@@ -168,6 +185,11 @@ class ToolCallParser:
         grammar its head and arguments so far already went out, a partial call). Any other undecided
         text is content."""
         text, self._buf = self._buf, ""
+        if self._state == "inside" and self.fmt == ToolFormat.XML:
+            scan = scan_call(text, _CLOSE, self._names)
+            if scan.function_closed and scan.name is not None and scan.state != "invalid":
+                self._emit_xml_call(scan.name, scan.parameters)  # all but its "</tool_call>"
+            return self._take()
         if self._state == "inside":
             call = _call_from_json(text, self._names)
             if call is not None:
@@ -193,17 +215,62 @@ class ToolCallParser:
         self._out.tool_calls.append(ToolCallDelta(index, id=self._new_id(), name=name))
         self._out.tool_calls.append(ToolCallDelta(index, arguments=arguments_json))
 
+    def _scan_outside(self) -> bool:
+        """Content up to the next "<tool_call>" (then INSIDE: True), or up to what may start one."""
+        start = self._buf.find(_OPEN)
+        if start < 0:  # hold back what may be the start of "<tool_call>"
+            cut = len(self._buf) - partial_marker_len(self._buf, _OPEN)
+            self._emit_content(self._buf[:cut])
+            self._buf = self._buf[cut:]
+            return False
+        self._emit_content(self._buf[:start])
+        self._buf, self._state = self._buf[start + len(_OPEN) :], "inside"
+        return True
+
+    def _scan_xml(self) -> None:
+        """xml: INSIDE is decided by scanning the call's structure (a value may hold "</tool_call>"):
+        complete -> a call; a prefix of one -> wait (streaming what a grammar guarantees); cannot
+        become one -> its text up to "</tool_call>" is content (held until that marker comes)."""
+        while True:
+            if self._state == "outside" and not self._scan_outside():
+                return
+            scan = scan_call(self._buf, _CLOSE, self._names)
+            if scan.state == "partial":
+                if self._stream_xml and scan.name is not None:
+                    self._advance_xml(scan.name, scan.parameters)
+                return
+            if scan.state == "complete":
+                self._emit_xml_call(scan.name or "", scan.parameters)
+                self._buf, self._state = self._buf[scan.end :], "outside"
+                continue
+            end = self._buf.find(_CLOSE)
+            if end < 0:
+                return
+            if self._xml_head is not None:  # a streamed head, then text no grammar allowed: left partial
+                self._num_calls, self._xml_head, self._xml_sent = self._num_calls + 1, None, 0
+            self._emit_content(_OPEN + self._buf[: end + len(_CLOSE)])
+            self._buf, self._state = self._buf[end + len(_CLOSE) :], "outside"
+
+    def _advance_xml(self, name: str, parameters: list[tuple[str, str]], *, close: bool = False) -> None:
+        """Send what is new of the current xml call: its head once, then its arguments pair by pair."""
+        index = self._num_calls
+        if self._xml_head is None:
+            self._xml_head = self._new_id()
+            self._out.tool_calls.append(ToolCallDelta(index, id=self._xml_head, name=name))
+        arguments = arguments_prefix(parameters, self._parameters.get(name)) + ("}" if close else "")
+        if len(arguments) > self._xml_sent:
+            self._out.tool_calls.append(ToolCallDelta(index, arguments=arguments[self._xml_sent :]))
+        self._xml_sent = len(arguments)
+
+    def _emit_xml_call(self, name: str, parameters: list[tuple[str, str]]) -> None:
+        self._advance_xml(name, parameters, close=True)
+        self._num_calls, self._xml_head, self._xml_sent = self._num_calls + 1, None, 0
+
     def _scan_hermes(self) -> None:
         while True:
             if self._state == "outside":
-                start = self._buf.find(_OPEN)
-                if start < 0:  # hold back what may be the start of "<tool_call>"
-                    cut = len(self._buf) - partial_marker_len(self._buf, _OPEN)
-                    self._emit_content(self._buf[:cut])
-                    self._buf = self._buf[cut:]
+                if not self._scan_outside():
                     return
-                self._emit_content(self._buf[:start])
-                self._buf, self._state = self._buf[start + len(_OPEN) :], "inside"
             else:  # inside: the whole body is held until "</tool_call>" decides it
                 end = self._buf.find(_CLOSE)
                 if end < 0:
@@ -360,9 +427,10 @@ def parse_tool_calls(
     *,
     tool_names: Collection[str] | None = None,
     new_id: Callable[[], str] = new_tool_call_id,
+    tool_parameters: Mapping[str, dict[str, Any]] | None = None,
 ) -> ParsedToolCalls:
     """Whole output -> content (None if only calls) and the calls, exactly what streaming would give."""
-    parser = ToolCallParser(fmt, tool_names=tool_names, new_id=new_id)
+    parser = ToolCallParser(fmt, tool_names=tool_names, new_id=new_id, tool_parameters=tool_parameters)
     deltas = [parser.feed(text), parser.finish()]
     content = "".join(d.content for d in deltas)
     return ParsedToolCalls(content or None, assemble_tool_calls(d for d in deltas))

@@ -1,7 +1,8 @@
 """Tools as the request gives them: validate `tools`/`tool_choice`, describe them, enforce calls.
 
-Two formats, chosen per model by ToolFormat.for_template() (see tools/calls.py for the outputs):
-hermes, where the template renders tools itself (Qwen2.5, Qwen3), and json, a convention for
+Three formats, chosen per model by ToolFormat.for_template() (see tools/calls.py for the outputs):
+hermes, where the template renders tools itself (Qwen2.5, Qwen3), xml, the same with Qwen3-Coder's
+<function=...><parameter=...> calls (Qwen3.5; parsed and enforced by tools/xml_calls.py), and json, a convention for
 templates that know no tools (the embedded SmolLM2): tools_system_prompt() goes into the system
 message and the model answers with {"tool_calls": [{"name": ..., "arguments": {...}}]}.
 
@@ -32,11 +33,17 @@ _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 class ToolFormat(StrEnum):
     HERMES = "hermes"
     JSON = "json"
+    XML = "qwen3_xml"
 
     @classmethod
     def for_template(cls, chat_template: str | None) -> ToolFormat:
-        """HERMES when the template renders tool calls as <tool_call> blocks, else the JSON convention."""
-        return cls.HERMES if chat_template and _OPEN in chat_template else cls.JSON
+        """XML when the template's <tool_call> blocks hold <function=...>/<parameter=...> tags
+        (Qwen3.5, Qwen3-Coder), HERMES when they hold JSON, else the JSON convention."""
+        if not chat_template or _OPEN not in chat_template:
+            return cls.JSON
+        if "<function=" in chat_template and "<parameter=" in chat_template:
+            return cls.XML
+        return cls.HERMES
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,11 @@ def validate_tools(tools: Any, tool_choice: Any) -> ToolChoice:
     and then "auto" or "none" means none."""
     if tools is None or (isinstance(tools, list) and not tools):
         if tool_choice is not None and not (tools == [] and tool_choice in ("auto", "none")):
-            what = "is only allowed when `tools` are given" if tools is None else "asks for a call, but `tools` is empty"
+            what = (
+                "is only allowed when `tools` are given"
+                if tools is None
+                else "asks for a call, but `tools` is empty"
+            )
             raise InvalidParameterError("tool_choice", what)
         return ToolChoice("none", None, ())
     functions = tool_functions(tools)

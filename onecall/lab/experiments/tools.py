@@ -210,7 +210,7 @@ def _seed_rows(ctx: LabContext, r: dict[str, Any]) -> list[SeedRow]:
 def _markdown(ctx: LabContext, r: dict[str, Any]) -> str:
     fmt_note = (
         f"The template renders the tools itself ({r['format']} format)."
-        if r["format"] == ToolFormat.HERMES
+        if r["format"] != ToolFormat.JSON
         else "The template has no tool format, so the tools go into the system message as onecall's JSON "
         'convention (tools/specs.py) and the model answers `{"tool_calls": [...]}`.'
     )
