@@ -5,7 +5,7 @@ module: transformers and torch can import it on their own. Without a CUDA device
 way Triton kernels run, so the whole session uses it (tests/kernels/test_triton_attention.py,
 tests/test_gpu_check.py); with one, kernels run compiled on the device.
 
-Also here: the fixtures many files share (the embedded model's tokenizer, a grammar backend, the
+Also here: the pack cache's folder (a temporary one per session), and the fixtures many files share (the embedded model's tokenizer, a grammar backend, the
 embedded model itself), built once per session. The markers (pyproject.toml) sort the tests into
 tiers: `slow`, `server` (a real `onecall serve` subprocess) and `browser` (Chromium);
 `make test-fast` runs the rest.
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -29,6 +31,12 @@ if TYPE_CHECKING:
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A GGUF's packed weights are cached on disk after a load (loading/pack_cache.py): in a folder of this
+# session's own, never the user's ~/.cache; subprocess servers inherit it; removed at exit.
+_PACK_CACHE = tempfile.mkdtemp(prefix="onecall-pack-cache-")
+os.environ.setdefault("ONECALL_PACK_CACHE_DIR", _PACK_CACHE)
+atexit.register(shutil.rmtree, _PACK_CACHE, ignore_errors=True)
 
 
 def _silence_stderr() -> None:

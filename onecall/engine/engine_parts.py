@@ -49,6 +49,7 @@ from onecall.formats.gguf import open_gguf
 from onecall.formats.hf_config import model_config_from_hf
 from onecall.formats.quants import StoredGroups
 from onecall.kernels.cpu import native
+from onecall.loading.pack_cache import PackCache
 from onecall.loading.weights import load_weights
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
@@ -72,6 +73,9 @@ class LoadedEngineParts:
     load_seconds: float
     kernels: str = "reference"  # what the projections run on (DecoderLM.kernels)
     tp_group: StepGroup | None = None  # the other ranks, with tensor_parallel_size > 1
+    # loading/pack_cache.py: "hit" (the packed weights were mapped from the cache), "written", "off"
+    # (not a GGUF on the packing fast path, or ONECALL_PACK_CACHE=0), or why nothing was written
+    pack_cache: str = "off"
 
     @property
     def vocab_size(self) -> int:
@@ -113,7 +117,9 @@ def load_engine_parts(config: EngineConfig, group: StepGroup | None = None) -> L
     # weight work is torch ops that release the GIL): about 0.2 s of cold start off the critical path.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_job = pool.submit(_load_tokenizer, files)
-        model = load_model(config, files, model_config, dtype, device, group.tp if group else None)
+        model, pack_cache = load_model_cached(
+            config, files, model_config, dtype, device, group.tp if group else None
+        )
         tokenizer = tokenizer_job.result()
 
     # 5. KV pool: this rank's KV heads; every rank agrees on the smallest pool
@@ -148,6 +154,7 @@ def load_engine_parts(config: EngineConfig, group: StepGroup | None = None) -> L
         time.perf_counter() - t0,
         model.kernels,
         group,
+        pack_cache,
     )
 
 
@@ -188,10 +195,24 @@ def load_model(
     device: torch.device,
     tp: TensorParallel | None = None,
 ) -> DecoderLM:
+    """load_model_cached's model (what a tensor-parallel rank calls: engine/tp/worker_loop.py)."""
+    return load_model_cached(config, files, model_config, dtype, device, tp)[0]
+
+
+def load_model_cached(
+    config: EngineConfig,
+    files: ModelFiles,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+) -> tuple[DecoderLM, str]:
     """4. Build the module tree and stream the weights in (with `tp`, this rank's slice of them, on
     the reference kernels: see DecoderLM). The fast kernels pack each projection as
     it arrives, keeping a GGUF's own 4-bit groups (decoded once on the way in) and its Q8_0 logits
-    weight as int8; no dense copy of the projections is ever kept.
+    weight as int8; no dense copy of the projections is ever kept. A GGUF's packed weights are cached
+    (loading/pack_cache.py): a second start maps them back and neither decodes nor packs them. Returns
+    the model and what the cache did (LoadedEngineParts.pack_cache).
 
     With --max-model-len below the model's context window, the model is built for that length: its
     RoPE tables stop there (Gemma 3's two tables at 131,072 positions are 268 MB) and a longrope model
@@ -203,17 +224,24 @@ def load_model(
         int8_activations=config.int8_activations,
     )  # fmt: skip
     stored: dict[str, StoredGroups] | None = {} if model.pack_on_load else None
-    if model.tp is None:
+    cache = PackCache.applies(model, open_gguf(files.path) if files.kind == "gguf" else None)
+    cached = cache.lookup() if cache is not None else None
+    expand = stored is None or native.load() is None
+    if cache is not None and cached is not None:  # only the tensors the cache does not hold
+        weights = cache.iter_weights(dtype, stored, expand)
+    elif model.tp is None:
         # the native kernels run every row of a projection in any stored form (4- and 5-bit groups, int8
         # groups, F16/BF16: formats/quants.py StoredGroups): such tensors need no float32 expansion (packing.StreamingPacker packs them from their groups; an embedding or
         # lm_head in such groups stays stored too, packing.stays_stored; the rest expands as it loads)
-        weights = iter_weights(files, dtype, stored, expand_stored=stored is None or native.load() is None)
+        weights = iter_weights(files, dtype, stored, expand_stored=expand)
     elif files.kind == "hf":
         weights = iter_rank_weights(files, dtype, model.tp, model_config)
     else:  # a GGUF's tensors are read (and dequantized) whole, then sliced
         weights = shard_weights(model.tp, iter_weights(files, dtype), model_config)
-    load_weights(model, weights, stored)
-    return model.eval()
+    load_weights(model, weights, stored, cached)
+    if cache is not None and cached is None:
+        cache.save()
+    return model.eval(), "off" if cache is None else cache.status
 
 
 def shard_weights(

@@ -6,6 +6,8 @@
                     (the file's own 4-bit / int8 groups where the kernels run them), the logits head,
                     the embedding kept as the file's groups
     native_step.py  the one-call decode step, assembled from a packed model's layers
+    pack_cache.py   a GGUF's packed projections, head and embedding kept on disk after a first load and
+                    memory-mapped back on the next (neither decoded nor packed again)
 
 Nothing here runs at step time except what it built; engine/engine_parts.py calls it.
 """

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,11 +29,27 @@ from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
 from onecall.model.moe import SparseMoE
 
 
+class Prepacked(Protocol):
+    """Every projection, the logits head and the embedding already in their kernels' layouts: a hit of
+    loading/pack_cache.py (its CachedPacks), which nothing here needs to know more of."""
+
+    head: native.Packed  # the logits head's table
+
+    def linear(self, key: str, bias: torch.Tensor | None) -> FastLinear:
+        """The projection PackSlot `key` names, holding `bias` by reference."""
+        ...
+
+    def embedding(self) -> StoredEmbedding:
+        """The token embedding (tied: on the head's own table)."""
+        ...
+
+
 @dataclass
 class PackSlot:
     """One projection to pack: the module attribute its FastLinear replaces, and the checkpoint
     tensors that fill its rows (a fused q/k/v or gate/up weight has several)."""
 
+    key: str  # "model.layers.{i}.{ours}": its name in loading/pack_cache.py
     owner: nn.Module
     attr: str
     shape: tuple[int, int]  # (out_features, in_features)
@@ -51,13 +68,20 @@ class StreamingPacker:
     kernels run (fast_linear.runs_stored_only) needs no float32 weight at all: its parts may arrive as meta tensors (a GGUF loader
     that did not expand them, GGUFFile.iter_tensors(expand_stored=False)) and are packed from the stored
     groups alone; any other meta part is expanded from its stored groups here. `finish` installs the
-    modules and packs the logits.
+    modules and packs the logits. With `cached` (loading/pack_cache.py: a hit), every projection and
+    the logits head come packed already: a part that still arrives is dropped, nothing is packed.
     """
 
     def __init__(
-        self, slots: list[PackSlot], stored: MutableMapping[str, StoredGroups], workers: int, act8: bool = False
+        self,
+        slots: list[PackSlot],
+        stored: MutableMapping[str, StoredGroups],
+        workers: int,
+        act8: bool = False,
+        cached: Prepacked | None = None,
     ) -> None:
         self.slots = slots
+        self.cached = cached
         self.act8 = act8  # 4-bit groups for the int8-activation kernel (DecoderLM.int8_activations)
         self._slot_of = {name: (slot, rows) for slot in slots for name, rows in slot.parts.items()}
         # may still be filling: a part's groups are stored before it is yielded; a projection's entries
@@ -75,6 +99,8 @@ class StreamingPacker:
         if entry is None:
             return False
         slot, _ = entry
+        if self.cached is not None:
+            return True  # packed already (a hit holds every projection: Prepacked)
         parts = self._staging.setdefault(id(slot), {})
         parts[name] = tensor
         if len(parts) == len(slot.parts):
@@ -118,8 +144,14 @@ class StreamingPacker:
 
     def finish(self, output_weight: torch.Tensor, output_name: str) -> tuple[FastLMHead, list[FastLinear]]:
         """Wait for every packing, swap each FastLinear in, and pack the logits projection (from the
-        checkpoint's own int8 or 4-bit groups when `output_name` was stored as such)."""
+        checkpoint's own int8 or 4-bit groups when `output_name` was stored as such; from the cache's
+        tables on a hit)."""
         try:
+            if self.cached is not None:
+                modules = [self.cached.linear(slot.key, slot.bias) for slot in self.slots]
+                for slot, module in zip(self.slots, modules, strict=True):
+                    setattr(slot.owner, slot.attr, module)
+                return FastLMHead.from_table(self.cached.head), modules
             head = self._pool.submit(FastLMHead, output_weight, self._stored.get(output_name))
             modules = [job.result() for _, job in self._jobs]
             for (slot, _), module in zip(self._jobs, modules, strict=True):
@@ -146,22 +178,31 @@ def pack_slots(model: DecoderLM) -> list[PackSlot]:
         shape = (linear.out_features, linear.in_features)
         theirs = PROJECTION_PARTS[ours]
         parts = {f"model.layers.{i}.{t}.weight": rows.get(t, (0, shape[0])) for t in theirs}
-        slots.append(PackSlot(owner, attr, shape, parts, linear.bias))
+        slots.append(PackSlot(f"model.layers.{i}.{ours}", owner, attr, shape, parts, linear.bias))
     return slots
 
 
-def new_packer(model: DecoderLM, stored: MutableMapping[str, StoredGroups]) -> StreamingPacker:
-    """A packer for the model's projections; `stored` may still be filling (see StreamingPacker)."""
-    return StreamingPacker(pack_slots(model), stored, torch.get_num_threads(), model.int8_activations)
+def new_packer(
+    model: DecoderLM, stored: MutableMapping[str, StoredGroups], cached: Prepacked | None = None
+) -> StreamingPacker:
+    """A packer for the model's projections; `stored` may still be filling (see StreamingPacker);
+    `cached`: every projection and the logits head from loading/pack_cache.py (a hit): none packed."""
+    return StreamingPacker(pack_slots(model), stored, torch.get_num_threads(), model.int8_activations, cached)
 
 
 def install(model: DecoderLM, packer: StreamingPacker) -> None:
     """Wait for the packer, swap in the packed projections and the logits head (the small ops are the
     model's own: DecoderLM.ops, chosen when it was built), and record what the model now runs on
     (DecoderLM.kernels)."""
-    head, modules = packer.finish(model.output_weight(), model.output_weight_name())
+    cached = packer.cached
+    # on a hit the float32 output matrix is never made (nor read): the cache holds the head's table
+    output = model.output_weight() if cached is None else torch.empty(0, device="meta")
+    head, modules = packer.finish(output, model.output_weight_name())
     model.fast_lm_head = head
-    if native.load() is not None:
+    if cached is not None:
+        model.model.embed_tokens = cached.embedding()  # tied: the head's own table
+        model.native_step = NativeDecodeStep.build(model.model)
+    elif native.load() is not None:
         embedding = _stored_embedding(model, packer.stored)
         if embedding is not None:  # the float32 table goes, or was never made (fast_embedding.py)
             model.model.embed_tokens = embedding

@@ -38,7 +38,7 @@ from onecall.formats.quants import StoredGroups, cat_rows
 from onecall.kernels.cpu import native
 from onecall.kernels.cpu.experts import ExpertGroups, for_kernel, native_experts
 from onecall.kernels.cpu.fast_linear import runs_stored_only
-from onecall.loading.packing import EMBEDDING, LM_HEAD, install, new_packer, stays_stored
+from onecall.loading.packing import EMBEDDING, LM_HEAD, Prepacked, install, new_packer, stays_stored
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weight
 from onecall.model.gemma import checkpoint_norm_weight
@@ -118,10 +118,13 @@ def load_weights(
     model: DecoderLM,
     weights: Iterable[tuple[str, torch.Tensor]],
     stored_weights: MutableMapping[str, StoredGroups] | None = None,
+    cached: Prepacked | None = None,
 ) -> None:
     """Copy Hugging Face-named tensors into the model's (partly fused) parameters, casting dtype and
     device. With pack_on_load, projections go to the fast kernels instead (with `stored_weights`, which
-    the weight iterator may fill as it goes: see GGUFFile.iter_tensors).
+    the weight iterator may fill as it goes: see GGUFFile.iter_tensors). `cached` (pack_on_load only):
+    every projection, the logits head and the embedding packed already (loading/pack_cache.py, a hit):
+    `weights` need not hold them (PackCache.iter_weights leaves them out), and any that come are dropped.
 
     Raises UnsupportedModelError naming the tensor for an unexpected name, a shape mismatch,
     or (at the end) any parameter left unloaded.
@@ -146,8 +149,11 @@ def load_weights(
     packer = None
     if model.pack_on_load and model.kernels == "reference":
         # not `stored_weights or {}`: the dict the weight iterator fills is still empty here
-        packer = new_packer(model, {} if stored_weights is None else stored_weights)
+        packer = new_packer(model, {} if stored_weights is None else stored_weights, cached)
+    assert cached is None or packer is not None, "a pack cache hit is for a model packed on load"
     loaded: set[str] = set()
+    if packer is not None and cached is not None:  # the hit holds them (Prepacked)
+        loaded |= {name for slot in packer.slots for name in slot.parts} | {EMBEDDING, LM_HEAD}
     # a GGUF's quantized experts, packed for their native kernel as they arrive instead of copied
     experts = None
     if packer is not None and stored_weights is not None and model.config.moe is not None and native.load():
@@ -162,6 +168,8 @@ def load_weights(
                 assert isinstance(embed, nn.Embedding), "the loader swaps the table out only at the end"
                 _check_shape(name, tensor, torch.Size((embed.num_embeddings, embed.embedding_dim)))
                 continue
+            if cached is not None and name in (EMBEDDING, LM_HEAD):
+                continue  # the hit's tables, installed by install()
             owner = {EMBEDDING: model.model.embed_tokens, LM_HEAD: model.lm_head}.get(name)
             if owner is not None and owner.weight.is_meta:  # left on meta by pack_on_load
                 groups = stored_weights.get(name) if tensor.is_meta and stored_weights is not None else None

@@ -180,6 +180,46 @@ class FastLinear(nn.Module):
                 weight.detach().contiguous(), _ONEDNN_PACK_ROWS
             )
 
+    @classmethod
+    def from_packed(
+        cls,
+        packed: native.Q4Packed | Sequence[tuple[int, int, native.Packed]],
+        bias: torch.Tensor | None = None,
+        act8: bool = False,
+    ) -> FastLinear:
+        """A FastLinear that runs every row on weights already in their kernels' layouts (what
+        `packed_weights` of an every-row FastLinear gave, e.g. memory-mapped back from
+        loading/pack_cache.py): a whole Q4Packed (the all-4-bit form) or (first row, end row, packed)
+        parts. Nothing is packed or copied; the tensors are held by reference."""
+        lib = _native()
+        assert lib is not None, "weights in the native layouts need the native kernels"
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.act8, self.every_row, self._lib = act8, True, lib
+        self.bias = None if bias is None else bias.detach()
+        self.packed, self.int4_weight, self.int4_scale_zeros = None, None, None
+        if isinstance(packed, native.Q4Packed):
+            self.q4, self.group_size, self.parts = packed, 32, []
+            self.out_features, self.in_features = packed.out_features, packed.in_features
+        else:
+            self.q4, self.group_size, self.parts = None, 0, list(packed)
+            assert self.parts and self.parts[0][0] == 0, "parts must start at row 0"
+            assert all(a[1] == b[0] for a, b in zip(self.parts, self.parts[1:], strict=False)), (
+                "parts must be contiguous"
+            )
+            self.out_features, self.in_features = self.parts[-1][1], self.parts[0][2].in_features
+        return self
+
+    @property
+    def packed_weights(self) -> native.Q4Packed | list[tuple[int, int, native.Packed]] | None:
+        """Every row's weights in their native layouts, as from_packed takes them back; None unless
+        every row runs the native kernels (a oneDNN or torch int4 packing is opaque)."""
+        if not self.every_row:
+            return None
+        if self.q4 is not None:
+            return self.q4
+        return list(self.parts) if self.parts else None
+
     def _pack_stored(self, parts: list[tuple[int, int, StoredGroups]]) -> None:
         assert parts[0][0] == 0 and parts[-1][1] == self.out_features, "parts must cover every row"
         assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False)), "parts must be contiguous"
@@ -368,6 +408,16 @@ class FastLMHead(nn.Module):
                 self.table = native.pack_q8_blocked(q, scale)
         if self.table is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _ONEDNN_PACK_ROWS)
+
+    @classmethod
+    def from_table(cls, table: native.Packed) -> FastLMHead:
+        """A head on the checkpoint's own weight already in its kernel's layout (`table` of a head
+        built `from_stored`, e.g. memory-mapped back from loading/pack_cache.py): nothing is packed."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.num_weights = table.out_features * table.in_features
+        self.table, self.packed, self.from_stored = table, None, True
+        return self
 
     @property
     def q8(self) -> native.Q8Blocked | None:

@@ -1,0 +1,1 @@
+"""Tests of onecall/loading/: checkpoint tensors into a runnable model (the pack cache)."""
