@@ -207,6 +207,8 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
         if embedding is not None:  # the float32 table goes, or was never made (fast_embedding.py)
             model.model.embed_tokens = embedding
         model.native_step = NativeDecodeStep.build(model.model)
+    if native.load() is not None:
+        _store_per_layer_embedding(model, packer.stored)
     # the loader left the table on meta only where stays_stored said a StoredEmbedding takes its groups
     embed = model.model.embed_tokens
     if isinstance(embed, nn.Embedding) and embed.weight.is_meta:
@@ -229,6 +231,9 @@ def install(model: DecoderLM, packer: StreamingPacker) -> None:
 
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# Gemma 4's per-layer token embeddings (model/gemma4.py add_per_layer_inputs): vocabulary x (layers x
+# width), a third of an E2B's parameters; kept as stored and looked up like the token embedding
+PER_LAYER_EMBEDDING = "model.embed_tokens_per_layer.weight"
 
 
 def stays_stored(model: DecoderLM, name: str, groups: StoredGroups | None) -> bool:
@@ -236,10 +241,12 @@ def stays_stored(model: DecoderLM, name: str, groups: StoredGroups | None) -> bo
     once the fast kernels are in, so its float32 matrix is never needed (one process, on CPU): exactly
     the groups the native kernels run as they are (fast_linear.runs_stored_only, the rule FastLMHead
     also follows), of the table's shape. A StoredEmbedding then reads them (tied: the head's own bytes)."""
-    assert name in (EMBEDDING, LM_HEAD)
+    assert name in (EMBEDDING, LM_HEAD, PER_LAYER_EMBEDDING)
     if groups is None:
         return False
-    embed = model.model.embed_tokens
+    embed = model.model.embed_tokens if name != PER_LAYER_EMBEDDING else model.model.embed_tokens_per_layer
+    if not isinstance(embed, nn.Embedding):
+        return False
     return (
         model.tp is None
         and model.model.norm.weight.device.type == "cpu"
@@ -260,6 +267,19 @@ def _stored_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> S
     assert groups is not None
     table = pack_stored(groups)
     return None if table is None else StoredEmbedding(table)
+
+
+def _store_per_layer_embedding(model: DecoderLM, stored: Mapping[str, StoredGroups]) -> None:
+    """Gemma 4's per-layer token embeddings as the checkpoint's groups (a StoredEmbedding), where the
+    loader left them unfilled (weights.load_weights: stays_stored); other models have none."""
+    groups = stored.get(PER_LAYER_EMBEDDING)
+    if not stays_stored(model, PER_LAYER_EMBEDDING, groups):
+        return
+    assert groups is not None
+    table = pack_stored(groups)
+    if table is None:  # runs_stored_only promised a layout: the loader left the float32 table unfilled
+        raise RuntimeError(f"{PER_LAYER_EMBEDDING} was left to its stored groups, but they could not be packed")
+    model.model.embed_tokens_per_layer = StoredEmbedding(table)
 
 
 @torch.no_grad()

@@ -38,7 +38,15 @@ from onecall.formats.quants import StoredGroups, cat_rows
 from onecall.kernels.cpu import native
 from onecall.kernels.cpu.experts import ExpertGroups, for_kernel, native_experts
 from onecall.kernels.cpu.fast_linear import runs_stored_only
-from onecall.loading.packing import EMBEDDING, LM_HEAD, Prepacked, install, new_packer, stays_stored
+from onecall.loading.packing import (
+    EMBEDDING,
+    LM_HEAD,
+    PER_LAYER_EMBEDDING,
+    Prepacked,
+    install,
+    new_packer,
+    stays_stored,
+)
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weight
 from onecall.model.gemma import checkpoint_norm_weight
@@ -177,6 +185,10 @@ def load_weights(
                     loaded.add(name)  # stays the stored groups: install() takes them from there
                     continue
                 table[name] = (materialize_weight(model, owner), 0, tensor.shape[0])
+            per_layer = name == PER_LAYER_EMBEDDING and packer is not None and tensor.is_meta
+            if per_layer and stored_weights and stays_stored(model, name, stored_weights.get(name)):
+                loaded.add(name)  # install() puts a StoredEmbedding on its groups
+                continue
             if name not in table:
                 raise UnsupportedModelError(
                     f"unexpected tensor {name!r} in checkpoint for {model.config.architecture}"

@@ -146,6 +146,33 @@ def test_f16_file_round_trips(tmp_path: Path) -> None:
         path.unlink()
 
 
+def test_per_layer_embeddings_stay_stored_on_the_fast_path(tmp_path: Path) -> None:
+    """As the engine loads a file (packed on load, the fast kernels): the per-layer token table, a third
+    of an E2B's parameters, stays the file's F16 groups (a StoredEmbedding, no float32 copy), its rows
+    exactly the file's values widened, and the logits match transformers on the F16-rounded weights."""
+    from onecall.kernels.cpu import native
+    from onecall.kernels.cpu.fast_embedding import StoredEmbedding
+
+    if native.load() is None:
+        pytest.skip(f"no native kernels: {native.unavailable_reason()}")
+    hf = build_hf("e2b")
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.half().float())
+    path = _convert(tmp_path, hf, F16)
+    files = resolve_model(path)
+    ours = DecoderLM(model_config_from_hf(load_hf_config_dict(files)), kernels="fast")
+    stored: dict[str, Any] = {}  # the engine's load (engine_parts.load_model): groups not expanded
+    load_weights(ours, iter_weights(files, torch.float32, stored, expand_stored=False), stored)
+    table = ours.model.embed_tokens_per_layer
+    assert isinstance(table, StoredEmbedding)
+    ids = torch.tensor([0, 5, 17, hf.config.vocab_size - 1])
+    want = hf.model.embed_tokens_per_layer.weight[ids]
+    assert torch.equal(table(ids), want)  # F16 widened: exact
+    _check_against_transformers(hf, ours.eval())
+
+
 def test_rope_freqs_factor(tmp_path: Path) -> None:
     """rope_freqs' rotated pairs at f (not the converter's 1) read as the proportional RoPE's factor f."""
     hf = build_hf("e2b", factor=2.0)
