@@ -5,8 +5,9 @@ internals. Two objects cross the door (and a third for MoE experts the loader pu
 ExpertKernels):
 
     LayerOps           chosen when a model is built (select.layer_ops: device, dtype, the kernels
-                       switch) and handed to every RMSNorm, MLP and Attention: the fused small ops
-                       (residual add + RMSNorm, SiLU x up, q/k norms + RoPE + the K/V cache write)
+                       switch) and handed to every RMSNorm, MLP, Attention and GatedDeltaNet: the
+                       fused small ops (residual add + RMSNorm, SiLU x up, q/k norms + RoPE + the K/V
+                       cache write, a DeltaNet layer's decode rows with its states in place)
     AttentionKernels   chosen per step with the attention backend (select.attention_kernels) and
                        carried in the step's AttentionMetadata: paged decode rows, prefill chunks,
                        or the whole batch in one call
@@ -29,11 +30,25 @@ own the tensor.
 from __future__ import annotations
 
 from collections.abc import Sized
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 QKNorm = tuple[torch.Tensor, torch.Tensor, float]  # (q weight, k weight, eps): Qwen3's per-head norms
+
+
+class DeltaNetWeights(NamedTuple):
+    """A Gated DeltaNet layer's small weights and sizes, as LayerOps.delta_decode_rows reads them (the
+    formulas: model/qwen35.py's docstring; the recurrence: model/delta_rule.py)."""
+
+    conv_weight: torch.Tensor  # (conv_dim, 1, kernel): the depthwise causal conv over q, k, v
+    A_log: torch.Tensor  # (v_heads,)
+    dt_bias: torch.Tensor  # (v_heads,)
+    norm_weight: torch.Tensor  # (v_dim,): the gated RMSNorm's scale (a plain weight, no 1 + w)
+    norm_eps: float
+    l2_eps: float  # inside q and k's l2 norms
+    num_k_heads: int
+    k_head_dim: int
 
 
 class LayerOps:
@@ -71,6 +86,23 @@ class LayerOps:
         False, with nothing written, where these kernels do not take the shapes (then the caller
         rotates and stores them itself)."""
         return False
+
+    def delta_decode_rows(
+        self,
+        proj: torch.Tensor,
+        weights: DeltaNetWeights,
+        slots: torch.Tensor,
+        fresh: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """A Gated DeltaNet layer's n one-token rows between its input and output projections: proj (n,
+        conv_dim + v_heads * v_dim + 2 * v_heads) the rows [qkv | z | b | a] of the input projection, the
+        row's states at slots (n,) int64 (distinct) of conv_state (num_slots, conv_dim, kernel - 1) and
+        recurrent_state (num_slots, v_heads, k_dim, v_dim), read and written in place; fresh (n,) bool
+        or None: rows that start from zero states. -> (n, v_heads * v_dim), the gated RMSNorm's output
+        (what the output projection reads); or None, with nothing written."""
+        return None
 
 
 class PagedBatch(Protocol):

@@ -30,7 +30,8 @@ is the unpadded sequence's.
 
 Shapes: q, k (batch, tokens, heads, k_dim) after prepare_qk (the key heads repeated for the value
 heads they serve), v (batch, tokens, heads, v_dim), g and beta (batch, tokens, heads), the state
-(batch, heads, k_dim, v_dim); everything in float32, as transformers' torch path computes it.
+(batch, heads, k_dim, v_dim); everything in float32, as transformers' torch path computes it (float64
+stays float64: widen, so the layer's torch path in float64 is the native kernels' oracle).
 """
 
 from __future__ import annotations
@@ -39,9 +40,15 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_SIZE = 64
+L2_EPS = 1e-6  # inside q and k's l2 norms (flash-linear-attention's)
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 where it is float64 already (never narrowed)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension (flash-linear-attention's l2norm, eps inside)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -50,7 +57,7 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torc
     """q, k (..., num_k_heads, k_dim) as the conv leaves them -> float32, L2-normalised, q scaled by
     k_dim ** -0.5, each key head repeated for the num_v_heads // num_k_heads consecutive value heads it
     serves (value head j reads key head j // ratio): (..., num_v_heads, k_dim) each."""
-    q, k = l2_normalize(q.float()), l2_normalize(k.float())
+    q, k = l2_normalize(widen(q)), l2_normalize(widen(k))
     q = q * q.shape[-1] ** -0.5
     ratio = num_v_heads // k.shape[-2]
     if ratio > 1:
@@ -68,8 +75,8 @@ def recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence token by token. Returns (outputs (batch, tokens, heads, v_dim), the state after
     the last token); `state` is not modified."""
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    s = state.float().clone()  # (batch, heads, k_dim, v_dim)
+    q, k, v, g, beta = (widen(x) for x in (q, k, v, g, beta))
+    s = widen(state).clone()  # (batch, heads, k_dim, v_dim)
     out = torch.empty_like(v)
     for t in range(q.shape[1]):
         s = s * g[:, t].exp()[..., None, None]
@@ -89,12 +96,13 @@ def gated_delta_step_(
     state: torch.Tensor,
 ) -> torch.Tensor:
     """One token of each of n sequences, the state updated in place: q, k (n, heads, k_dim), v (n, heads,
-    v_dim), g, beta (n, heads), state (n, heads, k_dim, v_dim) float32 -> outputs (n, heads, v_dim).
+    v_dim), g, beta (n, heads), state (n, heads, k_dim, v_dim) float32 (or float64) -> outputs (n, heads,
+    v_dim).
     recurrent_gated_delta_rule's step with two passes over the state where it makes four copies: the
     decay and the rank-one update (a batched outer product added in place) write it, the two
     contractions read it. Decode's form (model/qwen35.py)."""
     n, heads, k_dim, v_dim = state.shape
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (widen(x) for x in (q, k, v, g, beta))
     state.mul_(g.exp()[..., None, None])
     flat = state.view(n * heads, k_dim, v_dim)
     predicted = torch.bmm(k.reshape(n * heads, 1, k_dim), flat).view(n, heads, v_dim)

@@ -39,8 +39,10 @@ the mrope sections reduce to plain RoPE: one table serves every full-attention l
 The state of a sequence (LinearStateCache, AttentionMetadata.state_slots): a DeltaNet layer starts a
 sequence from zeros when its first new position is 0, else from its slot, and writes back the conv's
 last kernel - 1 inputs and the recurrent state after the sequence's last new token. Decode rows
-(query_len 1) run as one batch (slots gathered, one recurrent step, scattered back); prompt chunks one
-sequence at a time, in the chunked form.
+(query_len 1) run as one batch: on the layer's ops (LayerOps.delta_decode_rows: conv, gates, the rule
+and the gated norm in one call, the states read and written in place by slot) where they take it, else
+in torch (slots gathered, one recurrent step, scattered back); prompt chunks one sequence at a time, in
+the chunked form.
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecall.kernels.ops import REFERENCE_OPS, LayerOps
+from onecall.kernels.ops import REFERENCE_OPS, DeltaNetWeights, LayerOps
 from onecall.model.attention import paged_attention
 from onecall.model.attention_metadata import AttentionMetadata, SeqSpan
 from onecall.model.config import LINEAR, LinearAttentionSpec, ModelConfig
-from onecall.model.delta_rule import chunked_gated_delta_rule, gated_delta_step_, prepare_qk
+from onecall.model.delta_rule import L2_EPS, chunked_gated_delta_rule, gated_delta_step_, prepare_qk, widen
 from onecall.model.gemma import GemmaRMSNorm
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import MLP, Attention, Linear
@@ -106,8 +108,8 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
-        return (y * F.silu(z.float())).to(x.dtype)
+        y = F.rms_norm(widen(x), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
+        return (y * F.silu(widen(z))).to(x.dtype)
 
 
 class CausalConv1d(nn.Module):
@@ -140,9 +142,15 @@ class GatedDeltaNet(nn.Module):
     lives in the LinearStateCache under its index among the model's linear layers."""
 
     def __init__(
-        self, config: ModelConfig, spec: LinearAttentionSpec, dtype: torch.dtype, device: torch.device | str
+        self,
+        config: ModelConfig,
+        spec: LinearAttentionSpec,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: LayerOps = REFERENCE_OPS,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.num_k_heads, self.num_v_heads = spec.linear_num_key_heads, spec.linear_num_value_heads
         self.k_head_dim, self.v_head_dim = spec.linear_key_head_dim, spec.linear_value_head_dim
         self.key_dim, self.value_dim, self.conv_dim = spec.key_dim, spec.value_dim, spec.conv_dim
@@ -164,24 +172,46 @@ class GatedDeltaNet(nn.Module):
         in layer `layer` of `state`."""
         assert meta.state_slots is not None, "a hybrid model's step needs AttentionMetadata.state_slots"
         n = x.shape[0]
-        heads = self.num_v_heads
         proj = self.in_proj(x, meta.num_decode)
+        decode = [i for i, s in enumerate(meta.seqs) if s.query_len == 1]
+        rows = [meta.seqs[i].q_start for i in decode]
+        snapshots = {i: (p, slot) for i, p, slot in meta.state_snapshots or ()}
+        # 1. the decode rows on the layer's ops (states in place): their gated norm's output, or None
+        y_decode = self._decode_rows_on_ops(decode, rows, proj, state, layer, meta) if decode else None
+        if y_decode is not None and rows == list(range(n)):  # it took every row of the step
+            y = y_decode
+        else:  # 2. in torch, every row step 1 did not take
+            y = self._torch_rows(proj, [] if y_decode is not None else decode, state, layer, meta, snapshots)
+            if y_decode is not None:
+                y[rows] = y_decode.to(y.dtype)
+        for i in decode:  # a one-token chunk's snapshot is the state after it
+            if i in snapshots:
+                state.copy_layer(layer, [int(meta.state_slots[i])], [snapshots[i][1]])
+        return self.out_proj(y, meta.num_decode)
+
+    def _torch_rows(
+        self,
+        proj: torch.Tensor,
+        decode: list[int],
+        state: LinearStateCache,
+        layer: int,
+        meta: AttentionMetadata,
+        snapshots: dict[int, tuple[int, int]],
+    ) -> torch.Tensor:
+        """The torch path over the in_proj rows `proj`: the one-token sequences `decode` (one batch) and
+        every prompt chunk -> the gated norm's output (num_tokens, value_dim); rows of neither are zeros."""
+        assert meta.state_slots is not None
+        n, heads = proj.shape[0], self.num_v_heads
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, heads, heads], dim=-1)
         beta = b.sigmoid()  # (num_tokens, v heads)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (num_tokens, v heads), float32
-        core = x.new_empty(n, heads, self.v_head_dim)
-        decode = [i for i, s in enumerate(meta.seqs) if s.query_len == 1]
-        snapshots = {i: (p, slot) for i, p, slot in meta.state_snapshots or ()}
+        g = -widen(self.A_log).exp() * F.softplus(widen(a) + self.dt_bias)  # (num_tokens, v heads), float32
+        core = proj.new_zeros(n, heads, self.v_head_dim)
         if decode:
             self._decode_rows(decode, qkv, g, beta, core, state, layer, meta)
-            for i in decode:  # a one-token chunk's snapshot is the state after it
-                if i in snapshots:
-                    state.copy_layer(layer, [int(meta.state_slots[i])], [snapshots[i][1]])
         for i, s in enumerate(meta.seqs):
             if s.query_len > 1:
                 self._prompt_chunk(i, s, qkv, g, beta, core, state, layer, meta.state_slots, snapshots.get(i))
-        y = self.norm(core, z.reshape(n, heads, self.v_head_dim)).reshape(n, self.value_dim)
-        return self.out_proj(y, meta.num_decode)
+        return self.norm(core, z.reshape(n, heads, self.v_head_dim)).reshape(n, self.value_dim)
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., conv_dim) -> prepared q, k (..., v heads, k_dim) and v (..., v heads, v_dim)."""
@@ -193,6 +223,38 @@ class GatedDeltaNet(nn.Module):
             self.num_v_heads,
         )
         return q, k, v.reshape(*lead, self.num_v_heads, self.v_head_dim)
+
+    def _decode_rows_on_ops(
+        self,
+        decode: list[int],
+        rows: list[int],
+        proj: torch.Tensor,
+        state: LinearStateCache,
+        layer: int,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """Every one-token sequence at once on LayerOps.delta_decode_rows (its states read and written in
+        place in their slots): the gated norm's output (len(decode), value_dim); None where the ops
+        decline (nothing written: the torch path, _decode_rows, runs them)."""
+        assert meta.state_slots is not None
+        n = len(decode)
+        device = proj.device
+        prefix = rows == list(range(n))  # the engine packs decode rows first
+        slots = (
+            meta.state_slots[:n]
+            if decode == list(range(n))
+            else meta.state_slots[torch.tensor(decode, dtype=torch.int64, device=device)]
+        )
+        fresh_rows = [meta.seqs[i].seq_len <= 1 for i in decode]  # position 0: zero states
+        fresh = torch.tensor(fresh_rows, dtype=torch.bool) if any(fresh_rows) else None
+        weights = DeltaNetWeights(
+            self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, L2_EPS,
+            self.num_k_heads, self.k_head_dim,
+        )  # fmt: skip
+        proj_rows = proj[:n] if prefix else proj[torch.tensor(rows, dtype=torch.int64, device=device)]
+        return self.ops.delta_decode_rows(
+            proj_rows, weights, slots, fresh, state.conv[layer], state.recurrent[layer]
+        )
 
     def _decode_rows(
         self,
@@ -215,7 +277,7 @@ class GatedDeltaNet(nn.Module):
         fresh = [j for j, i in enumerate(decode) if meta.seqs[i].seq_len <= 1]  # known on the host
         conv_cache, recurrent_cache = state.conv[layer], state.recurrent[layer]
         before = conv_cache.index_select(0, slots)  # (n, conv_dim, kernel - 1): gathered copies
-        s = recurrent_cache.index_select(0, slots).float()  # (n, heads, k_dim, v_dim)
+        s = widen(recurrent_cache.index_select(0, slots))  # (n, heads, k_dim, v_dim)
         if fresh:
             before[fresh] = 0
             s[fresh] = 0
@@ -344,7 +406,7 @@ class HybridDecoderLayer(nn.Module):
         # index in the LinearStateCache (linear layers) or the paged KV cache (full-attention layers)
         self.cache_index = spec.cache_index(layer_idx)
         self.input_layernorm = GemmaRMSNorm(h, eps, device, ops)
-        self.linear_attn = GatedDeltaNet(config, spec, dtype, device) if self.is_linear else None
+        self.linear_attn = GatedDeltaNet(config, spec, dtype, device, ops) if self.is_linear else None
         self.self_attn = None if self.is_linear else GatedAttention(config, dtype, device, ops)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, device, ops)
         self.mlp = self._mlp(config, layer_idx, dtype, device, ops)

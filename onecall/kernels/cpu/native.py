@@ -34,6 +34,7 @@ from onecall.kernels.cpu.native_build import unavailable_reason as unavailable_r
 # K/V cache dtypes the native decode attention and cache writes read and write directly.
 KV_DTYPES = (torch.float32, torch.float16)
 ATTENTION_MAX_HEADS = 128  # query heads decode attention takes (csrc/decode_attention.c: ATTN_MAX_HEADS)
+DELTA_MAX_DIM = 512  # largest key / value head size of the DeltaNet decode rows (csrc/delta_rule.c)
 
 
 # ---- the kernels, on tensors ------------------------------------------------------------------
@@ -387,7 +388,9 @@ def iq4_rows(lib: ctypes.CDLL, w: IQ4Packed, ids: torch.Tensor) -> torch.Tensor:
 Packed = Q4Packed | Q5Packed | Q8Blocked | IQ4Packed | HalfPacked
 
 
-def matmul(lib: ctypes.CDLL, x: torch.Tensor, w: Packed, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
+def matmul(
+    lib: ctypes.CDLL, x: torch.Tensor, w: Packed, bias: torch.Tensor | None, num_threads: int
+) -> torch.Tensor:
     """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), on W's own kernel."""
     if isinstance(w, Q4Packed):
         return q4_gemm(lib, x, w, bias, num_threads)
@@ -568,7 +571,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    rc = lib.onecall_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    rc = lib.onecall_argmax_rows(
+        x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
     assert rc == 0, f"onecall_argmax_rows refused a ({x.shape[0]}, {x.shape[1]}) tensor (rc {rc})"
     return out
 
@@ -628,3 +633,53 @@ def quantize_q8_groups(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Ten
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round(groups * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8).view(n, k)
     return q.contiguous(), scale.contiguous()
+
+
+def delta_decode_rows(
+    lib: ctypes.CDLL,
+    proj: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    num_k_heads: int,
+    l2_eps: float,
+    norm_eps: float,
+    num_threads: int,
+) -> torch.Tensor:
+    """A Gated DeltaNet layer's one-token rows (csrc/delta_rule.c; LayerOps.delta_decode_rows's contract):
+    proj (M, >= conv_dim + HV (DV + 2)) rows [q | k | v | z | b | a], unit column stride; slots (M,)
+    int64; fresh (M,) bool or None; conv_state (num_slots, conv_dim, kernel - 1) and recurrent_state
+    (num_slots, HV, DK, DV) float32 contiguous, updated in place; conv_weight (conv_dim, 1, kernel),
+    A_log, dt_bias (HV,), norm_weight (DV,) float32. -> (M, HV * DV) float32."""
+    m = proj.shape[0]
+    num_slots, heads, k_dim, v_dim = recurrent_state.shape
+    conv_dim, kernel = conv_weight.shape[0], conv_weight.shape[-1]
+    assert conv_dim == 2 * num_k_heads * k_dim + heads * v_dim, "conv_weight does not match the heads"
+    assert tuple(conv_state.shape) == (num_slots, conv_dim, kernel - 1), "conv_state does not match the conv"
+    assert proj.dtype == torch.float32 and proj.stride(1) == 1, "proj must be float32 rows, unit stride"
+    assert proj.shape[1] >= conv_dim + heads * (v_dim + 2), "proj rows too short for [qkv | z | b | a]"
+    assert conv_state.is_contiguous() and recurrent_state.is_contiguous()
+    assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == m
+    assert fresh is None or (fresh.dtype == torch.bool and fresh.is_contiguous() and fresh.numel() == m)
+    small = [t.contiguous() for t in (conv_weight, A_log, dt_bias, norm_weight)]
+    assert all(t.dtype == torch.float32 for t in small)
+    out = torch.empty(m, heads * v_dim, dtype=torch.float32)
+    rc = lib.onecall_delta_decode_rows(
+        proj.data_ptr(), proj.stride(0), m, slots.data_ptr(), None if fresh is None else fresh.data_ptr(),
+        conv_state.data_ptr(), recurrent_state.data_ptr(), num_slots, small[0].data_ptr(), kernel,
+        small[1].data_ptr(), small[2].data_ptr(), small[3].data_ptr(), num_k_heads, heads, k_dim, v_dim,
+        l2_eps, norm_eps, out.data_ptr(), num_threads,
+    )  # fmt: skip
+    if rc == -1:
+        raise MemoryError("onecall_delta_decode_rows: out of memory for its scratch rows")
+    if rc == -3:
+        raise ValueError(
+            f"onecall_delta_decode_rows: slots {slots.tolist()} outside 0..{num_slots - 1} or repeated"
+        )
+    assert rc == 0, f"onecall_delta_decode_rows refused its shapes (rc {rc})"
+    return out

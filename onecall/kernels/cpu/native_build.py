@@ -45,6 +45,7 @@ _SOURCES = (  # one library, one cache key
     _CSRC / "prefill_attention.c",  # causal prefill attention
     _CSRC / "embedding.c",  # rows of a quantized table (a token embedding kept as stored)
     _CSRC / "argmax.c",  # the greedy pick over a step's logits
+    _CSRC / "delta_rule.c",  # a Gated DeltaNet layer's decode rows, its states read and written in place
     _CSRC / "layout.c",  # the structs' sizes and offsets, for the load-time check of their mirrors
 )
 _HEADER = _CSRC / "kernels.h"  # everything the library exports, and the structs Python fills
@@ -161,8 +162,12 @@ def _compile(compiler: str, sources: list[Path], out: Path, checks: tuple[str, .
         objects = [Path(tmp) / f"{i}-{s.stem}.o" for i, s in enumerate(sources)]
         try:
             jobs = [
-                subprocess.Popen([compiler, *_FLAGS, *checks, "-c", "-o", str(o), str(s)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
+                subprocess.Popen(
+                    [compiler, *_FLAGS, *checks, "-c", "-o", str(o), str(s)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )  # fmt: skip
                 for s, o in zip(sources, objects, strict=True)
             ]
             errors = [err for job in jobs if (err := _finish(job))]

@@ -1,8 +1,9 @@
 """The native C kernels behind kernels/ops.py's interface (float32 CPU).
 
 NativeLayerOps: the fused small ops of a layer (csrc/decode_step.c holds them, called through
-native.py); NativeAttention: paged decode rows and prefill chunks read in place through the block
-tables (csrc/decode_attention.c, csrc/prefill_attention.c). Each declines (None / False) what its kernel does
+native.py) and a Gated DeltaNet layer's decode rows (csrc/delta_rule.c); NativeAttention: paged
+decode rows and prefill chunks read in place through the block tables (csrc/decode_attention.c,
+csrc/prefill_attention.c). Each declines (None / False) what its kernel does
 not take, and the caller's torch code runs instead: a non-float32 tensor, a cache dtype outside
 native.KV_DTYPES, head shapes the attention kernels were not built for. Both attention kernels take
 attention sinks (gpt-oss: kernels/ops.py), folded into each row's softmax in C.
@@ -15,7 +16,7 @@ import ctypes
 import torch
 
 from onecall.kernels.cpu import native
-from onecall.kernels.ops import AttentionKernels, LayerOps, QKNorm
+from onecall.kernels.ops import AttentionKernels, DeltaNetWeights, LayerOps, QKNorm
 
 
 class NativeLayerOps(LayerOps):
@@ -62,6 +63,34 @@ class NativeLayerOps(LayerOps):
             self.lib, qkv, num_heads, num_kv_heads, cos, sin, slot_mapping, k_cache, v_cache, qk_norm
         )
         return True
+
+    def delta_decode_rows(
+        self,
+        proj: torch.Tensor,
+        weights: DeltaNetWeights,
+        slots: torch.Tensor,
+        fresh: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor | None:
+        w = weights
+        tensors = (proj, conv_state, recurrent_state, w.conv_weight, w.A_log, w.dt_bias, w.norm_weight)
+        if (
+            any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+            or slots.dtype != torch.int64
+            or slots.device.type != "cpu"
+            or proj.stride(1) != 1
+            or not (conv_state.is_contiguous() and recurrent_state.is_contiguous())
+            or recurrent_state.shape[2] != w.k_head_dim
+            or max(w.k_head_dim, recurrent_state.shape[3]) > native.DELTA_MAX_DIM
+            or recurrent_state.shape[1] % w.num_k_heads
+            or w.conv_weight.shape[-1] < 2
+        ):
+            return None
+        return native.delta_decode_rows(
+            self.lib, proj, slots.contiguous(), fresh, conv_state, recurrent_state, w.conv_weight, w.A_log,
+            w.dt_bias, w.norm_weight, w.num_k_heads, w.l2_eps, w.norm_eps, torch.get_num_threads(),
+        )  # fmt: skip
 
 
 class NativeAttention(AttentionKernels):

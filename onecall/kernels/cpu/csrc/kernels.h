@@ -3,7 +3,8 @@
  * The library: gemm.c (the quantized GEMMs, IQ4 codes included), gemm_q5.c (the 5-bit one), gemm_half.c (F16 / BF16
  * weights), decode_attention.c (paged decode attention), decode_step.c (the small fused ops and the
  * whole decode step), prefill_attention.c (causal prefill attention), embedding.c (rows of a quantized
- * table), argmax.c (the greedy pick over logits), layout.c (the layout of the structs below), with
+ * table), argmax.c (the greedy pick over logits), delta_rule.c (a Gated DeltaNet layer's decode rows),
+ * layout.c (the layout of the structs below), with
  * simd.h's and act_quant.h's shared helpers. Built at first use by kernels/cpu/native_build.py (every
  * source compiled at once, then linked into one shared library), cached on disk, loaded with ctypes
  * after torch, so these loops run on torch's libgomp thread pool.
@@ -214,5 +215,25 @@ int onecall_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out, int 
  * the field's offsetof and sizeof; structs in this header's order, each followed by its fields in
  * declaration order. Fills at most `capacity` rows; returns the number of rows there are. */
 int64_t onecall_struct_layout(const char **names, int64_t *values, int64_t capacity);
+
+/* ---- delta_rule.c: a Gated DeltaNet layer's decode rows (Qwen3.5 / Qwen3-Next), states in place ---- */
+
+/* For M one-token rows: row m of proj, proj_stride floats apart, is [q (HK * DK) | k (HK * DK) | v (HV * DV)
+ * | z (HV * DV) | b (HV) | a (HV)] (the layer's input projection); its sequence's states live in slot
+ * slots[m] (int64) of conv_state (num_slots, conv_dim, kernel - 1) and recurrent_state (num_slots, HV, DK,
+ * DV), float32, conv_dim = 2 HK DK + HV DV; fresh (M,) bytes, or NULL: a nonzero row starts from zero
+ * states (its token is its sequence's position 0). Per row: the causal conv step (conv_weight (conv_dim,
+ * kernel)) and SiLU over q, k, v, the conv state shifted; q, k l2-normalised (eps l2_eps), q scaled by
+ * DK ** -0.5; per value head h (key head h / (HV / HK)): beta = sigmoid(b), g = -exp(A_log) * softplus(a +
+ * dt_bias) (A_log, dt_bias (HV,)), S = exp(g) S, S += k (beta (v - S^T k))^T, o = S^T q, the state written
+ * back in place; out (M, HV * DV) = o / sqrt(mean(o^2) + norm_eps) * norm_weight (DV,) * silu(z) per
+ * head. 0 on success, -1 out of memory, -2 shapes it does not take (kernel < 2, HV % HK != 0, DK or DV
+ * outside 1 .. 512, proj_stride too short), -3 a slot outside 0 .. num_slots - 1 or used by two rows
+ * (checked before anything is written). */
+int onecall_delta_decode_rows(const float *proj, int64_t proj_stride, int64_t M, const int64_t *slots,
+                              const uint8_t *fresh, float *conv_state, float *recurrent_state, int64_t num_slots,
+                              const float *conv_weight, int64_t kernel, const float *A_log, const float *dt_bias,
+                              const float *norm_weight, int64_t HK, int64_t HV, int64_t DK, int64_t DV,
+                              float l2_eps, float norm_eps, float *out, int num_threads);
 
 #endif /* ONECALL_KERNELS_H */
