@@ -2,7 +2,9 @@
 system C compiler at first use, cached on disk, bound from its header; kernels/cpu/native.py calls
 them on tensors.
 
-- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -ffp-contract=off -c` on every source at once (a compiler
+- `cc -O3 -mavx2 -mfma -mf16c -fopenmp -ffp-contract=off -c` on every source at once (gemm_avx512.c's
+  tiles carry their own target("avx512f,avx512bw,avx512vl,avx512vnni") attribute and run only where the
+  CPU has those: the library itself needs AVX2 alone) (a compiler
   process each, so the cores share the build: ~1.9 s here, ~3.2 s one after another), then one
   `-shared` link into one library, into a cache folder keyed by a hash of the sources, the headers, the flags and
   the compiler's version: the next start loads the cached library. The folder is
@@ -39,6 +41,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (  # one library, one cache key
     _CSRC / "gemm.c",  # the quantized GEMMs (q4, q4a8, q8b)
     _CSRC / "gemm_q5.c",  # the 5-bit GEMM (q5) and rows of a 5-bit table
+    _CSRC / "gemm_avx512.c",  # AVX-512 VNNI tiles of the q4/q8b/iq4/q5 GEMMs, chosen at run time
     _CSRC / "gemm_half.c",  # the F16 / BF16 GEMM
     _CSRC / "decode_attention.c",  # paged decode attention
     _CSRC / "decode_step.c",  # the small fused ops and the whole decode step (onecall_decode_layers)
@@ -50,7 +53,7 @@ _SOURCES = (  # one library, one cache key
 )
 _HEADER = _CSRC / "kernels.h"  # everything the library exports, and the structs Python fills
 # included by the sources: part of the cache key, not compiled alone
-_HEADERS = (_HEADER, _CSRC / "simd.h", _CSRC / "act_quant.h")
+_HEADERS = (_HEADER, _CSRC / "simd.h", _CSRC / "act_quant.h", _CSRC / "gemm_avx512.h")
 # -ffp-contract=off: float arithmetic runs as written (FMAs only where the code asks for one), so two
 # paths that should give the same bits (float16 vs float32 scales, a row alone vs in a batch) do.
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c11", "-ffp-contract=off")

@@ -8,7 +8,9 @@
  *
  * All four share one parallel structure (q4_gemm): the rows are quantized, then chunk by chunk of
  * Q4_ROW_CHUNK rows the weight units of 16 rows are split across the threads; each thread streams its
- * units' weights in one sequential pass.
+ * units' weights in one sequential pass. On CPUs with AVX-512 VNNI, q4, q8b and iq4 run each unit's rows
+ * on the AVX-512 tiles of gemm_avx512.c instead (the same outputs bit for bit; onecall_set_avx512 turns
+ * them off); q4a8 runs on AVX2 everywhere.
  *
  * Numerics:
  *   q4 (the projections): each activation row is quantized per group of 32 to int16 with a float32
@@ -43,6 +45,7 @@
 #include <string.h>
 
 #include "act_quant.h"
+#include "gemm_avx512.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -147,6 +150,7 @@ static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t
     QuantRows r;
     if (alloc_rows(M, K, &r)) return -1;
     const int64_t units = (N + 15) / 16;
+    const int wide = avx512_gemm_enabled(); /* the AVX-512 tiles (gemm_avx512.c): the same bits */
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -156,7 +160,10 @@ static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t
         for (int64_t m0 = 0; m0 < M; m0 += Q4_ROW_CHUNK) {
             const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
 #pragma omp for schedule(static) nowait
-            for (int64_t u = 0; u < units; u++) q4_unit(&r, m0, m_end, u, K, N, qs, scale, offset, bias, y, f16);
+            for (int64_t u = 0; u < units; u++) {
+                if (wide) q4_unit_avx512(&r, m0, m_end, u, K, N, qs, scale, offset, bias, y, f16);
+                else q4_unit(&r, m0, m_end, u, K, N, qs, scale, offset, bias, y, f16);
+            }
         }
     }
     free_rows(&r);
@@ -429,6 +436,7 @@ static inline __attribute__((always_inline)) int q8b_gemm(const int G16, const f
     QuantRows r;
     if (alloc_rows(M, K, &r)) return -1;
     const int64_t units = (N + 15) / 16;
+    const int wide = avx512_gemm_enabled(); /* the AVX-512 tiles (gemm_avx512.c): the same bits */
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -437,6 +445,10 @@ static inline __attribute__((always_inline)) int q8b_gemm(const int G16, const f
             const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
 #pragma omp for schedule(static) nowait
             for (int64_t u = 0; u < units; u++) {
+                if (wide) {
+                    q8b_unit_avx512(&r, m0, m_end, u, K, N, qs, scale, bias, y, G16);
+                    continue;
+                }
                 int64_t m = m0;
                 for (; m + Q8B_TILE <= m_end; m += Q8B_TILE) q8b_tile(Q8B_TILE, G16, &r, m, u, K, N, qs, scale, bias, y);
                 for (; m + 2 <= m_end; m += 2) q8b_tile(2, G16, &r, m, u, K, N, qs, scale, bias, y);
@@ -601,14 +613,15 @@ static inline __attribute__((always_inline)) void iq4_buffered_tile(const int MT
 }
 
 /* q4_gemm's parallel structure over the iq4 layout; bufs: num_threads buffers of 16 x K int16 (or NULL
- * when M < IQ4_BUFFER_ROWS: no chunk uses them) */
+ * when M < IQ4_BUFFER_ROWS or the AVX-512 tiles run, which keep their own: no chunk uses them) */
 static inline __attribute__((always_inline)) int iq4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs,
                                                           const void *scale, int64_t N, const float *bias, float *y,
                                                           int num_threads, const int f16) {
     QuantRows r;
     if (alloc_rows(M, K, &r)) return -1;
+    const int wide = avx512_gemm_enabled(); /* the AVX-512 tiles (gemm_avx512.c): the same bits */
     int16_t *bufs = NULL;
-    if (M >= IQ4_BUFFER_ROWS && !(bufs = malloc(sizeof(int16_t) * (size_t)(16 * K * (num_threads > 0 ? num_threads : 1))))) {
+    if (!wide && M >= IQ4_BUFFER_ROWS && !(bufs = malloc(sizeof(int16_t) * (size_t)(16 * K * (num_threads > 0 ? num_threads : 1))))) {
         free_rows(&r);
         return -1;
     }
@@ -622,6 +635,10 @@ static inline __attribute__((always_inline)) int iq4_gemm(const float *x, int64_
             const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
 #pragma omp for schedule(static) nowait
             for (int64_t u = 0; u < units; u++) {
+                if (wide) {
+                    iq4_unit_avx512(&r, m0, m_end, u, K, N, qs, scale, bias, y, f16);
+                    continue;
+                }
                 int64_t m = m0;
                 if (buf && m_end - m0 >= IQ4_BUFFER_ROWS) {
                     iq4_decode_unit(qs + u * G * 256, G, buf);

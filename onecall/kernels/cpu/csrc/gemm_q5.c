@@ -26,12 +26,14 @@
  *   acc = fma(float(dot), scale[n, g] * step[m, g], acc), oacc = fma(offset[n, g], sum(x in g), oacc)
  * over g in order, y = (acc + oacc) + bias. Every row goes through the same operations in the same order
  * whatever M, the tile or the thread count: batch invariance. Tolerances: tests/kernels/test_quant_kernels.py.
+ * On CPUs with AVX-512 VNNI the units' rows run on gemm_avx512.c's q5 tiles (the same outputs bit for bit).
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "act_quant.h"
+#include "gemm_avx512.h"
 #include "kernels.h"
 
 #define Q5_GROUP_BYTES 320 /* one unit's group: 256 bytes of nibbles, 64 of 5th bits */
@@ -118,6 +120,7 @@ static inline __attribute__((always_inline)) int q5_gemm(const float *x, int64_t
     QuantRows r;
     if (alloc_rows(M, K, &r)) return -1;
     const int64_t units = (N + 15) / 16;
+    const int wide = avx512_gemm_enabled(); /* the AVX-512 tiles (gemm_avx512.c): the same bits */
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -126,6 +129,10 @@ static inline __attribute__((always_inline)) int q5_gemm(const float *x, int64_t
             const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
 #pragma omp for schedule(static) nowait
             for (int64_t u = 0; u < units; u++) {
+                if (wide) {
+                    q5_unit_avx512(&r, m0, m_end, u, K, N, qs, scale, offset, bias, y, f16);
+                    continue;
+                }
                 int64_t m = m0;
                 for (; m + Q5_TILE <= m_end; m += Q5_TILE)
                     q5_unit_tile(Q5_TILE, &r, m, u, K, N, qs, scale, offset, bias, y, f16);

@@ -1,6 +1,8 @@
 /* onecall's native CPU kernels: the one declaration of everything the library exports.
  *
- * The library: gemm.c (the quantized GEMMs, IQ4 codes included), gemm_q5.c (the 5-bit one), gemm_half.c (F16 / BF16
+ * The library: gemm.c (the quantized GEMMs, IQ4 codes included), gemm_q5.c (the 5-bit one), gemm_avx512.c
+ * (their AVX-512 VNNI tiles, compiled per function for that target and chosen at run time where the CPU
+ * has it, bit for bit the AVX2 tiles' results), gemm_half.c (F16 / BF16
  * weights), decode_attention.c (paged decode attention), decode_step.c (the small fused ops and the
  * whole decode step), prefill_attention.c (causal prefill attention), embedding.c (rows of a quantized
  * table), argmax.c (the greedy pick over logits), delta_rule.c (a Gated DeltaNet layer's decode rows),
@@ -56,6 +58,12 @@ int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, con
  * int16 activation steps as onecall_q4_gemm's. 0 on success, -1 out of memory, -2 K % 32 != 0. */
 int onecall_iq4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, int64_t N,
                      const float *bias, float *y, int num_threads, int f16_scales);
+
+/* The AVX-512 VNNI tiles of the q4, q8b, iq4 and q5 GEMMs (gemm_avx512.c; bit for bit the AVX2 tiles'
+ * outputs): enable 1 turns them on where the CPU has AVX-512 F/BW/VL and VNNI (the default there), 0
+ * off (the AVX2 tiles), -1 changes nothing; returns 1 if they run from now on, else 0. Not for use
+ * while a GEMM runs on another thread (a call reads it once, at its start). */
+int onecall_set_avx512(int enable);
 
 /* ---- gemm_q5.c: 5-bit groups (Q5_0, Q5_1, Q5_K), layout at the top of gemm_q5.c ---- */
 
