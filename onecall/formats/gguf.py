@@ -342,8 +342,9 @@ class GGUFFile:
         |                                        | the loaded norm is the file's float32 x bit for bit  |
         | gpt-oss ffn_gate_exps / ffn_up_exps    | one `mlp.experts.gate_up_proj_bias` (E, 2I), columns |
         | .bias (E, I) each                      | interleaved back (gate 2i, up 2i + 1) as transformers|
-        |                                        | holds it; its experts never kept as stored groups    |
-        |                                        | (model/gpt_oss.py runs them dense)                   |
+        |                                        | holds it; the weights, already [gate; up] apart, are |
+        |                                        | experts as any family's (their MXFP4 kept as exact   |
+        |                                        | int8 groups: model/gpt_oss.py runs them natively)    |
         | deepseek2 attn_k_b (H, rank, nope) and | one `self_attn.kv_b_proj.weight` (H * (nope + v),    |
         | attn_v_b (H, v, rank)                  | rank), each head's [k; v] rows; its experts never    |
         |                                        | kept as stored groups (model/deepseek.py runs them   |
@@ -373,7 +374,7 @@ class GGUFFile:
         gemma = self.architecture in GEMMA_ARCHITECTURES
         hybrid = hybrid_layout(self.metadata, self.architecture)
         gpt_oss = self.architecture == "gpt-oss"
-        dense_experts = gpt_oss or self.architecture == "deepseek2"  # their MoE modules read float weights
+        dense_experts = self.architecture == "deepseek2"  # its MoE module reads float weights
         bias_halves: dict[str, torch.Tensor] = {}  # gpt-oss: a gate or up bias waiting for the other
         kv_b_halves: dict[str, torch.Tensor] = {}  # deepseek2: a k_b or v_b waiting for the other
         for info, hf_name in plan:

@@ -31,6 +31,7 @@ from typing import ClassVar, TypeVar
 import numpy as np
 import torch
 
+from onecall.errors import UnsupportedModelError
 from onecall.formats.ggml_types import GGML_BLOCK_SIZES, GGMLType
 
 T = GGMLType
@@ -208,11 +209,35 @@ def _int8_iq4_xs(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _int8_mxfp4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP4 blocks (e:u8, qs:u8[16] as IQ4_NL's) -> doubled e2m1 values, 2^(e - 128): ggml's
-    e8m0_to_fp32_half, a float32 built from its bits (subnormal for e < 2)."""
-    e = b[:, :1].int()
-    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    return _lookup(_MXFP4_VALUES, _nibbles(b[:, 1:], 16).flatten(1)), bits.view(torch.float32)
+    """MXFP4 blocks (e:u8, qs:u8[16] as IQ4_NL's) -> doubled e2m1 values, 2^(e - 128)."""
+    return _lookup(_MXFP4_VALUES, _nibbles(b[:, 1:], 16).flatten(1)), _e8m0_half(b[:, :1])
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes -> 2^(e - 128) float32: ggml's e8m0_to_fp32_half, built from its bits
+    (subnormal for e < 2)."""
+    e = e.int()
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+
+def mxfp4_int8_groups(blocks: torch.Tensor, scales: torch.Tensor) -> Int8Groups | None:
+    """A checkpoint's MXFP4 weight as transformers stores it, blocks (rows, G, 16) uint8 (value 2j of a
+    group in the low nibble of byte j, 2j + 1 in the high one) and scales (rows, G) uint8 -> the same
+    exact int8 groups of 32 as a GGUF's MXFP4 (doubled e2m1 values, 2^(e - 128)), which the native int8
+    kernel runs; None where a scale is 255 (NaN in the MX spec: no finite group stands for it)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise UnsupportedModelError(
+            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}"
+        )
+    if blocks.dim() != 3 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise UnsupportedModelError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} are not (rows, G, 16), (rows, G)"
+        )
+    if bool((scales == 255).any()):
+        return None
+    rows, groups = scales.shape
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(rows, groups * 32)
+    return Int8Groups(_lookup(_MXFP4_VALUES, codes), _e8m0_half(scales), 32)
 
 
 # type -> (to int8 values and scales per block, group size)
@@ -467,7 +492,9 @@ _AFFINE: dict[T, tuple[type[_AffineGroups], Callable[[torch.Tensor], tuple[torch
 }  # fmt: skip
 
 
-def _affine_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], bits: int) -> _AffineGroups | None:
+def _affine_groups(
+    raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], bits: int
+) -> _AffineGroups | None:
     if ggml_type not in _AFFINE or len(shape) != 2 or _AFFINE[ggml_type][0].bits != bits:
         return None
     container, decode = _AFFINE[ggml_type]
@@ -501,7 +528,9 @@ def int8_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int8
     blocks = raw.view(-1, type_size)
     rows, cols = shape
     if ggml_type == T.Q8_0:  # the int8 values after 2 bytes of float16 scale, as they are
-        return Int8Groups(blocks[:, 2:].contiguous().view(torch.int8).view(rows, cols), _f16(blocks, 0).view(rows, -1))
+        return Int8Groups(
+            blocks[:, 2:].contiguous().view(torch.int8).view(rows, cols), _f16(blocks, 0).view(rows, -1)
+        )
     convert, group = _INT8[ggml_type]
     q, scale = convert(blocks)
     return Int8Groups(q.reshape(rows, cols), scale.reshape(rows, cols // group), group)
@@ -520,7 +549,9 @@ def int4_code_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) ->
     _, type_size = GGML_BLOCK_SIZES[ggml_type]
     codes, scale = _CODES[ggml_type](raw.view(-1, type_size))
     rows, cols = shape
-    return Int4CodeGroups(codes.reshape(rows, cols).contiguous(), scale.reshape(rows, cols // 32).contiguous())
+    return Int4CodeGroups(
+        codes.reshape(rows, cols).contiguous(), scale.reshape(rows, cols // 32).contiguous()
+    )
 
 
 def half_weights(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> HalfWeights | None:

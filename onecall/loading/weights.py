@@ -50,6 +50,7 @@ from onecall.loading.packing import (
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weight
 from onecall.model.gemma import checkpoint_norm_weight
+from onecall.model.gpt_oss import GptOssMoE
 from onecall.model.moe import SparseMoE
 from onecall.model.rope import partial_rotary_permutation
 
@@ -146,7 +147,7 @@ def load_weights(
     if model.config.rotary_dim != model.config.head_dim:
         weights = _partial_rotary_layout(weights, model.config, stored_weights)
     if model.config.gpt_oss is not None:
-        weights = _gpt_oss_layout(weights, _expert_dtype(model))
+        weights = _gpt_oss_layout(weights, _expert_dtype(model), stored_weights)
     if model.config.gemma4 is not None:
         weights = _gemma4_unshared(weights, model.config)
     if model.config.deepseek is not None:
@@ -292,11 +293,12 @@ def _use_stored_experts(
 ) -> str:
     """Hand every MoE layer its experts' own groups (kernels/cpu/experts.py): the ones packed as they
     streamed in, else the stored ones (gate and up stacked as the parameter is, when stored in one form),
-    per expert and weight. Returns what that gave, for DecoderLM.kernels ("native int4 (3 of 3 MoE layers)"), or ""."""
+    per expert and weight. Returns what that gave, for DecoderLM.kernels ("native int4 (3 of 3 MoE layers)"), or "".
+    gpt-oss's GptOssMoE counts as a MoE layer too (its experts are moe.Experts with biases)."""
     moe_layers, used, kinds = 0, 0, set()
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
-        if not isinstance(mlp, SparseMoE):
+        if not isinstance(mlp, (SparseMoE, GptOssMoE)):
             continue
         moe_layers += 1
         gate_up: list[StoredGroups | ExpertGroups | None] = []
@@ -468,7 +470,9 @@ def _expert_dtype(model: DecoderLM) -> torch.dtype:
 
 
 def _gpt_oss_layout(
-    weights: Iterable[tuple[str, torch.Tensor]], expert_dtype: torch.dtype
+    weights: Iterable[tuple[str, torch.Tensor]],
+    expert_dtype: torch.dtype,
+    stored_weights: MutableMapping[str, StoredGroups] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A gpt-oss checkpoint in model/gpt_oss.py's expert layout:
 
@@ -481,7 +485,9 @@ def _gpt_oss_layout(
     | the (out, in) orientation; either may come first)   | dtype, gate_up's rows de-interleaved        |
 
     transformers holds (and save_pretrained writes) the first three; the released checkpoints store
-    the weights as MXFP4 pairs (transformers' Mxfp4Dequantize gives its layout back from them)."""
+    the weights as MXFP4 pairs (transformers' Mxfp4Dequantize gives its layout back from them). With
+    `stored_weights` (the fast path), an MXFP4 pair comes per expert instead (_mxfp4_per_expert): its
+    exact int8 groups kept there for the native kernel, as a GGUF's MXFP4 experts are."""
     pending: dict[str, torch.Tensor] = {}  # a *_blocks or *_scales tensor waiting for its partner
     for name, tensor in weights:
         if ".mlp.experts." in name and name.endswith(("_proj_blocks", "_proj_scales")):
@@ -492,6 +498,9 @@ def _gpt_oss_layout(
                 pending[name] = tensor
                 continue
             blocks, scales = (tensor, other) if kind == "blocks" else (other, tensor)
+            if stored_weights is not None and not bool((scales == 255).any()):
+                yield from _mxfp4_per_expert(base, blocks, scales, expert_dtype, stored_weights)
+                continue
             weight = dequantize_mxfp4(blocks, scales, expert_dtype)  # (E, out, in)
             yield base, _gate_up_rows(base, weight) if base.endswith("gate_up_proj") else weight
         elif ".mlp.experts." in name and name.endswith(("gate_up_proj", "down_proj")):
@@ -508,6 +517,41 @@ def _gpt_oss_layout(
     if pending:
         unpaired = sorted(pending)
         raise UnsupportedModelError(f"MXFP4 tensors without their blocks or scales: {', '.join(unpaired)}")
+
+
+def _mxfp4_per_expert(
+    base: str,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    expert_dtype: torch.dtype,
+    stored_weights: MutableMapping[str, StoredGroups],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One MXFP4 expert weight (`base` ".../mlp.experts.gate_up_proj" or "down_proj", blocks (E, out,
+    in / 32, 16), scales (E, out, in / 32), no scale 255) per expert e under the per-expert names the
+    loader fills slices of (".../mlp.experts.{e}.gate_proj.weight", up_proj, down_proj): each one's int8
+    groups (quants.mxfp4_int8_groups: dequantize_mxfp4's values exactly) kept in `stored_weights`, and
+    yielded expanded, one expert at a time (what the loader copies where no native kernel takes them).
+    gate_up's interleaved rows split: gate 0::2, up 1::2."""
+    from onecall.formats.quants import mxfp4_int8_groups  # here: only the gpt-oss section uses it
+
+    if blocks.dim() != 4 or tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] != 16:
+        raise UnsupportedModelError(
+            f"MXFP4 {base!r}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} are not "
+            "(E, out, G, 16), (E, out, G)"
+        )
+    prefix = base.rpartition(".")[0]  # ".../mlp.experts"
+    is_gate_up = base.endswith("gate_up_proj")
+    if is_gate_up and blocks.shape[1] % 2:
+        raise UnsupportedModelError(f"MXFP4 {base!r} has {blocks.shape[1]} rows: no gate/up pairs")
+    parts = (("gate_proj", 0), ("up_proj", 1)) if is_gate_up else (("down_proj", None),)
+    for e in range(blocks.shape[0]):
+        for part, first in parts:
+            rows = slice(None) if first is None else slice(first, None, 2)
+            groups = mxfp4_int8_groups(blocks[e, rows], scales[e, rows])
+            assert groups is not None, "the caller kept scales of 255 on the float path"
+            name = f"{prefix}.{e}.{part}.weight"
+            stored_weights[name] = groups
+            yield name, groups.dequantize().to(expert_dtype)
 
 
 def _gemma4_unshared(

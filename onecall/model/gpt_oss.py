@@ -29,11 +29,13 @@ gate_up_proj (experts, 2 * inter, hidden) with rows [gate; up] (de-interleaved),
 loading/weights.py rewrites transformers' tensors (and dequantizes the MXFP4 ones) into it.
 
 The model part is model/decoder.py's DecoderModel with these layers (gpt_oss_layers) and a final norm
-with a float32 weight. No fused op applies to the experts (their activation is not SiLU), and the
-one-call native decode step (loading/native_step.py) takes only DecoderLayer layers, so it declines
-this model; the projections of attention run on the fast kernels as any other family's (their biases
-included), the norms and RoPE + K/V writes on the native ops, attention on the native kernels with
-their sinks.
+with a float32 weight. The one-call native decode step (loading/native_step.py) takes only DecoderLayer
+layers, so it declines this model; the projections of attention run on the fast kernels as any other
+family's (their biases included), the norms and RoPE + K/V writes on the native ops, attention on the
+native kernels with their sinks. The experts are moe.Experts' (GptOssExperts subclasses it): a GGUF's
+MXFP4 experts (exact int8 groups of 32, formats/quants.py) or other stored forms run every row on the
+native kernels in those groups (Experts.use_stored, kernels/cpu/experts.py), with no float32 copy; the
+biases are added and the clamped SwiGLU computed in torch between the two projections.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from onecall.model.config import SLIDING, GptOssSpec, ModelConfig
 from onecall.model.gemma import GemmaRMSNorm
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import Attention, Linear
+from onecall.model.moe import Experts
 
 
 class GptOssAttention(Attention):
@@ -83,9 +86,12 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(Experts):
     """num_experts clamped-SwiGLU MLPs with biases, stacked on a leading expert axis (the layout in the
-    module docstring)."""
+    module docstring). moe.Experts' weights and its use_stored: a quantized GGUF's experts run on the
+    native kernels in their stored groups (loading/weights.py hands them over), the biases added after
+    each projection and the clamped SwiGLU in torch between them; a weight kind every expert of which
+    the kernels hold has its float32 copy freed (the biases are always kept)."""
 
     def __init__(
         self,
@@ -96,13 +102,10 @@ class GptOssExperts(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        super().__init__()
-        self.num_experts = num_experts
+        super().__init__(num_experts, hidden_size, intermediate_size, dtype, device)
         self.alpha, self.limit = spec.swiglu_alpha, spec.swiglu_limit
         e, h, i = num_experts, hidden_size, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device))  # [gate; up]
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype, device=device))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype, device=device))  # [gate; up]
         self.down_proj_bias = nn.Parameter(torch.empty(e, h, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -121,13 +124,20 @@ class GptOssExperts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start : start + count]
-            gate, up = F.linear(x[rows], self.gate_up_proj[e], self.gate_up_proj_bias[e]).chunk(2, dim=-1)
-            y = F.linear(
-                clamped_swiglu(gate, up, self.alpha, self.limit), self.down_proj[e], self.down_proj_bias[e]
-            )
+            gate, up = self._biased(x[rows], e, 0).chunk(2, dim=-1)
+            y = self._biased(clamped_swiglu(gate, up, self.alpha, self.limit), e, 1)  # (count, hidden)
             out.index_add_(0, rows, y * scale[start : start + count])
             start += count
         return out
+
+    def _biased(self, h: torch.Tensor, e: int, which: int) -> torch.Tensor:
+        """Expert e's gate_up (which 0) or down (1) projection of rows h with its bias: the held groups'
+        kernel then the bias, or one float32 F.linear where the expert has no groups for that weight."""
+        bias = (self.gate_up_proj_bias if which == 0 else self.down_proj_bias)[e]
+        out = None if self.stored is None else self.stored.project(h, e, which)
+        if out is None:
+            return F.linear(h, (self.gate_up_proj if which == 0 else self.down_proj)[e], bias)
+        return out + bias
 
 
 class GptOssMoE(nn.Module):
@@ -156,6 +166,24 @@ class GptOssMoE(nn.Module):
         nothing: every row of an expert runs the same matmul."""
         weights, experts = self.route(x)
         return self.experts(x, weights, experts)
+
+    def weight_bytes_read(self, rows: int) -> int:
+        """Bytes of weights a forward over `rows` tokens streams at most: the router, and the experts
+        those rows can reach (rows * top_k, at most all of them), each weight in the form its kernel
+        reads (stored groups, else float32), and their biases; an average expert's worth each."""
+        experts = self.experts
+        per_expert = 0
+        for e in range(experts.num_experts):
+            for which, param in enumerate((experts.gate_up_proj, experts.down_proj)):
+                held = None if experts.stored is None else experts.stored.nbytes(e, which)
+                rows_, cols = experts.weight_shapes[which]
+                per_expert += held if held is not None else rows_ * cols * param.element_size()
+        biases = sum(
+            p[0].numel() * p.element_size() for p in (experts.gate_up_proj_bias, experts.down_proj_bias)
+        )
+        reached = min(experts.num_experts, rows * self.top_k)
+        router = sum(p.numel() * p.element_size() for p in self.router.parameters())
+        return router + (per_expert * reached) // experts.num_experts + biases * reached
 
 
 class GptOssDecoderLayer(nn.Module):
