@@ -25,7 +25,6 @@ from onecall.text.reasoning import ReasoningDelta, ReasoningFormat, ReasoningPar
 from onecall.text.tokenizer import Tokenizer
 from onecall.tools.calling import ChatTools, is_special
 from onecall.tools.calls import ToolCallDelta, ToolCallParser
-from onecall.tools.specs import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 
 def chat_tools(req: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatTools:
@@ -35,7 +34,7 @@ def chat_tools(req: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatTools:
 
 def markers_are_special(tokenizer: Tokenizer, tools: ChatTools, reasoning: ReasoningFormat | None) -> bool:
     """Must the output text keep special tokens for the parsers to see their markers?"""
-    markers = [TOOL_CALL_OPEN, TOOL_CALL_CLOSE] if tools.tools is not None and tools.special_markers else []
+    markers = list(tools.markers) if tools.tools is not None and tools.special_markers else []
     markers += [reasoning.start, reasoning.end] if reasoning is not None else []
     return any(is_special(tokenizer, m) for m in markers)
 

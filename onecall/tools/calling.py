@@ -9,6 +9,9 @@ not in tools, non-object parameters, a bad name):
               itself (Qwen2.5, Qwen3)
     xml       as hermes, calls as <function=...> tags      a Lark grammar: <function=...> blocks,
               (Qwen3.5; tools/xml_calls.py)                 values typed by the parameters' schemas
+    gemma4    as hermes, calls as <|tool_call>call:NAME{}   a Lark grammar: Gemma 4's key:value
+              blocks; `tool` messages become the calling    syntax by the parameters' schemas
+              message's tool_responses (tools/gemma4_calls.py)
     json      no tools: tools_system_prompt() goes into     a JSON Schema: {"tool_calls": [...]}
               the system message, assistant tool_calls
               become the convention's JSON (SmolLM2)
@@ -32,8 +35,10 @@ from typing import TYPE_CHECKING, Any
 from onecall.errors import InvalidParameterError
 from onecall.sampling_params import SamplingParams, StructuredOutputsParams
 from onecall.text.tokenizer import Tokenizer
+from onecall.tools import gemma4_calls
 from onecall.tools.calls import ToolCall, ToolCallParser, assemble_tool_calls
 from onecall.tools.specs import (
+    TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     ToolChoice,
     ToolFormat,
@@ -62,7 +67,10 @@ class ChatTools:
     format: ToolFormat
     tools: list[dict[str, Any]] | None  # as sent; None when none are offered (tool_choice "none")
     parallel: bool
-    special_markers: bool  # hermes, xml: <tool_call> is a special token of this tokenizer
+    special_markers: bool  # hermes, xml: <tool_call> is a special token; gemma4: one of its markers is
+    # gemma4: the markers that are special tokens of this tokenizer, with their ids (the grammar names
+    # them as tokens); the others are text
+    special_ids: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def build(
@@ -71,18 +79,35 @@ class ChatTools:
         """Validate OpenAI's `tools` / `tool_choice` (typed errors naming the field) for this tokenizer."""
         choice = validate_tools(tools, tool_choice)
         fmt = ToolFormat.for_template(tokenizer.chat_template)
+        special_ids: tuple[tuple[str, int], ...] = ()
+        if fmt == ToolFormat.GEMMA4:  # each marker may be special or text (GGUF files keep them text)
+            special_ids = tuple(
+                (m, tokenizer.encode(m)[0]) for m in gemma4_calls.MARKERS if is_special(tokenizer, m)
+            )
         return cls(
             choice=choice,
             format=fmt,
             tools=tools if choice.mode != "none" else None,
             parallel=parallel_tool_calls is not False,
-            special_markers=fmt != ToolFormat.JSON and is_special(tokenizer, TOOL_CALL_OPEN),
+            special_markers=bool(special_ids)
+            if fmt == ToolFormat.GEMMA4
+            else fmt != ToolFormat.JSON and is_special(tokenizer, TOOL_CALL_OPEN),
+            special_ids=special_ids,
         )
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The text markers of this format's calls (those the output text must keep)."""
+        if self.format == ToolFormat.GEMMA4:
+            return gemma4_calls.MARKERS
+        return (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 
     def template_inputs(
         self, messages: list[dict[str, Any]]
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """(messages, tools) for render_chat."""
+        if self.format == ToolFormat.GEMMA4:  # tool results where the template reads them
+            return gemma4_calls.tool_responses_for_template(messages), self.tools
         if self.format != ToolFormat.JSON:  # hermes, xml: the template renders tools and calls
             return messages, self.tools
         return messages_for_json_tools(messages, self.tools), None
@@ -97,8 +122,14 @@ class ChatTools:
             return StructuredOutputsParams(
                 json=tool_call_schema(self.tools, required_name=name, parallel=self.parallel)
             )
+        functions = [(f.name, f.parameters) for f in self.choice.functions if name in (None, f.name)]
+        if self.format == ToolFormat.GEMMA4:
+            return StructuredOutputsParams(
+                grammar=gemma4_calls.gemma4_tool_call_grammar(
+                    functions, parallel=self.parallel and name is None, special_ids=dict(self.special_ids)
+                )
+            )
         if self.format == ToolFormat.XML:
-            functions = [(f.name, f.parameters) for f in self.choice.functions if name in (None, f.name)]
             return StructuredOutputsParams(
                 grammar=xml_tool_call_grammar(
                     functions, parallel=self.parallel and name is None, special_markers=self.special_markers
@@ -121,7 +152,7 @@ class ChatTools:
                     f"cannot be combined with tool_choice {self.choice.mode!r}, which sets the output's grammar",
                 )
             params = dataclasses.replace(params, structured_outputs=enforced)
-        if self.tools is not None and self.special_markers:  # <tool_call> must reach the parser
+        if self.tools is not None and self.special_markers:  # the markers must reach the parser
             params = dataclasses.replace(params, skip_special_tokens=False)
         return params
 

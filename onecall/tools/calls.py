@@ -1,6 +1,6 @@
 """Tool calls out of model output: whole-text and streaming parsers (tools themselves: tools/specs.py).
 
-Three formats, chosen per model by ToolFormat.for_template():
+Four formats, chosen per model by ToolFormat.for_template():
 
     hermes   the template renders tools itself and the model answers (Qwen2.5, Qwen3)
                  I'll check.\\n<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>
@@ -13,17 +13,21 @@ Three formats, chosen per model by ToolFormat.for_template():
     xml      Qwen3.5's template (Qwen3-Coder's layout), calls as tags in <tool_call> blocks
                  <tool_call>\\n<function=get_weather>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>...
              each value typed by the function's schema (tools/xml_calls.py); text before them is content.
+    gemma4   Gemma 4's template, calls in its own key:value syntax, strings between <|"|> markers
+                 <|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>
+             values typed as written (tools/gemma4_calls.py); text before, between and after is content.
 
 A call is valid when its JSON parses, "name" is a non-empty string (one of the tools, when the parser
 knows them) and "arguments" (or "parameters") is an object or a string holding one; missing arguments
-are {}; an xml call is valid when it scans (tools/xml_calls.py scan_call) and names one of the tools.
+are {}; an xml or gemma4 call is valid when it scans (scan_call in tools/xml_calls.py or
+tools/gemma4_calls.py) and names one of the tools.
 An invalid call stays in the content as the text it was: parsing never raises.
 
 ToolCallParser streams: a call goes out, as (index, id, name) then its arguments, once it is complete
 and validated (at `</tool_call>`, or when the JSON object closes); text that may still become a call
 is held back until decided. With stream_arguments (grammar-constrained output: tool_choice "required"
 or a named function, whose calls cannot fail to validate) each call's head goes out as soon as its
-name is written and its raw arguments as they are generated (_ArgumentStreamer; xml: a parameter at a
+name is written and its raw arguments as they are generated (_ArgumentStreamer; xml, gemma4: a parameter at a
 time, as each "</parameter>" arrives, typed as the whole call's JSON will be); a call that max_tokens
 cuts short then stays partial, with finish_reason "length", as OpenAI's streams do. Content is the text outside calls, stripped at both ends (None when
 empty). Invariant: the concatenation of everything streamed equals parse_tool_calls(whole text), which
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from onecall.text.reasoning import StrippedStream, partial_marker_len
+from onecall.tools import gemma4_calls
 from onecall.tools.specs import TOOL_CALL_CLOSE as _CLOSE
 from onecall.tools.specs import TOOL_CALL_OPEN as _OPEN
 from onecall.tools.specs import ToolFormat
@@ -147,7 +152,11 @@ class ToolCallParser:
         # until it is complete and validated, because text that looks like a call may still turn
         # out not to be one (a wrong name, bad JSON, prose after it), and a streamed piece cannot
         # be taken back.
-        is_xml = fmt == ToolFormat.XML
+        # xml, gemma4: calls scanned structurally (_scan_xml), their markers per format
+        is_xml = fmt in (ToolFormat.XML, ToolFormat.GEMMA4)
+        self._open, self._close = (
+            (gemma4_calls.CALL_OPEN, gemma4_calls.CALL_CLOSE) if fmt == ToolFormat.GEMMA4 else (_OPEN, _CLOSE)
+        )
         self._streamer = _ArgumentStreamer(new_id) if stream_arguments and not is_xml else None
         self._stream_xml = stream_arguments and is_xml  # xml: parameter by parameter (_advance_xml)
         self._xml_head: str | None = None  # xml: the id of the call whose head went out, if any
@@ -171,7 +180,7 @@ class ToolCallParser:
             self._streamer.push(delta)
         if self.fmt == ToolFormat.HERMES:
             self._scan_hermes()
-        elif self.fmt == ToolFormat.XML:
+        elif self.fmt in (ToolFormat.XML, ToolFormat.GEMMA4):
             self._scan_xml()
         else:
             self._scan_json(may_close="}" in delta)
@@ -185,10 +194,14 @@ class ToolCallParser:
         grammar its head and arguments so far already went out, a partial call). Any other undecided
         text is content."""
         text, self._buf = self._buf, ""
-        if self._state == "inside" and self.fmt == ToolFormat.XML:
-            scan = scan_call(text, _CLOSE, self._names)
-            if scan.function_closed and scan.name is not None and scan.state != "invalid":
-                self._emit_xml_call(scan.name, scan.parameters)  # all but its "</tool_call>"
+        if self._state == "inside" and self.fmt in (ToolFormat.XML, ToolFormat.GEMMA4):
+            body = self._scan_body(text)
+            if body.closed and body.name is not None and body.state != "invalid":
+                self._emit_xml_call(body.name, body.arguments)  # all but its "</tool_call>"
+            elif self.fmt == ToolFormat.GEMMA4 and self._close in text and self._xml_head is None:
+                # gemma4: a string left open (it may hold "<tool_call|>"), then the output ended: the
+                # block did close, so it was not cut short, and its text is content
+                self._emit_content(self._open + text)
             return self._take()
         if self._state == "inside":
             call = _call_from_json(text, self._names)
@@ -217,53 +230,65 @@ class ToolCallParser:
 
     def _scan_outside(self) -> bool:
         """Content up to the next "<tool_call>" (then INSIDE: True), or up to what may start one."""
-        start = self._buf.find(_OPEN)
+        start = self._buf.find(self._open)
         if start < 0:  # hold back what may be the start of "<tool_call>"
-            cut = len(self._buf) - partial_marker_len(self._buf, _OPEN)
+            cut = len(self._buf) - partial_marker_len(self._buf, self._open)
             self._emit_content(self._buf[:cut])
             self._buf = self._buf[cut:]
             return False
         self._emit_content(self._buf[:start])
-        self._buf, self._state = self._buf[start + len(_OPEN) :], "inside"
+        self._buf, self._state = self._buf[start + len(self._open) :], "inside"
         return True
 
+    def _scan_body(self, text: str) -> _Body:
+        """xml, gemma4: one call's body (after its opening marker) as far as it goes."""
+        if self.fmt == ToolFormat.GEMMA4:
+            g = gemma4_calls.scan_call(text, self._names, self._parameters)
+            arguments = gemma4_calls.arguments_prefix(g.arguments)
+            return _Body(g.state, g.name, arguments, g.object_closed, g.end)
+        x = scan_call(text, _CLOSE, self._names)
+        schema = self._parameters.get(x.name) if x.name is not None else None
+        return _Body(x.state, x.name, arguments_prefix(x.parameters, schema), x.function_closed, x.end)
+
     def _scan_xml(self) -> None:
-        """xml: INSIDE is decided by scanning the call's structure (a value may hold "</tool_call>"):
-        complete -> a call; a prefix of one -> wait (streaming what a grammar guarantees); cannot
-        become one -> its text up to "</tool_call>" is content (held until that marker comes)."""
+        """xml, gemma4: INSIDE is decided by scanning the call's structure (a value may hold the
+        closing marker): complete -> a call; a prefix of one -> wait (streaming what a grammar
+        guarantees); cannot become one -> its text up to the closing marker is content (held until
+        that marker comes)."""
         while True:
             if self._state == "outside" and not self._scan_outside():
                 return
-            scan = scan_call(self._buf, _CLOSE, self._names)
-            if scan.state == "partial":
-                if self._stream_xml and scan.name is not None:
-                    self._advance_xml(scan.name, scan.parameters)
+            body = self._scan_body(self._buf)
+            if body.state == "partial":
+                if self._stream_xml and body.name is not None:
+                    self._advance_xml(body.name, body.arguments)
                 return
-            if scan.state == "complete":
-                self._emit_xml_call(scan.name or "", scan.parameters)
-                self._buf, self._state = self._buf[scan.end :], "outside"
+            if body.state == "complete":
+                self._emit_xml_call(body.name or "", body.arguments)
+                self._buf, self._state = self._buf[body.end :], "outside"
                 continue
-            end = self._buf.find(_CLOSE)
+            end = self._buf.find(self._close)
             if end < 0:
                 return
             if self._xml_head is not None:  # a streamed head, then text no grammar allowed: left partial
                 self._num_calls, self._xml_head, self._xml_sent = self._num_calls + 1, None, 0
-            self._emit_content(_OPEN + self._buf[: end + len(_CLOSE)])
-            self._buf, self._state = self._buf[end + len(_CLOSE) :], "outside"
+            self._emit_content(self._open + self._buf[: end + len(self._close)])
+            self._buf, self._state = self._buf[end + len(self._close) :], "outside"
 
-    def _advance_xml(self, name: str, parameters: list[tuple[str, str]], *, close: bool = False) -> None:
-        """Send what is new of the current xml call: its head once, then its arguments pair by pair."""
+    def _advance_xml(self, name: str, prefix: str, *, close: bool = False) -> None:
+        """Send what is new of the current xml/gemma4 call: its head once, then its arguments pair by
+        pair (`prefix`: its arguments JSON so far, without the closing brace)."""
         index = self._num_calls
         if self._xml_head is None:
             self._xml_head = self._new_id()
             self._out.tool_calls.append(ToolCallDelta(index, id=self._xml_head, name=name))
-        arguments = arguments_prefix(parameters, self._parameters.get(name)) + ("}" if close else "")
+        arguments = prefix + ("}" if close else "")
         if len(arguments) > self._xml_sent:
             self._out.tool_calls.append(ToolCallDelta(index, arguments=arguments[self._xml_sent :]))
         self._xml_sent = len(arguments)
 
-    def _emit_xml_call(self, name: str, parameters: list[tuple[str, str]]) -> None:
-        self._advance_xml(name, parameters, close=True)
+    def _emit_xml_call(self, name: str, prefix: str) -> None:
+        self._advance_xml(name, prefix, close=True)
         self._num_calls, self._xml_head, self._xml_sent = self._num_calls + 1, None, 0
 
     def _scan_hermes(self) -> None:
@@ -317,6 +342,17 @@ class ToolCallParser:
         if self._state == "text":
             self._emit_content(self._buf)
             self._buf = ""
+
+
+@dataclass(frozen=True)
+class _Body:
+    """One xml or gemma4 call's body as scanned so far (tools/xml_calls.py, tools/gemma4_calls.py)."""
+
+    state: str  # complete, partial, invalid
+    name: str | None
+    arguments: str  # the arguments JSON of the pairs closed so far, without its closing "}"
+    closed: bool  # the function (xml) or the arguments object (gemma4) has closed
+    end: int  # complete: index just past the closing marker
 
 
 _HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": \{')  # the grammar's pinned layout

@@ -1,9 +1,10 @@
 """Tools as the request gives them: validate `tools`/`tool_choice`, describe them, enforce calls.
 
-Three formats, chosen per model by ToolFormat.for_template() (see tools/calls.py for the outputs):
+Four formats, chosen per model by ToolFormat.for_template() (see tools/calls.py for the outputs):
 hermes, where the template renders tools itself (Qwen2.5, Qwen3), xml, the same with Qwen3-Coder's
-<function=...><parameter=...> calls (Qwen3.5; parsed and enforced by tools/xml_calls.py), and json, a convention for
-templates that know no tools (the embedded SmolLM2): tools_system_prompt() goes into the system
+<function=...><parameter=...> calls (Qwen3.5; parsed and enforced by tools/xml_calls.py), gemma4, the
+same with Gemma 4's <|tool_call>call:NAME{key:value}<tool_call|> calls (tools/gemma4_calls.py), and
+json, a convention for templates that know no tools (the embedded SmolLM2): tools_system_prompt() goes into the system
 message and the model answers with {"tool_calls": [{"name": ..., "arguments": {...}}]}.
 
 Enforcement (tool_choice "required" or a named function) uses tool_call_schema() (json format) or
@@ -34,11 +35,15 @@ class ToolFormat(StrEnum):
     HERMES = "hermes"
     JSON = "json"
     XML = "qwen3_xml"
+    GEMMA4 = "gemma4"
 
     @classmethod
     def for_template(cls, chat_template: str | None) -> ToolFormat:
-        """XML when the template's <tool_call> blocks hold <function=...>/<parameter=...> tags
-        (Qwen3.5, Qwen3-Coder), HERMES when they hold JSON, else the JSON convention."""
+        """GEMMA4 when the template writes Gemma 4's `<|tool_call>call:NAME{...}` calls, XML when its
+        <tool_call> blocks hold <function=...>/<parameter=...> tags (Qwen3.5, Qwen3-Coder), HERMES when
+        they hold JSON, else the JSON convention."""
+        if chat_template and "<|tool_call>" in chat_template and "call:" in chat_template:
+            return cls.GEMMA4
         if not chat_template or _OPEN not in chat_template:
             return cls.JSON
         if "<function=" in chat_template and "<parameter=" in chat_template:

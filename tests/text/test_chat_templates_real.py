@@ -364,10 +364,21 @@ _JSON_CONVENTION = (
     "ToolFormat.for_template); this template has its own call syntax, so the server renders the tools as "
     "its JSON convention's system prompt, and the history's calls as that convention's JSON, instead"
 )
+_GEMMA4_TOOL_RESPONSES = (
+    "the server hands Gemma 4's template the tools and the calls as they are, but the `tool` messages as "
+    "the calling message's tool_responses, which is where this template reads results (it would render a "
+    "`tool` message as a turn of a role Gemma 4 does not have); transformers, given the messages as they "
+    "are, renders that turn. tests/tools/test_gemma4_tool_calls.py checks the server's text against "
+    "transformers' rendering of the rewritten messages"
+)
 _SERVER_DIFFERENCES = {
     **{
         (name, case): _JSON_CONVENTION
-        for name in ("gemma4", "deepseek-v3.1", "llama3.1", "llama3.2")
+        for name in ("deepseek-v3.1", "llama3.1", "llama3.2")
+        for case in ("tool-call-and-result", "tool-result-then-answer", "tool-history-without-tools")
+    },
+    **{
+        ("gemma4", case): _GEMMA4_TOOL_RESPONSES
         for case in ("tool-call-and-result", "tool-result-then-answer", "tool-history-without-tools")
     },
 }
