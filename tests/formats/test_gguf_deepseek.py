@@ -62,7 +62,8 @@ from tests.helpers.make_models import write_converted_deepseek_gguf
 from tests.model.test_gemma4 import KVHarness
 from tests.model.test_model_numerics import Seq, hf_logits
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+# slow: ~8 s in all (the engine, llama.cpp beside it); make test runs it
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
 
 F32, F16, Q8_0 = GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0
 ATOL = 2e-4  # test_deepseek's: float32 both sides, summation order

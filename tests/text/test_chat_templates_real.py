@@ -31,6 +31,8 @@ from onecall.errors import TemplateError
 from onecall.text.chat_template import ChatTemplate
 from onecall.text.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # ~10 s: hundreds of renders through transformers; make test runs it
+
 DATA = Path(__file__).parent.parent / "data" / "chat_templates"
 
 
