@@ -27,6 +27,7 @@ to the content as decoded text, and parsing never raises.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import gzip
 import json
@@ -131,14 +132,19 @@ def harmony_messages(
     reasoning_effort: str | None = None,
 ) -> list[Any]:
     """OpenAI-style messages and tools -> harmony Messages, as vLLM maps them: a system message
-    (reasoning effort), the system/developer messages' text and the function tools in one developer
+    (reasoning effort, today's date), the system/developer messages' text and the function tools in one developer
     message, then the turns (an assistant's reasoning -> analysis, content -> final, each call ->
     commentary to functions.NAME; a tool result -> a message from functions.NAME)."""
     h = _harmony()
     effort = (reasoning_effort or "medium").lower()
     if effort not in REASONING_EFFORTS:
         raise TemplateError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
-    system = h.SystemContent.new().with_reasoning_effort(h.ReasoningEffort(effort.capitalize()))
+    # today's date, as gpt-oss's own template writes it (strftime_now) and vLLM's harmony path does
+    system = (
+        h.SystemContent.new()
+        .with_reasoning_effort(h.ReasoningEffort(effort.capitalize()))
+        .with_conversation_start_date(datetime.date.today().isoformat())
+    )
     out = [h.Message.from_role_and_content(h.Role.SYSTEM, system)]
     instructions = [
         _text(m.get("content"), f"messages[{i}]")

@@ -9,6 +9,7 @@ token; garbage never raises. Detection: architecture gpt_oss, or <|channel|> a s
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import pytest
@@ -70,7 +71,10 @@ def test_rendering_equals_harmony_rendering(enc: object) -> None:
     ]
     ours = render_harmony(messages, TOOLS, reasoning_effort="low")
 
-    system = h.SystemContent.new().with_reasoning_effort(h.ReasoningEffort.LOW)
+    today = datetime.date.today().isoformat()  # render_harmony dates the system message, as the template does
+    system = (
+        h.SystemContent.new().with_reasoning_effort(h.ReasoningEffort.LOW).with_conversation_start_date(today)
+    )
     developer = (
         h.DeveloperContent.new()
         .with_instructions("Answer briefly.")
@@ -99,7 +103,7 @@ def test_rendering_equals_harmony_rendering(enc: object) -> None:
 
 def test_plain_conversation_renders(enc: object) -> None:
     ours = render_harmony([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
-    system = h.SystemContent.new()
+    system = h.SystemContent.new().with_conversation_start_date(datetime.date.today().isoformat())
     conversation = h.Conversation.from_messages(
         [
             h.Message.from_role_and_content(h.Role.SYSTEM, system),
