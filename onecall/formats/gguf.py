@@ -346,9 +346,9 @@ class GGUFFile:
         |                                        | experts as any family's (their MXFP4 kept as exact   |
         |                                        | int8 groups: model/gpt_oss.py runs them natively)    |
         | deepseek2 attn_k_b (H, rank, nope) and | one `self_attn.kv_b_proj.weight` (H * (nope + v),    |
-        | attn_v_b (H, v, rank)                  | rank), each head's [k; v] rows; its experts never    |
-        |                                        | kept as stored groups (model/deepseek.py runs them   |
-        |                                        | dense)                                               |
+        | attn_v_b (H, v, rank)                  | rank), each head's [k; v] rows; its experts as any   |
+        |                                        | family's (model/deepseek.py's moe.Experts runs them  |
+        |                                        | in their stored groups)                              |
         | a hybrid's (HybridLayout's table)      | its norms as Gemma's (not the gated ssm_norm),       |
         |                                        | A_log = log(-ssm_a), the conv (channels, 1, kernel), |
         |                                        | value heads back in grouped order (qwen35*: rows and |
@@ -374,7 +374,6 @@ class GGUFFile:
         gemma = self.architecture in GEMMA_ARCHITECTURES
         hybrid = hybrid_layout(self.metadata, self.architecture)
         gpt_oss = self.architecture == "gpt-oss"
-        dense_experts = self.architecture == "deepseek2"  # its MoE module reads float weights
         bias_halves: dict[str, torch.Tensor] = {}  # gpt-oss: a gate or up bias waiting for the other
         kv_b_halves: dict[str, torch.Tensor] = {}  # deepseek2: a k_b or v_b waiting for the other
         for info, hf_name in plan:
@@ -386,7 +385,7 @@ class GGUFFile:
                     heads = num_kv_heads
             raw, ggml_type = self.raw_data(info), T(info.ggml_type)
             if "*" in hf_name:  # stacked experts: one (rows, cols) tensor per expert
-                yield from self._experts(info, hf_name, raw, dtype, None if dense_experts else stored_out)
+                yield from self._experts(info, hf_name, raw, dtype, stored_out)
                 continue
             if hf_name.endswith((DEEPSEEK_K_B, DEEPSEEK_V_B)):
                 part = dequantize(raw, ggml_type, info.shape, torch.float32)

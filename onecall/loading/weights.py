@@ -50,8 +50,7 @@ from onecall.loading.packing import (
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM, materialize_weight
 from onecall.model.gemma import checkpoint_norm_weight
-from onecall.model.gpt_oss import GptOssMoE
-from onecall.model.moe import SparseMoE
+from onecall.model.moe import Experts
 from onecall.model.rope import partial_rotary_permutation
 
 
@@ -294,23 +293,24 @@ def _use_stored_experts(
     """Hand every MoE layer its experts' own groups (kernels/cpu/experts.py): the ones packed as they
     streamed in, else the stored ones (gate and up stacked as the parameter is, when stored in one form),
     per expert and weight. Returns what that gave, for DecoderLM.kernels ("native int4 (3 of 3 MoE layers)"), or "".
-    gpt-oss's GptOssMoE counts as a MoE layer too (its experts are moe.Experts with biases)."""
+    A MoE layer is any whose `mlp.experts` is a moe.Experts (SparseMoE's, gpt-oss's with biases,
+    DeepSeek-V3's routed experts)."""
     moe_layers, used, kinds = 0, 0, set()
     for i, layer in enumerate(model.model.layers):
-        mlp = layer.mlp
-        if not isinstance(mlp, (SparseMoE, GptOssMoE)):
+        experts = getattr(layer.mlp, "experts", None)
+        if not isinstance(experts, Experts):
             continue
         moe_layers += 1
         gate_up: list[StoredGroups | ExpertGroups | None] = []
         down: list[StoredGroups | ExpertGroups | None] = []
-        for e in range(mlp.experts.num_experts):
+        for e in range(experts.num_experts):
             base = f"model.layers.{i}.mlp.experts.{e}"
             gate, up = stored.get(f"{base}.gate_proj.weight"), stored.get(f"{base}.up_proj.weight")
             both = cat_rows([gate, up]) if gate is not None and up is not None else None
             gate_up.append(packed.get((base, 0), both))
             down.append(packed.get((base, 1), stored.get(f"{base}.down_proj.weight")))
-        held = native_experts(gate_up, down, mlp.experts.weight_shapes, model.int8_activations)
-        if held is not None and mlp.experts.use_stored(held):
+        held = native_experts(gate_up, down, experts.weight_shapes, model.int8_activations)
+        if held is not None and experts.use_stored(held):
             used += 1
             kinds |= held.kinds()
     return f"native {'+'.join(sorted(kinds))} ({used} of {moe_layers} MoE layers)" if used else ""

@@ -50,6 +50,7 @@ from onecall.model.attention_metadata import AttentionMetadata, SeqSpan
 from onecall.model.config import DeepseekSpec, ModelConfig
 from onecall.model.kv_cache import PagedKVCache
 from onecall.model.layers import Linear, ModelPart, RMSNorm, RotaryEmbedding, apply_rope
+from onecall.model.moe import Experts
 
 MODES = ("auto", "decompressed", "absorbed")
 
@@ -251,29 +252,6 @@ class DeepseekRouter(nn.Module):
         return weights * self.factor, ids
 
 
-class DeepseekExperts(nn.Module):
-    """The routed experts, stacked as transformers holds them: gate_up_proj (E, 2I, H) rows [gate; up],
-    down_proj (E, H, I) (loading/weights.py fills them from per-expert tensors too)."""
-
-    def __init__(
-        self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device)
-        )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device))
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():  # the experts some token picked (a host sync)
-            token, slot = torch.where(ids == expert)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
-
-
 class DeepseekMoE(nn.Module):
     """Routed experts plus the shared experts (checkpoint names: mlp.gate, mlp.experts, mlp.shared_experts)."""
 
@@ -285,7 +263,9 @@ class DeepseekMoE(nn.Module):
         assert moe is not None
         h = config.hidden_size
         self.gate = DeepseekRouter(config, spec, device)
-        self.experts = DeepseekExperts(moe.num_experts, h, moe.moe_intermediate_size, dtype, device)
+        # the routed experts are moe.Experts (SiLU-gated, [gate; up] stacked): a GGUF's run on the native
+        # kernels in the file's own groups (loading/weights.py _use_stored_experts), like every MoE's
+        self.experts = Experts(moe.num_experts, h, moe.moe_intermediate_size, dtype, device)
         self.shared_experts = DeepseekMLP(h, moe.shared_expert_intermediate_size, dtype, device)
 
     def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:

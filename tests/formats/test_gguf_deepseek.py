@@ -240,6 +240,8 @@ def test_the_engine_serves_a_deepseek_gguf(tmp_path: Path) -> None:
         want.append(int(top.indices[0]))
     with LLM(model=str(path), kv_cache_gib=0.01, num_threads=1) as llm:
         assert llm.engine.model_config.architecture == "deepseek_v3"
+        # the routed experts run on the native kernels in the file's Q8_0 groups, no float32 copy
+        assert "experts native int8 (2 of 2 MoE layers)" in llm.info.kernels, llm.info.kernels
         out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     assert out.token_ids == want[21:]
 
