@@ -26,6 +26,7 @@ from onecall.kernels.cpu.fast_linear import FastLinear, FastLMHead, pack_stored,
 from onecall.kernels.select import fast_kernels_supported
 from onecall.loading.native_step import NativeDecodeStep
 from onecall.model.decoder import PROJECTION_PARTS, DecoderLM
+from onecall.model.deepseek import DeepseekMoE
 from onecall.model.gpt_oss import GptOssMoE
 from onecall.model.moe import SparseMoE
 
@@ -322,7 +323,7 @@ def weight_bytes_read(model: DecoderLM, rows: int = 1) -> int:
     for name, module in model.named_modules():
         if isinstance(module, FastLinear):
             total += module.weight_bytes_read(rows)
-        elif isinstance(module, (SparseMoE, GptOssMoE)):
+        elif isinstance(module, (SparseMoE, GptOssMoE, DeepseekMoE)):
             total += module.weight_bytes_read(rows)
             moe_prefixes.append(f"{name}.")
     head = model.fast_lm_head

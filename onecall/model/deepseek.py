@@ -272,6 +272,14 @@ class DeepseekMoE(nn.Module):
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids) + self.shared_experts(x, decode_rows)
 
+    def weight_bytes_read(self, rows: int) -> int:
+        """Bytes of weights a forward over `rows` tokens streams at most: the router, the routed experts
+        those rows can reach (moe.Experts.bytes_read), and the shared experts' parameters (a projection
+        the fast kernels packed holds none: the caller counts it as it counts every packed projection)."""
+        router = sum(p.numel() * p.element_size() for p in self.gate.parameters())
+        shared = sum(p.numel() * p.element_size() for p in self.shared_experts.parameters())
+        return router + self.experts.bytes_read(rows, self.gate.top_k) + shared
+
 
 class DeepseekDecoderLayer(nn.Module):
     """h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))."""

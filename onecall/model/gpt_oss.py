@@ -172,18 +172,12 @@ class GptOssMoE(nn.Module):
         those rows can reach (rows * top_k, at most all of them), each weight in the form its kernel
         reads (stored groups, else float32), and their biases; an average expert's worth each."""
         experts = self.experts
-        per_expert = 0
-        for e in range(experts.num_experts):
-            for which, param in enumerate((experts.gate_up_proj, experts.down_proj)):
-                held = None if experts.stored is None else experts.stored.nbytes(e, which)
-                rows_, cols = experts.weight_shapes[which]
-                per_expert += held if held is not None else rows_ * cols * param.element_size()
         biases = sum(
             p[0].numel() * p.element_size() for p in (experts.gate_up_proj_bias, experts.down_proj_bias)
         )
         reached = min(experts.num_experts, rows * self.top_k)
         router = sum(p.numel() * p.element_size() for p in self.router.parameters())
-        return router + (per_expert * reached) // experts.num_experts + biases * reached
+        return router + experts.bytes_read(rows, self.top_k) + biases * reached
 
 
 class GptOssDecoderLayer(nn.Module):

@@ -88,6 +88,18 @@ class Experts(nn.Module):
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         return True
 
+    def bytes_read(self, rows: int, top_k: int) -> int:
+        """Bytes of expert weights a forward over `rows` tokens streams at most: the experts those rows
+        can reach (rows * top_k, at most all of them), an average expert's worth each, every weight in
+        the form its kernel reads (stored groups, else float32)."""
+        total = 0
+        for e in range(self.num_experts):
+            for which, param in enumerate((self.gate_up_proj, self.down_proj)):
+                held = None if self.stored is None else self.stored.nbytes(e, which)
+                rows_, cols = self.weight_shapes[which]
+                total += held if held is not None else rows_ * cols * param.element_size()
+        return total * min(self.num_experts, rows * top_k) // self.num_experts
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x (num_tokens, hidden); weights, experts (num_tokens, top_k) -> (num_tokens, hidden)."""
         top_k = experts.shape[1]
@@ -157,17 +169,6 @@ class SparseMoE(nn.Module):
         """Bytes of weights a forward over `rows` tokens streams at most: the router, and the experts
         those rows can reach (rows * top_k, at most all of them), each in the form its kernel reads
         (stored groups, else float32), an average expert's worth each."""
-        experts = self.experts
-        per_expert = 0
-        for e in range(experts.num_experts):
-            for which, param in enumerate((experts.gate_up_proj, experts.down_proj)):
-                held = None if experts.stored is None else experts.stored.nbytes(e, which)
-                if held is not None:  # every row on its groups
-                    per_expert += held
-                else:
-                    rows_, cols = experts.weight_shapes[which]
-                    per_expert += rows_ * cols * param.element_size()
-        reached = min(experts.num_experts, rows * self.top_k)
         router = self.gate.weight.numel() * self.gate.weight.element_size()
         # the shared expert and its gate, every row: their parameters (a projection the fast kernels
         # packed holds none: the caller counts it as it counts every packed projection)
@@ -175,4 +176,4 @@ class SparseMoE(nn.Module):
         for module in (self.shared_expert, self.shared_expert_gate):
             if module is not None:
                 shared += sum(p.numel() * p.element_size() for p in module.parameters())
-        return router + per_expert * reached // experts.num_experts + shared
+        return router + self.experts.bytes_read(rows, self.top_k) + shared
