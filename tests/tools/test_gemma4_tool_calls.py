@@ -10,9 +10,7 @@ either kind of token."""
 from __future__ import annotations
 
 import copy
-import itertools
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +34,10 @@ from onecall.text.chat_template import ChatTemplate, render_chat
 from onecall.text.reasoning import ReasoningFormat
 from onecall.text.tokenizer import Tokenizer
 from onecall.tools.calling import ChatTools
-from onecall.tools.calls import ToolCallParser, assemble_tool_calls, parse_tool_calls
+from onecall.tools.calls import ToolCallParser, parse_tool_calls
 from onecall.tools.gemma4_calls import CALL_CLOSE, CALL_OPEN, QUOTE, scan_call, tool_responses_for_template
 from onecall.tools.specs import ToolFormat
+from tests.helpers.tool_streams import call_ids, splits, stream_parse
 from tests.system.test_server_reasoning import EOS, MODEL, ScriptedLM, both, serve
 from tests.text.test_chat_templates_real import (
     TEMPLATES,
@@ -131,27 +130,10 @@ CASES: list[tuple[str, str | None, list[tuple[str, str]]]] = [
 ]  # fmt: skip
 
 
-def ids() -> Callable[[], str]:
-    counter = itertools.count()
-    return lambda: f"call_{next(counter):03d}"
-
-
 def run(
     text: str, pieces: list[str], *, stream_arguments: bool = False
 ) -> tuple[str | None, list[tuple[str, str]]]:
-    parser = ToolCallParser(G, tool_parameters=PARAMETERS, new_id=ids(), stream_arguments=stream_arguments)
-    deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
-    assert "".join(pieces) == text
-    content = "".join(d.content for d in deltas) or None
-    return content, [(c.name, c.arguments_json) for c in assemble_tool_calls(deltas)]
-
-
-def splits(text: str) -> list[list[str]]:
-    """Every cut into two, one character at a time, and every cut into pieces of 2, 3 and 5."""
-    out = [[text[:i], text[i:]] for i in range(len(text) + 1)]
-    out.append(list(text))
-    out += [[text[i : i + n] for i in range(0, len(text), n)] for n in (2, 3, 5)]
-    return out
+    return stream_parse(G, PARAMETERS, text, pieces, stream_arguments=stream_arguments)
 
 
 def test_the_real_templates_choose_their_format() -> None:
@@ -177,7 +159,7 @@ def test_every_split_streams_the_same(text: str, content: str | None, calls: lis
 
 
 def test_text_that_may_become_a_call_is_held_back() -> None:
-    parser = ToolCallParser(G, tool_parameters=PARAMETERS, new_id=ids())
+    parser = ToolCallParser(G, tool_parameters=PARAMETERS, new_id=call_ids())
     assert parser.feed("Sure. <|tool_").content == "Sure."
     out = parser.feed(f"call>call:get_weather{{city:{Q}Pa")
     assert out.content == "" and out.tool_calls == []  # auto: held until the call is complete
@@ -273,7 +255,7 @@ def test_calls_the_template_renders_parse_back() -> None:
 
 
 def test_constrained_calls_stream_pair_by_pair() -> None:
-    parser = ToolCallParser(G, tool_parameters=PARAMETERS, new_id=ids(), stream_arguments=True)
+    parser = ToolCallParser(G, tool_parameters=PARAMETERS, new_id=call_ids(), stream_arguments=True)
     deltas = [parser.feed(c) for c in PARIS] + [parser.finish()]
     first = [p for d in deltas for p in d.tool_calls if p.index == 0]
     assert first[0].name == "get_weather" and first[0].id and first[0].arguments == ""

@@ -8,9 +8,7 @@ scripted model under the real Qwen3.5 template."""
 from __future__ import annotations
 
 import copy
-import itertools
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from onecall.tools.calls import ToolCallParser, assemble_tool_calls, parse_tool_
 from onecall.tools.specs import ToolFormat
 from onecall.tools.xml_calls import scan_call, value_from_text
 from tests.helpers.tiny_engine import embedded_tokenizer
+from tests.helpers.tool_streams import call_ids, splits, stream_parse
 from tests.system.test_server_reasoning import EOS, MARKERS, MODEL, ScriptedLM, both, serve
 from tests.text.test_chat_templates_real import TEMPLATES, _reference_tokenizer
 
@@ -122,27 +121,10 @@ CASES: list[tuple[str, str | None, list[tuple[str, str]]]] = [
 ]  # fmt: skip
 
 
-def ids() -> Callable[[], str]:
-    counter = itertools.count()
-    return lambda: f"call_{next(counter):03d}"
-
-
 def run(
     text: str, pieces: list[str], *, stream_arguments: bool = False
 ) -> tuple[str | None, list[tuple[str, str]]]:
-    parser = ToolCallParser(X, tool_parameters=PARAMETERS, new_id=ids(), stream_arguments=stream_arguments)
-    deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
-    assert "".join(pieces) == text
-    content = "".join(d.content for d in deltas) or None
-    return content, [(c.name, c.arguments_json) for c in assemble_tool_calls(deltas)]
-
-
-def splits(text: str) -> list[list[str]]:
-    """Every cut into two, one character at a time, and every cut into pieces of 2, 3 and 5."""
-    out = [[text[:i], text[i:]] for i in range(len(text) + 1)]
-    out.append(list(text))
-    out += [[text[i : i + n] for i in range(0, len(text), n)] for n in (2, 3, 5)]
-    return out
+    return stream_parse(X, PARAMETERS, text, pieces, stream_arguments=stream_arguments)
 
 
 def test_the_real_templates_choose_their_format() -> None:
@@ -169,7 +151,7 @@ def test_every_split_streams_the_same(text: str, content: str | None, calls: lis
 
 
 def test_text_that_may_become_a_call_is_held_back() -> None:
-    parser = ToolCallParser(X, tool_parameters=PARAMETERS, new_id=ids())
+    parser = ToolCallParser(X, tool_parameters=PARAMETERS, new_id=call_ids())
     assert parser.feed("Sure. <tool_").content == "Sure."
     out = parser.feed("call>\n<function=get_weather>\n<parameter=city>\nPa")
     assert out.content == "" and out.tool_calls == []  # auto: held until the call is complete
@@ -235,7 +217,7 @@ def test_constrained_calls_stream_parameter_by_parameter() -> None:
     expected = run(text, [text])
     for pieces in splits(text):
         assert run(text, pieces, stream_arguments=True) == expected
-    parser = ToolCallParser(X, tool_parameters=PARAMETERS, new_id=ids(), stream_arguments=True)
+    parser = ToolCallParser(X, tool_parameters=PARAMETERS, new_id=call_ids(), stream_arguments=True)
     deltas = [parser.feed(c) for c in text] + [parser.finish()]
     first = [p for d in deltas for p in d.tool_calls if p.index == 0]
     assert first[0].name == "get_weather" and first[0].id and first[0].arguments == ""
