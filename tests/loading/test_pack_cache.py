@@ -13,6 +13,7 @@ other bytes must miss.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolv
 from onecall.formats.hf_config import model_config_from_hf
 from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_linear import FastLinear
+from onecall.loading import pack_cache
 from onecall.loading.pack_cache import PackCacheWarning
 from onecall.loading.weights import load_weights
 from onecall.model.decoder import DecoderLM
@@ -43,6 +45,10 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("ONECALL_PACK_CACHE_DIR", str(tmp_path / "packed"))
     monkeypatch.setenv("ONECALL_PACK_CACHE", "1")
     monkeypatch.delenv("ONECALL_PACK_CACHE_GIB", raising=False)
+    # The tests hold what is cached, not how full this machine's disk is (a CI runner's may keep
+    # under the 10% headroom the cache leaves): a roomy disk here, a nearly full one in its own test.
+    roomy = SimpleNamespace(total=100 * 2**30, used=10 * 2**30, free=90 * 2**30)
+    monkeypatch.setattr(pack_cache.shutil, "disk_usage", lambda _: roomy)
     return tmp_path / "packed"
 
 
@@ -243,10 +249,6 @@ def test_a_folder_it_cannot_write_is_a_warning(
 def test_a_nearly_full_disk_is_left_alone(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from types import SimpleNamespace
-
-    from onecall.loading import pack_cache
-
     path = _gguf(tmp_path, "qwen2", T.Q4_0)
     full = SimpleNamespace(total=100 * 2**30, used=91 * 2**30, free=9 * 2**30)  # 9% free
     monkeypatch.setattr(pack_cache.shutil, "disk_usage", lambda _: full)
