@@ -39,8 +39,15 @@ from onecall.loading.weights import load_weights
 from onecall.model.config import ModelConfig
 from onecall.model.decoder import DecoderLM
 from onecall.model.deepseek import set_mla_mode
-from tests.model.test_gemma4 import KVHarness
-from tests.model.test_model_numerics import VOCAB, Seq, hf_logits, prompt
+from tests.helpers.family_checks import (
+    KVHarness,
+    assert_close,
+    check_batched_decode_on_reference,
+    check_chunked_prefill,
+    check_prefill_then_decode,
+    randomize,
+)
+from tests.model.test_model_numerics import VOCAB, Seq, prompt
 
 ATOL = 2e-4
 CHUNK_ATOL = 3e-5
@@ -64,18 +71,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL) -> None:
-    assert ours.shape == ref.shape
-    diff = (ours - ref).abs().max().item()
-    assert diff <= atol, f"max abs diff {diff:.2e} > {atol}"
-
-
 def build(variant: str, seed: int = 0) -> tuple[Any, DecoderLM]:
     torch.manual_seed(seed)
     hf = DeepseekV3ForCausalLM(DeepseekV3Config(**_COMMON, **VARIANTS[variant])).eval()
+    randomize(hf)
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn_like(b))
@@ -91,41 +91,15 @@ def models(request: pytest.FixtureRequest) -> tuple[Any, DecoderLM]:
 
 def test_prefill_and_decode_match_transformers(models: tuple[Any, DecoderLM]) -> None:
     """20-token prefill, then 6 greedy decode steps through the paged (latent) cache."""
-    hf, ours = models
-    harness = KVHarness(ours)
-    seq = Seq(prompt(20, seed=3))
-    (logits,) = harness.step([(seq, 20)])
-    assert_close(logits, hf_logits(hf, seq.tokens))
-    steps = []
-    for _ in range(6):
-        seq.tokens.append(int(logits[-1].argmax()))
-        (logits,) = harness.step([(seq, 1)])
-        steps.append(logits[-1])
-    ref = hf_logits(hf, seq.tokens)
-    for i, step_logits in enumerate(steps):
-        assert_close(step_logits, ref[20 + i])
+    check_prefill_then_decode(*models, ATOL)
 
 
 def test_batched_decode_and_reference_backend(models: tuple[Any, DecoderLM]) -> None:
-    """Two sequences prefilled and then decoding in one step, on the reference backend (slot lists)."""
-    hf, ours = models
-    harness = KVHarness(ours)
-    a, b = Seq(prompt(9, seed=5)), Seq(prompt(14, seed=6))
-    harness.step([(a, 9), (b, 14)], backend="reference")
-    a.tokens.append(7)
-    b.tokens.append(11)
-    la, lb = harness.step([(a, 1), (b, 1)], backend="reference", num_decode=2)
-    assert_close(la[-1], hf_logits(hf, a.tokens)[-1])
-    assert_close(lb[-1], hf_logits(hf, b.tokens)[-1])
+    check_batched_decode_on_reference(*models, ATOL)
 
 
 def test_chunked_prefill_equals_one_chunk(models: tuple[Any, DecoderLM]) -> None:
-    _, ours = models
-    tokens = prompt(20, seed=4)
-    (whole,) = KVHarness(ours).step([(Seq(list(tokens)), 20)])
-    harness, seq = KVHarness(ours), Seq(list(tokens))
-    parts = [harness.step([(seq, n)])[0] for n in (7, 6, 7)]
-    assert_close(torch.cat(parts), whole, CHUNK_ATOL)
+    check_chunked_prefill(models[1], CHUNK_ATOL)
 
 
 def test_absorbed_equals_decompressed(models: tuple[Any, DecoderLM]) -> None:

@@ -45,8 +45,15 @@ from onecall.formats.hf_config import model_config_from_hf
 from onecall.loading.weights import load_weights
 from onecall.model.config import GLOBAL, SLIDING
 from onecall.model.decoder import DecoderLM
-from onecall.model.kv_cache import PagedKVCache
-from tests.model.test_model_numerics import BLOCK_SIZE, NUM_BLOCKS, VOCAB, Harness, Seq, hf_logits, prompt
+from tests.helpers.family_checks import (
+    KVHarness,
+    assert_close,
+    check_batched_decode_on_reference,
+    check_chunked_prefill,
+    check_prefill_then_decode,
+    randomize,
+)
+from tests.model.test_model_numerics import VOCAB, Seq, hf_logits, prompt
 
 ATOL = 2e-4
 CHUNK_ATOL = 3e-5
@@ -76,29 +83,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    assert ours.shape == ref.shape
-    diff = (ours - ref).abs().max().item()
-    assert diff <= ATOL, f"max abs diff {diff:.2e} > {ATOL}"
-
-
-class KVHarness(Harness):
-    """test_model_numerics' Harness with the pool the engine builds: num_kv_layers cache layers."""
-
-    def __init__(self, model: DecoderLM, seed: int = 1) -> None:
-        super().__init__(model, seed)
-        c = model.config
-        self.kv_cache = PagedKVCache(
-            c.num_kv_layers, NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, torch.float32, "cpu"
-        )
-
-
 def build(variant: str, seed: int = 0) -> tuple[Any, DecoderLM]:
     torch.manual_seed(seed)
     hf = Gemma4ForCausalLM(Gemma4TextConfig(**_COMMON, **VARIANTS[variant])).eval()
+    randomize(hf)
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
         for layer in hf.model.layers:
             layer.layer_scalar.copy_(0.5 + torch.rand(1))
     ours = DecoderLM(model_config_from_hf(hf.config.to_dict()), dtype=torch.float32, device="cpu")
@@ -113,42 +102,15 @@ def models(request: pytest.FixtureRequest) -> tuple[Any, DecoderLM]:
 
 def test_prefill_and_decode_match_transformers(models: tuple[Any, DecoderLM]) -> None:
     """20-token prefill (past the 6-token window), then 6 greedy decode steps through the paged cache."""
-    hf, ours = models
-    harness = KVHarness(ours)
-    seq = Seq(prompt(20, seed=3))
-    (logits,) = harness.step([(seq, 20)])
-    assert_close(logits, hf_logits(hf, seq.tokens))
-    steps = []
-    for _ in range(6):
-        seq.tokens.append(int(logits[-1].argmax()))
-        (logits,) = harness.step([(seq, 1)])
-        steps.append(logits[-1])
-    ref = hf_logits(hf, seq.tokens)
-    for i, step_logits in enumerate(steps):
-        assert_close(step_logits, ref[20 + i])
+    check_prefill_then_decode(*models, ATOL)
 
 
 def test_batched_decode_and_reference_backend(models: tuple[Any, DecoderLM]) -> None:
-    """Two sequences decoding in one step, on the reference attention backend, against transformers."""
-    hf, ours = models
-    harness = KVHarness(ours)
-    a, b = Seq(prompt(9, seed=5)), Seq(prompt(14, seed=6))
-    harness.step([(a, 9), (b, 14)], backend="reference")
-    a.tokens.append(7)
-    b.tokens.append(11)
-    la, lb = harness.step([(a, 1), (b, 1)], backend="reference", num_decode=2)
-    assert_close(la[-1], hf_logits(hf, a.tokens)[-1])
-    assert_close(lb[-1], hf_logits(hf, b.tokens)[-1])
+    check_batched_decode_on_reference(*models, ATOL)
 
 
 def test_chunked_prefill_equals_one_chunk(models: tuple[Any, DecoderLM]) -> None:
-    _, ours = models
-    tokens = prompt(20, seed=4)
-    (whole,) = KVHarness(ours).step([(Seq(list(tokens)), 20)])
-    harness, seq = KVHarness(ours), Seq(list(tokens))
-    parts = [harness.step([(seq, n)])[0] for n in (7, 6, 7)]
-    diff = (torch.cat(parts) - whole).abs().max().item()
-    assert diff <= CHUNK_ATOL, f"chunked prefill differs by {diff:.2e}"
+    check_chunked_prefill(models[1], CHUNK_ATOL)
 
 
 def test_fast_kernels_match_the_reference(models: tuple[Any, DecoderLM]) -> None:
@@ -164,13 +126,13 @@ def test_fast_kernels_match_the_reference(models: tuple[Any, DecoderLM]) -> None
     fast_harness, ref_harness = KVHarness(fast), KVHarness(ours)
     (got,) = fast_harness.step([(seq, 21)])
     (want,) = ref_harness.step([(ref_seq, 21)])
-    assert_close(got, want)
+    assert_close(got, want, ATOL)
     for token in (3, 9):
         seq.tokens.append(token)
         ref_seq.tokens.append(token)
         (got,) = fast_harness.step([(seq, 1)])
         (want,) = ref_harness.step([(ref_seq, 1)])
-        assert_close(got, want)
+        assert_close(got, want, ATOL)
 
 
 def test_kv_pool_holds_no_cache_for_shared_layers() -> None:
@@ -208,7 +170,7 @@ def test_kv_pool_holds_no_cache_for_shared_layers() -> None:
     assert harness.kv_cache.k.shape[0] == 4
     seq = Seq(prompt(10, seed=8))
     (logits,) = harness.step([(seq, 10)])
-    assert_close(logits, hf_logits(hf, seq.tokens))
+    assert_close(logits, hf_logits(hf, seq.tokens), ATOL)
 
 
 def test_gemma4_configs_as_their_files_write_them() -> None:
@@ -292,7 +254,7 @@ def test_the_multimodal_checkpoints_language_model() -> None:
     (logits,) = KVHarness(ours.eval()).step([(seq, 12)])
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([seq.tokens]), use_cache=False).logits[0].float()
-    assert_close(logits, ref)
+    assert_close(logits, ref, ATOL)
 
 
 def test_the_capturable_expert_sum_is_the_routed_one() -> None:
