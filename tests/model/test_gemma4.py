@@ -50,6 +50,7 @@ from tests.helpers.family_checks import (
     assert_close,
     check_batched_decode_on_reference,
     check_chunked_prefill,
+    check_engine_generates_as_transformers,
     check_prefill_then_decode,
     randomize,
 )
@@ -277,30 +278,8 @@ def test_the_engine_generates_what_transformers_does(variant: str, tmp_path: Any
     cache, sampler), greedy, against transformers' generate: a 20-token prompt past the 6-token window,
     10 new tokens; then a second request that shares the first 16 tokens (a prefix-cache hit, so the
     KV-sharing layers read cached blocks they never wrote) and must generate as transformers does."""
-    import json
-
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models as tok_models
-    from tokenizers import pre_tokenizers
-
-    from onecall import LLM, SamplingParams
-
     hf, _ = build(variant)
-    hf.save_pretrained(tmp_path)
-    tok = HFTokenizer(tok_models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
-    first, second = prompt(20, seed=8), prompt(20, seed=8)[:16] + prompt(5, seed=9)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    with LLM(model=str(tmp_path), kv_cache_gib=0.01, num_threads=1) as llm:
-        assert llm.engine.model_config.architecture == "gemma4"
-        outs = [llm.generate([p], params)[0] for p in (first, second)]
-    assert outs[1].num_cached_tokens >= 12  # whole blocks of the shared 16 tokens
-    for p, out in zip((first, second), outs):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
-        assert list(out.token_ids) == want
+    check_engine_generates_as_transformers(hf, tmp_path, "gemma4")
 
 
 def test_attention_probabilities_are_refused_by_name() -> None:

@@ -11,18 +11,16 @@ within 1e-4 (float32, summation order only), on the reference and the fast kerne
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
 from onecall import LLM, SamplingParams
 from onecall.errors import UnsupportedModelError
 from onecall.formats.checkpoint import language_model_tensor
+from tests.helpers.family_checks import write_word_level_tokenizer
 
 VOCAB = 300
 PROMPT = [5, 9, 17, 33, 2, 8, 100, 7, 9, 11, 12, 13]
@@ -55,10 +53,7 @@ def gemma3_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Gemma
                 p.normal_(0.0, 0.2)  # wide logit gaps: greedy is not decided by summation order
     folder = tmp_path_factory.mktemp("gemma3-mm")
     model.save_pretrained(folder)
-    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
+    write_word_level_tokenizer(folder, VOCAB)
     return folder, model
 
 

@@ -34,6 +34,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
+from tests.helpers.family_checks import write_word_level_tokenizer
 from tests.helpers.server_process import ServerProcess
 from tests.model.test_deepseek import build
 from tests.model.test_model_numerics import VOCAB, prompt
@@ -50,11 +51,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     hf, _ = build("lora")
     folder = Path(tmp_path_factory.mktemp("deepseek")) / "tiny-deepseek-v3"
     hf.save_pretrained(folder)
-    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "t1", "bos_token": "t3", "add_bos_token": False, "chat_template": TEMPLATE}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    write_word_level_tokenizer(folder, bos_token="t3", add_bos_token=False, chat_template=TEMPLATE)
     proc = ServerProcess(
         "--model", str(folder), "--served-model-name", "tiny-deepseek", "--max-model-len", "128",
         "--kv-cache-gib", str(KV_CACHE_GIB),

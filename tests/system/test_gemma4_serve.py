@@ -9,7 +9,6 @@ and the reply's words are its ids."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,11 @@ from typing import Any
 import openai
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
 
+from tests.helpers.family_checks import write_word_level_tokenizer
 from tests.helpers.server_process import ServerProcess
 from tests.model.test_gemma4 import build
-from tests.model.test_model_numerics import VOCAB, prompt
+from tests.model.test_model_numerics import prompt
 
 pytestmark = pytest.mark.server
 
@@ -34,11 +32,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     hf, _ = build("e2b")
     folder = Path(tmp_path_factory.mktemp("gemma4")) / "tiny-gemma4"
     hf.save_pretrained(folder)
-    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "t1", "bos_token": "t3", "add_bos_token": False, "chat_template": TEMPLATE}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    write_word_level_tokenizer(folder, bos_token="t3", add_bos_token=False, chat_template=TEMPLATE)
     proc = ServerProcess("--model", str(folder), "--served-model-name", "tiny-gemma4", "--max-model-len", "128")
     try:
         yield proc.start(), hf
