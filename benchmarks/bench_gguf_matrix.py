@@ -65,7 +65,7 @@ from _peers import LOADERS, SYSTEMS, LlamaCpp, Onecall, OnecallInt8, Workload
 from bench_engine import CHAT, TOPICS, load_tokenizer, long_text, metric
 from make_gguf_mixes import DEFAULT_OUT, SHAPES, mix_path, tensor_mix
 
-DEFAULT_PRESETS = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "F16")
+DEFAULT_PRESETS = ("Q2_K", "Q3_K_M", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "F16")
 ROWS = (  # (bench_engine.metric name, label, higher is better)
     ("cold_start", "cold start to first token (s)", False),
     ("prefill", "prefill tok/s, {plen}-token prompt", True),

@@ -129,7 +129,7 @@ DEEPSEEK_TYPES = ("deepseek_v3",)  # shapes written by the deepseek2 converter l
 GEMMA4_TYPES = ("gemma4_text",)  # shapes written by the gemma4 converter layout
 GPT_OSS_TYPES = ("gpt_oss",)  # shapes written by the gpt-oss converter layout, experts in MXFP4
 # preset -> llama.cpp's llama_ftype name (llama_cpp.LLAMA_FTYPE_MOSTLY_<preset>); F16 is the source itself
-PRESETS = ("F16", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")
+PRESETS = ("F16", "Q2_K", "Q3_K_M", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")
 _LAYER = re.compile(r"^blk\.\d+\.")
 
 
