@@ -69,6 +69,7 @@ class Workload:
     seed: int = 0
     t_spawn: float = 0.0  # parent's time.time() just before it started this child (set per child)
     marks: dict[str, float] = field(default_factory=dict)  # child's milestones, seconds after t_spawn
+    rss_marks: dict[str, float] = field(default_factory=dict)  # child's resident MB at each milestone
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -79,6 +80,7 @@ class Workload:
 
     def mark(self, name: str) -> None:
         self.marks[name] = round(time.time() - self.t_spawn, 4)
+        self.rss_marks[name] = round(resident_mb(), 1)
 
 
 def emit(tag: str, payload: dict[str, Any]) -> None:
@@ -170,6 +172,9 @@ class Measurement:
             "aggregate": aggregate,
             "memory": {
                 "loaded_rss_mb": self.loaded_rss_mb,  # resident right after the cold-start turn
+                # resident once the system's libraries were imported, before its model loaded (torch's
+                # ~230 MB for onecall): loaded minus this is what the model and its buffers hold
+                "imported_rss_mb": self.w.rss_marks.get("imported"),
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,  # Linux: KiB
             },
         }

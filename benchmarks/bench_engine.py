@@ -309,6 +309,8 @@ def metric(result: dict[str, Any], name: str) -> float | None:
         "aggregate": lambda r: r["aggregate"]["tokens_per_s"],
         "loaded_rss": lambda r: r["memory"]["loaded_rss_mb"],
         "peak_rss": lambda r: r["memory"]["peak_rss_mb"],
+        "model_rss": lambda r: (r["memory"]["loaded_rss_mb"] - r["memory"]["imported_rss_mb"]
+                                if r["memory"].get("imported_rss_mb") is not None else None),
     }[name](result)
 
 

@@ -32,7 +32,9 @@ a ratio compares runs from the same minutes of a machine whose speed drifts by t
                  seconds (requests cost about the same, so the rate over those done stands for all)
   memory         resident set after load + the first token, and the process's peak (the file's
                  mapped pages count where touched), beside the file size and each engine's KV pool
-                 (onecall: the allocated paged pool; llama.cpp: its n_ctx cache, F16 K and V)
+                 (onecall: the allocated paged pool; llama.cpp: its n_ctx cache, F16 K and V); and
+                 the resident set after load beyond what it held once its libraries were imported
+                 (torch alone is ~230 MB of onecall's): what the model and its buffers take
 
 Ratios are onecall / llama.cpp (above 1 is onecall faster; for cold start and memory, below 1 is
 onecall leaner): each engine's best run over the other's, then in brackets each round's own ratio
@@ -74,6 +76,7 @@ ROWS = (  # (bench_engine.metric name, label, higher is better)
     ("aggregate", "{nconc} concurrent x {ntok} tokens, total tok/s", True),
     ("loaded_rss", "resident after load + first token (MB)", False),
     ("peak_rss", "peak resident (MB)", False),
+    ("model_rss", "resident after load beyond the imported libraries (MB)", False),
 )
 
 
@@ -341,14 +344,16 @@ def markdown_summary(records: list[dict[str, Any]]) -> str:
     lines = [
         "| file | MB | engine | "
         + " | ".join(f"{c} ratio" + (" (per round)" if c in RUNS else "") for c in cols)
-        + " | onecall peak RSS / file |",
-        "|" + "---|" * (4 + len(cols)),
+        + " | onecall peak RSS / file | onecall's model RSS / file |",
+        "|" + "---|" * (5 + len(cols)),
     ]
     for r in records:
         size = r["size_bytes"]
         for name, row in r["ratios"].items():
             peak = metric(r["results"].get(name, {"error": "-"}), "peak_rss")
             mem = f"{peak * 1e6 / size:.2f}" if peak else "-"
+            model = metric(r["results"].get(name, {"error": "-"}), "model_rss")
+            mem += f" | {model * 1e6 / size:.2f}" if model else " | -"
             rounds = r.get("round_ratios", {}).get(name, {})
             cells = [_ratio(row.get(c), rounds.get(c)) for c in cols]
             lines.append(
