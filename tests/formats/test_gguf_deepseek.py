@@ -58,8 +58,8 @@ from onecall.formats.hf_config import model_config_from_hf
 from onecall.formats.quants import StoredGroups
 from onecall.loading.weights import load_weights
 from onecall.model.decoder import DecoderLM
+from tests.helpers.family_checks import KVHarness
 from tests.helpers.make_models import write_converted_deepseek_gguf
-from tests.model.test_gemma4 import KVHarness
 from tests.model.test_model_numerics import Seq, hf_logits
 
 # slow: ~8 s in all (the engine, llama.cpp beside it); make test runs it
