@@ -33,7 +33,7 @@ from onecall.kernels.ops import REFERENCE_OPS, LayerOps
 from onecall.kernels.select import fast_kernels_supported, layer_ops
 from onecall.model.attention_metadata import AttentionMetadata
 from onecall.model.config import ModelConfig
-from onecall.model.deepseek import deepseek_forward, deepseek_layers, rotary_table
+from onecall.model.deepseek import DEEPSEEK_PROJECTION_PARTS, deepseek_forward, deepseek_layers, rotary_table
 from onecall.model.gemma import GemmaDecoderModel, GemmaRMSNorm, GemmaRotary, soft_cap
 from onecall.model.gemma4 import (
     GEMMA4_PROJECTION_PARTS,
@@ -75,6 +75,7 @@ PROJECTION_PARTS = {
     "mlp.down_proj": ("mlp.down_proj",),
     **HYBRID_PROJECTION_PARTS,  # a hybrid's layers: the output gate, DeltaNet's, the shared expert's
     **GEMMA4_PROJECTION_PARTS,  # Gemma 4's layers: q/k/v and gate/up unfused (their shapes vary by layer)
+    **DEEPSEEK_PROJECTION_PARTS,  # DeepSeek's: the low-rank query, the latent's, the shared expert's
 }
 
 

@@ -54,6 +54,19 @@ from onecall.model.moe import Experts
 
 MODES = ("auto", "decompressed", "absorbed")
 
+# The projections the fast kernels replace (model/decoder.py PROJECTION_PARTS), each filled whole by its
+# own checkpoint tensor: the query (plain or low-rank), the latent's down-projection, a dense layer's MLP
+# and the MoE's shared expert. kv_b_proj stays a float32 weight: the absorbed decode folds it into the
+# query and the output (einsums over its per-head blocks), not a projection of the step's rows.
+DEEPSEEK_PROJECTION_PARTS = {
+    name: (name,)
+    for name in (
+        "self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+        "mlp.gate_proj", "mlp.up_proj",
+        "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj",
+    )
+}  # fmt: skip
+
 
 def yarn_softmax_scale(config: ModelConfig, spec: DeepseekSpec) -> float:
     """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 when the RoPE is yarn with mscale_all_dim
