@@ -240,8 +240,13 @@ def test_the_engine_serves_a_deepseek_gguf(tmp_path: Path) -> None:
         want.append(int(top.indices[0]))
     with LLM(model=str(path), kv_cache_gib=0.01, num_threads=1) as llm:
         assert llm.engine.model_config.architecture == "deepseek_v3"
-        # the routed experts run on the native kernels in the file's Q8_0 groups, no float32 copy
+        # the routed experts run on the native kernels in the file's Q8_0 groups, no float32 copy, and
+        # so does every projection: 3 layers of q_a, q_b, kv_a and o; the dense layer's gate, up and down;
+        # the 2 MoE layers' shared gate, up and down
         assert "experts native int8 (2 of 2 MoE layers)" in llm.info.kernels, llm.info.kernels
+        projections = 3 * 4 + 3 + 2 * 3
+        assert f"native int8 ({projections} of {projections} projections, every row)" in llm.info.kernels
+        assert "onednn" not in llm.info.kernels, llm.info.kernels
         out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     assert out.token_ids == want[21:]
 
