@@ -330,7 +330,7 @@ class DecoderLM(nn.Module):
             for ours in PROJECTION_PARTS:
                 owner_path, _, attr = ours.rpartition(".")
                 owner: nn.Module | None = layer
-                for part in owner_path.split("."):  # absent in this layer (a hybrid's other type): None
+                for part in filter(None, owner_path.split(".")):  # absent here (a hybrid's other type): None
                     owner = getattr(owner, part, None)
                 if owner is None or isinstance(owner, SparseMoE) or getattr(owner, attr, None) is None:
                     continue  # a MoE layer's experts stay dense (model/moe.py), its router too; a Gemma 4

@@ -57,8 +57,9 @@ from onecall.model.layers import Linear, ModelPart, RotaryEmbedding, apply_rope
 # Gemma 4's projections (each one checkpoint tensor, under its own name), for DecoderLM.projections.
 GEMMA4_PROJECTION_PARTS = {
     name: (name,)
-    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-}
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
+                 "per_layer_input_gate", "per_layer_projection")  # the last two: the layer's own (E2B-style)
+}  # fmt: skip
 
 
 def _gelu(x: torch.Tensor) -> torch.Tensor:

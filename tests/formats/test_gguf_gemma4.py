@@ -150,9 +150,11 @@ def test_f16_file_round_trips(tmp_path: Path) -> None:
 def test_per_layer_embeddings_stay_stored_on_the_fast_path(tmp_path: Path) -> None:
     """As the engine loads a file (packed on load, the fast kernels): the per-layer token table, a third
     of an E2B's parameters, stays the file's F16 groups (a StoredEmbedding, no float32 copy), its rows
-    exactly the file's values widened, and the logits match transformers on the F16-rounded weights."""
+    exactly the file's values widened; every layer's per-layer gate and projection run on the F16 kernel;
+    and the logits match transformers on the F16-rounded weights."""
     from onecall.kernels.cpu import native
     from onecall.kernels.cpu.fast_embedding import StoredEmbedding
+    from onecall.kernels.cpu.fast_linear import FastLinear
 
     if native.load() is None:
         pytest.skip(f"no native kernels: {native.unavailable_reason()}")
@@ -171,6 +173,10 @@ def test_per_layer_embeddings_stay_stored_on_the_fast_path(tmp_path: Path) -> No
     ids = torch.tensor([0, 5, 17, hf.config.vocab_size - 1])
     want = hf.model.embed_tokens_per_layer.weight[ids]
     assert torch.equal(table(ids), want)  # F16 widened: exact
+    for i, layer in enumerate(ours.model.layers):  # the per-layer input's own projections too: F16 as stored
+        for name in ("per_layer_input_gate", "per_layer_projection"):
+            linear = getattr(layer, name)
+            assert isinstance(linear, FastLinear) and linear.every_row, f"layer {i} {name}: {linear}"
     _check_against_transformers(hf, ours.eval())
 
 
