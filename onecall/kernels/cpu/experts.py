@@ -43,7 +43,7 @@ class NativeExperts:
         return None if groups is None else groups.nbytes
 
     def kinds(self) -> set[str]:
-        """ "int4", "int5", "int8", "f16", "bf16": the kernels the held weights run on."""
+        """ "int4", "int5", "int8", "iq4", "mxfp4", "f16", "bf16": the kernels the held weights run on."""
         return {native.kind(g) for pair in self.weights for g in pair if g is not None}
 
     def project(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor | None:
