@@ -549,7 +549,8 @@ def int5_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int5
 
 def int8_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int8Groups | None:
     """Raw data of a 2-D tensor of a type that is exactly int8 groups (Q8_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS,
-    MXFP4) -> its Int8Groups (one int8 per value), or None for other types."""
+    MXFP4) -> its Int8Groups (one int8 per value), or None for other types (stored_groups keeps the codes
+    of IQ4_NL, IQ4_XS and MXFP4 instead)."""
     if (ggml_type not in _INT8 and ggml_type != T.Q8_0) or len(shape) != 2:
         return None
     _, type_size = GGML_BLOCK_SIZES[ggml_type]
