@@ -12,8 +12,8 @@ The stored forms (StoredGroups), one per kernel family (kernels/cpu/fast_linear.
 |----------------|-------------------------------|-----------------------------------------------------|
 | Int4Groups     | q * scale + offset, q 0..15   | Q4_0, Q4_1, Q4_K (groups of 32)                     |
 | Int5Groups     | q * scale + offset, q 0..31   | Q5_0, Q5_1, Q5_K (groups of 32)                     |
-| Int4CodeGroups | codebook[q] * scale, q 0..15  | IQ4_NL, IQ4_XS (groups of 32; kvalues_iq4nl)        |
-| Int8Groups     | q * scale, q int8             | Q8_0, MXFP4 (32); Q6_K, Q3_K (16)                   |
+| Int4CodeGroups | codebook[q] * scale, q 0..15  | IQ4_NL, IQ4_XS (32; kvalues_iq4nl), MXFP4 (32; e2m1) |
+| Int8Groups     | q * scale, q int8             | Q8_0 (32); Q6_K, Q3_K (16)                          |
 | HalfWeights    | float(value)                  | F16, BF16 (2-D weights)                             |
 
 F32 and Q2_K (affine per 16 elements: neither int8 symmetric groups nor groups of 32) have no stored
@@ -177,6 +177,8 @@ def _int8_q3_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                            dtype=torch.int8)  # fmt: skip
 _MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+# Int4CodeGroups' codebooks by name, in the order of the native kernels' numbers (csrc/codebooks.h)
+CODEBOOKS: dict[str, torch.Tensor] = {"iq4nl": _IQ4_VALUES, "mxfp4": _MXFP4_VALUES}
 
 
 def _codes_iq4_nl(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,9 +210,15 @@ def _int8_iq4_xs(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _lookup(_IQ4_VALUES, codes), scale
 
 
+def _codes_mxfp4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 blocks (e:u8, qs:u8[16] as IQ4_NL's) -> codes (n, 32) 0..15 into _MXFP4_VALUES, 2^(e - 128)."""
+    return _nibbles(b[:, 1:], 16).flatten(1), _e8m0_half(b[:, :1])
+
+
 def _int8_mxfp4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP4 blocks (e:u8, qs:u8[16] as IQ4_NL's) -> doubled e2m1 values, 2^(e - 128)."""
-    return _lookup(_MXFP4_VALUES, _nibbles(b[:, 1:], 16).flatten(1)), _e8m0_half(b[:, :1])
+    """MXFP4 blocks -> doubled e2m1 values, 2^(e - 128)."""
+    codes, scale = _codes_mxfp4(b)
+    return _lookup(_MXFP4_VALUES, codes), scale
 
 
 def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
@@ -222,9 +230,19 @@ def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
 
 def mxfp4_int8_groups(blocks: torch.Tensor, scales: torch.Tensor) -> Int8Groups | None:
     """A checkpoint's MXFP4 weight as transformers stores it, blocks (rows, G, 16) uint8 (value 2j of a
-    group in the low nibble of byte j, 2j + 1 in the high one) and scales (rows, G) uint8 -> the same
-    exact int8 groups of 32 as a GGUF's MXFP4 (doubled e2m1 values, 2^(e - 128)), which the native int8
-    kernel runs; None where a scale is 255 (NaN in the MX spec: no finite group stands for it)."""
+    group in the low nibble of byte j, 2j + 1 in the high one) and scales (rows, G) uint8 -> exact int8
+    groups of 32 (doubled e2m1 values, 2^(e - 128)); None where a scale is 255 (NaN in the MX spec: no
+    finite group stands for it). mxfp4_code_groups keeps the codes instead (what the loader uses)."""
+    codes = mxfp4_code_groups(blocks, scales)
+    if codes is None:
+        return None
+    return Int8Groups(_lookup(_MXFP4_VALUES, codes.q), codes.scale, 32)
+
+
+def mxfp4_code_groups(blocks: torch.Tensor, scales: torch.Tensor) -> Int4CodeGroups | None:
+    """The same MXFP4 weight as its own 4-bit codes, Int4CodeGroups with the "mxfp4" codebook and the
+    same scales (a GGUF's MXFP4 has this form: the native iq4 kernel runs it on half the int8 groups'
+    bytes); None where a scale is 255."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise UnsupportedModelError(
             f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}"
@@ -237,7 +255,7 @@ def mxfp4_int8_groups(blocks: torch.Tensor, scales: torch.Tensor) -> Int8Groups 
         return None
     rows, groups = scales.shape
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(rows, groups * 32)
-    return Int8Groups(_lookup(_MXFP4_VALUES, codes), _e8m0_half(scales), 32)
+    return Int4CodeGroups(codes, _e8m0_half(scales).contiguous(), codebook="mxfp4")
 
 
 # type -> (to int8 values and scales per block, group size)
@@ -337,8 +355,8 @@ class Int8Groups:
     Q8_0 is this with groups of 32 (the stored float16 scales, widened); Q6_K with groups of 16 (q - 32
     in [-32, 31], scale = the super-block's d times the sub-block's int8 scale: a product exact in
     float32); Q3_K with groups of 16 (q in -4..3, d * (s - 32)); IQ4_NL and IQ4_XS with groups of 32 (the
-    codebook's int8 values, d or d * (s - 32): int8_groups converts them, but stored_groups keeps their
-    codes, Int4CodeGroups); MXFP4 with groups of 32 (e2m1 doubled, 2^(e - 128)).
+    codebook's int8 values, d or d * (s - 32), and MXFP4 with groups of 32 (e2m1 doubled, 2^(e - 128)):
+    int8_groups converts them, but stored_groups keeps their codes, Int4CodeGroups).
     The native int8 kernel (FastLMHead, FastLinear) multiplies by these directly."""
 
     q: torch.Tensor  # (rows, cols) int8
@@ -374,19 +392,27 @@ class Int8Groups:
 
 @dataclass(frozen=True)
 class Int4CodeGroups:
-    """An IQ4_NL or IQ4_XS weight as stored: 4-bit codes indexing the 16-value non-linear codebook
-    (kvalues_iq4nl, CODEBOOK) with one scale per group of 32, w[r, c] = CODEBOOK[q[r, c]] * scale[r, c //
-    32] (IQ4_NL: the block's d; IQ4_XS: d * (s - 32)). The native iq4 kernel multiplies by the codes
-    directly (half the bytes of their int8 values)."""
+    """A weight stored as 4-bit codes indexing a 16-value int8 codebook (CODEBOOKS[codebook]) with one
+    scale per group of 32, w[r, c] = CODEBOOKS[codebook][q[r, c]] * scale[r, c // 32]: IQ4_NL and IQ4_XS
+    with "iq4nl" (kvalues_iq4nl, CODEBOOK; the block's d, or d * (s - 32)), MXFP4 with "mxfp4" (e2m1
+    doubled; 2^(e - 128), ggml's halved E8M0). The native iq4 kernel multiplies by the codes directly
+    (half the bytes of their int8 values), its table chosen by the codebook."""
 
-    CODEBOOK: ClassVar[torch.Tensor] = _IQ4_VALUES
+    CODEBOOK: ClassVar[torch.Tensor] = _IQ4_VALUES  # IQ4's, the default codebook
     q: torch.Tensor  # (rows, cols) uint8 in [0, 16)
     scale: torch.Tensor  # (rows, cols // 32) float32
     group_size: int = 32
+    codebook: str = "iq4nl"  # a key of CODEBOOKS
 
     def __post_init__(self) -> None:
         assert self.q.dtype == torch.uint8, f"Int4CodeGroups holds uint8 codes, not {self.q.dtype}"
         assert self.group_size == 32, "IQ4 codes come in groups of 32"
+        assert self.codebook in CODEBOOKS, f"no codebook {self.codebook!r}"
+
+    @property
+    def values(self) -> torch.Tensor:
+        """(16,) int8: the codebook the codes index."""
+        return CODEBOOKS[self.codebook]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -396,19 +422,20 @@ class Int4CodeGroups:
     def dequantize(self) -> torch.Tensor:
         """(rows, cols) float32: the weight (bit-exact with ggml's dequantize: one float32 product)."""
         rows, cols = self.q.shape
-        w = _lookup(_IQ4_VALUES, self.q).view(rows, -1, self.group_size).float()
+        w = _lookup(self.values, self.q).view(rows, -1, self.group_size).float()
         return w.mul_(self.scale.unsqueeze(-1)).view(rows, cols)
 
     @staticmethod
     def cat(groups: list[Int4CodeGroups]) -> Int4CodeGroups:
-        """Stack row blocks (q, k, v / gate, up), in order."""
-        assert groups, "nothing to stack"
+        """Stack row blocks (q, k, v / gate, up), in order; one codebook."""
+        assert groups and len({g.codebook for g in groups}) == 1, "one codebook per fused weight"
         if len(groups) == 1:
             return groups[0]
-        return Int4CodeGroups(torch.cat([g.q for g in groups]), torch.cat([g.scale for g in groups]))
+        return Int4CodeGroups(torch.cat([g.q for g in groups]), torch.cat([g.scale for g in groups]),
+                              codebook=groups[0].codebook)  # fmt: skip
 
     def select_rows(self, index: torch.Tensor | slice) -> Int4CodeGroups:
-        return Int4CodeGroups(self.q[index], self.scale[index], self.group_size)
+        return Int4CodeGroups(self.q[index], self.scale[index], self.group_size, self.codebook)
 
 
 @dataclass(frozen=True)
@@ -451,7 +478,8 @@ def cat_rows(parts: list[StoredGroups]) -> StoredGroups | None:
     if isinstance(first, Int8Groups):
         return Int8Groups.cat(parts)  # type: ignore[arg-type]
     if isinstance(first, Int4CodeGroups):
-        return Int4CodeGroups.cat(parts)  # type: ignore[arg-type]
+        same = all(p.codebook == first.codebook for p in parts)  # type: ignore[union-attr]
+        return Int4CodeGroups.cat(parts) if same else None  # type: ignore[arg-type]
     return type(first).cat(parts)  # type: ignore[arg-type]
 
 
@@ -521,7 +549,8 @@ def int5_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int5
 
 def int8_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int8Groups | None:
     """Raw data of a 2-D tensor of a type that is exactly int8 groups (Q8_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS,
-    MXFP4) -> its Int8Groups (one int8 per value), or None for other types."""
+    MXFP4) -> its Int8Groups (one int8 per value), or None for other types (stored_groups keeps the codes
+    of IQ4_NL, IQ4_XS and MXFP4 instead)."""
     if (ggml_type not in _INT8 and ggml_type != T.Q8_0) or len(shape) != 2:
         return None
     _, type_size = GGML_BLOCK_SIZES[ggml_type]
@@ -536,21 +565,25 @@ def int8_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int8
     return Int8Groups(q.reshape(rows, cols), scale.reshape(rows, cols // group), group)
 
 
-_CODES: dict[T, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
-    T.IQ4_NL: _codes_iq4_nl, T.IQ4_XS: _codes_iq4_xs,
+# type -> (its codes and scales per group of 32, the codebook they index)
+_CODES: dict[T, tuple[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], str]] = {
+    T.IQ4_NL: (_codes_iq4_nl, "iq4nl"), T.IQ4_XS: (_codes_iq4_xs, "iq4nl"), T.MXFP4: (_codes_mxfp4, "mxfp4"),
 }  # fmt: skip
 
 
 def int4_code_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Int4CodeGroups | None:
-    """Raw data of a 2-D IQ4_NL or IQ4_XS tensor -> its Int4CodeGroups (the codes, not their values), or
-    None for other types."""
+    """Raw data of a 2-D IQ4_NL, IQ4_XS or MXFP4 tensor -> its Int4CodeGroups (the codes, not their
+    values, and the codebook they index), or None for other types."""
     if ggml_type not in _CODES or len(shape) != 2:
         return None
     _, type_size = GGML_BLOCK_SIZES[ggml_type]
-    codes, scale = _CODES[ggml_type](raw.view(-1, type_size))
+    decode, codebook = _CODES[ggml_type]
+    codes, scale = decode(raw.view(-1, type_size))
     rows, cols = shape
     return Int4CodeGroups(
-        codes.reshape(rows, cols).contiguous(), scale.reshape(rows, cols // 32).contiguous()
+        codes.reshape(rows, cols).contiguous(),
+        scale.reshape(rows, cols // 32).contiguous(),
+        codebook=codebook,
     )
 
 

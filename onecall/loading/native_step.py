@@ -53,7 +53,8 @@ def _part(w: native.Packed, bias: int, n: int, k: int) -> native.Q4Weight:
         return native.Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), 0, bias, n, k, 0, w.group_size, 0, 0, 0, 0, None)
     if isinstance(w, native.IQ4Packed):
         f16 = int(w.scale.dtype == torch.float16)
-        return native.Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), 0, bias, n, k, f16, 0, 0, 0, 0, 1, None)
+        iq4 = 1 + w.codebook_id  # kernels.h: 1 + the codebook's number
+        return native.Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), 0, bias, n, k, f16, 0, 0, 0, 0, iq4, None)
     half = 2 if w.values.dtype == torch.bfloat16 else 1
     return native.Q4Weight(w.values.data_ptr(), 0, 0, bias, n, k, 0, 0, 0, 0, half, 0, None)
 

@@ -73,7 +73,7 @@ from onecall import envs
 from onecall.errors import OnecallError
 from onecall.formats.gguf import GGUFFile
 from onecall.formats.gguf_layout import hf_tensor_name
-from onecall.formats.quants import StoredGroups
+from onecall.formats.quants import CODEBOOKS, StoredGroups
 from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_embedding import StoredEmbedding
 from onecall.kernels.cpu.fast_linear import FastLinear, FastLMHead
@@ -82,7 +82,7 @@ from onecall.model.decoder import DecoderLM
 
 logger = logging.getLogger("onecall.pack_cache")
 
-MAGIC = b"OCPACK\x00\x01"  # the last byte: the file format's version
+MAGIC = b"OCPACK\x00\x02"  # the last byte: the file format's version (2: IQ4Packed records its codebook)
 _ALIGN = 64  # every tensor's offset: cache lines, and any element size
 _SAMPLE = 4096  # bytes hashed at each end of a GGUF tensor (the key) and of a cached tensor (the digest)
 _LAYOUT_SOURCES = ("formats", "kernels/cpu", "loading", "model/decoder.py")
@@ -279,6 +279,8 @@ def _check_packed(p: native.Packed, n: int, k: int, act8: bool, what: str) -> No
         want = {"qs": ((units, g, 2, 16, 8, 2), (torch.int8,)),
                 "scale": ((units, k // p.group_size, 2, 8), (torch.float32,))}  # fmt: skip
     elif isinstance(p, native.IQ4Packed):
+        if p.codebook not in CODEBOOKS:
+            raise _Invalid(f"{what} indexes an unknown codebook {p.codebook!r}")
         want = {"qs": ((units, g, 2, 8, 8, 2), (torch.uint8,)), "scale": (blocked, _SCALES)}
     else:
         want = {"values": ((units, k, 16), (torch.float16, torch.bfloat16))}

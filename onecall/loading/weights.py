@@ -487,7 +487,7 @@ def _gpt_oss_layout(
     transformers holds (and save_pretrained writes) the first three; the released checkpoints store
     the weights as MXFP4 pairs (transformers' Mxfp4Dequantize gives its layout back from them). With
     `stored_weights` (the fast path), an MXFP4 pair comes per expert instead (_mxfp4_per_expert): its
-    exact int8 groups kept there for the native kernel, as a GGUF's MXFP4 experts are."""
+    own 4-bit codes kept there for the native kernel (the mxfp4 codebook), as a GGUF's MXFP4 experts are."""
     pending: dict[str, torch.Tensor] = {}  # a *_blocks or *_scales tensor waiting for its partner
     for name, tensor in weights:
         if ".mlp.experts." in name and name.endswith(("_proj_blocks", "_proj_scales")):
@@ -528,11 +528,11 @@ def _mxfp4_per_expert(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One MXFP4 expert weight (`base` ".../mlp.experts.gate_up_proj" or "down_proj", blocks (E, out,
     in / 32, 16), scales (E, out, in / 32), no scale 255) per expert e under the per-expert names the
-    loader fills slices of (".../mlp.experts.{e}.gate_proj.weight", up_proj, down_proj): each one's int8
-    groups (quants.mxfp4_int8_groups: dequantize_mxfp4's values exactly) kept in `stored_weights`, and
+    loader fills slices of (".../mlp.experts.{e}.gate_proj.weight", up_proj, down_proj): each one's codes
+    (quants.mxfp4_code_groups: dequantize_mxfp4's values exactly) kept in `stored_weights`, and
     yielded expanded, one expert at a time (what the loader copies where no native kernel takes them).
     gate_up's interleaved rows split: gate 0::2, up 1::2."""
-    from onecall.formats.quants import mxfp4_int8_groups  # here: only the gpt-oss section uses it
+    from onecall.formats.quants import mxfp4_code_groups  # here: only the gpt-oss section uses it
 
     if blocks.dim() != 4 or tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] != 16:
         raise UnsupportedModelError(
@@ -547,7 +547,7 @@ def _mxfp4_per_expert(
     for e in range(blocks.shape[0]):
         for part, first in parts:
             rows = slice(None) if first is None else slice(first, None, 2)
-            groups = mxfp4_int8_groups(blocks[e, rows], scales[e, rows])
+            groups = mxfp4_code_groups(blocks[e, rows], scales[e, rows])
             assert groups is not None, "the caller kept scales of 255 on the float path"
             name = f"{prefix}.{e}.{part}.weight"
             stored_weights[name] = groups

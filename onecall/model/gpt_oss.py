@@ -33,9 +33,9 @@ with a float32 weight. The one-call native decode step (loading/native_step.py) 
 layers, so it declines this model; the projections of attention run on the fast kernels as any other
 family's (their biases included), the norms and RoPE + K/V writes on the native ops, attention on the
 native kernels with their sinks. The experts are moe.Experts' (GptOssExperts subclasses it): a GGUF's
-MXFP4 experts (exact int8 groups of 32, formats/quants.py) or other stored forms run every row on the
-native kernels in those groups (Experts.use_stored, kernels/cpu/experts.py), with no float32 copy; the
-biases are added and the clamped SwiGLU computed in torch between the two projections.
+MXFP4 experts (their own 4-bit codes, on the iq4 kernel with MXFP4's codebook: formats/quants.py) or
+other stored forms run every row on the native kernels in those groups (Experts.use_stored,
+kernels/cpu/experts.py), with no float32 copy; the biases are added and the clamped SwiGLU computed in torch between the two projections.
 """
 
 from __future__ import annotations

@@ -29,10 +29,11 @@ the gate and ~60% of the up values are clamped):
   noise, the weights being the checkpoint's bit for bit.
 - MXFP4 file (gguf.quants.quantize): the loaded experts equal gguf.quants.dequantize of the file's bytes
   bit for bit; logits against transformers run on those dequantized experts within ATOL; measured
-  2.0e-5 (reference). The fast kernels, loaded as the engine loads, run the experts natively in their
-  stored int8 groups (MXFP4 exact as int8, quants.py), which round activations to int16 steps per group
-  of 32 in both projections of every expert (gate_up scaled x12 here): NATIVE_ATOL, test_gguf_families'
-  FAST_ATOL for int8 groups (5e-3); measured 1.8e-3, greedy tokens transformers' own.
+  2.0e-5 (reference). The fast kernels, loaded as the engine loads, run the experts natively on their
+  own 4-bit codes (the iq4 kernel with MXFP4's codebook, quants.py; the q8b kernel's arithmetic), which
+  round activations to int16 steps per group of 32 in both projections of every expert (gate_up scaled
+  x12 here): NATIVE_ATOL, test_gguf_families' FAST_ATOL for int8 groups (5e-3); measured 1.8e-3, greedy
+  tokens transformers' own.
 - Repacked checkpoint MXFP4: the loaded experts equal transformers' own dequantization of the blocks and
   scales (convert_moe_packed_tensors) bit for bit; logits within ATOL, measured 8.9e-6.
 """
@@ -101,7 +102,7 @@ def from_state(hf: Any) -> DecoderLM:
     return ours.eval()
 
 
-# the experts on the native int8 kernel (int16 activation steps): test_gguf_families' FAST_ATOL for Q8_0
+# the experts on the native kernels (int16 activation steps): test_gguf_families' FAST_ATOL for Q8_0
 NATIVE_ATOL = 5e-3
 
 
@@ -184,8 +185,8 @@ def test_mxfp4_file(tmp_path: Path) -> None:
     ours = load(path)
     _assert_same_parameters(ours, from_state(hf))
     _check_against_transformers(hf, ours)
-    fast = load(path, {})  # as the engine loads: the experts on the native int8 kernel, no float32 copy
-    assert "experts native int8" in fast.kernels, fast.kernels
+    fast = load(path, {})  # as the engine loads: the experts on their own codes (iq4 kernel), no float32 copy
+    assert "experts native mxfp4" in fast.kernels, fast.kernels
     _check_against_transformers(hf, fast, atol=NATIVE_ATOL)
 
 

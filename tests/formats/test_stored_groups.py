@@ -3,8 +3,8 @@ HalfWeights)
 against gguf.quants.dequantize of the same bytes, bit for bit.
 
 The int8 conversions and IQ4's codes are exact by construction, and checked so: IQ4_NL and IQ4_XS are
-their codebook's int8 values (at their 4-bit codes) times d (IQ4_XS: d * (s - 32) per 32), MXFP4 its e2m1 values doubled (integers) times
-2^(e - 128) (half of the block's 2^(e - 127)), Q3_K (q - 4) in -4..3 times d * (s - 32) per 16: every
+their codebook's int8 values (at their 4-bit codes) times d (IQ4_XS: d * (s - 32) per 32), MXFP4 its codes into
+the e2m1 values doubled (integers) times 2^(e - 128) (half of the block's 2^(e - 127)), Q3_K (q - 4) in -4..3 times d * (s - 32) per 16: every
 product is the float32 product ggml's dequantize_row_* forms, so q * scale equals the dequantization
 exactly, not within a tolerance. Q2_K has no stored form (affine per 16: neither int8 symmetric groups
 nor groups of 32): it is dequantized, and that dequantization is checked here too.
@@ -43,7 +43,7 @@ _FORMS = {
     T.Q4_0: (Int4Groups, 32), T.Q4_1: (Int4Groups, 32), T.Q4_K: (Int4Groups, 32),
     T.Q5_0: (Int5Groups, 32), T.Q5_1: (Int5Groups, 32), T.Q5_K: (Int5Groups, 32),
     T.Q8_0: (Int8Groups, 32), T.Q6_K: (Int8Groups, 16), T.Q3_K: (Int8Groups, 16),
-    T.IQ4_NL: (Int4CodeGroups, 32), T.IQ4_XS: (Int4CodeGroups, 32), T.MXFP4: (Int8Groups, 32),
+    T.IQ4_NL: (Int4CodeGroups, 32), T.IQ4_XS: (Int4CodeGroups, 32), T.MXFP4: (Int4CodeGroups, 32),
 }  # fmt: skip
 
 
@@ -94,10 +94,11 @@ def test_int8_conversions_hold_the_types_own_integers(qtype: T, values: list[int
     block_size, _ = GGML_QUANT_SIZES[qtype]
     raw = random_blocks(qtype, 4096 // block_size, seed=1)
     groups = stored_groups(torch.from_numpy(raw.reshape(-1).copy()), qtype, (16, 256))  # type: ignore[arg-type]
-    if qtype in (T.IQ4_NL, T.IQ4_XS):
+    if qtype in (T.IQ4_NL, T.IQ4_XS, T.MXFP4):
         assert isinstance(groups, Int4CodeGroups) and groups.q.dtype == torch.uint8
+        assert groups.codebook == ("mxfp4" if qtype == T.MXFP4 else "iq4nl")
         assert sorted(groups.q.unique().tolist()) == list(range(16))
-        assert sorted(Int4CodeGroups.CODEBOOK[groups.q.long()].unique().tolist()) == values
+        assert sorted(groups.values[groups.q.long()].unique().tolist()) == values
         return
     assert isinstance(groups, Int8Groups) and groups.q.dtype == torch.int8
     assert sorted(groups.q.unique().tolist()) == values
@@ -111,7 +112,7 @@ def test_mxfp4_from_ggufs_quantizer_and_its_tiny_exponents() -> None:
     raw[0, 0], raw[1, 0] = 0, 1  # row 0 and 1's first block: e = 0, 1
     data = torch.from_numpy(raw.reshape(-1).copy())
     groups = stored_groups(data, T.MXFP4, (8, 256))  # type: ignore[arg-type]
-    assert isinstance(groups, Int8Groups)
+    assert isinstance(groups, Int4CodeGroups) and groups.codebook == "mxfp4"
     assert torch.equal(groups.dequantize(), torch.from_numpy(gguf_dequantize(raw, T.MXFP4).reshape(8, 256)))
     assert float(groups.scale[0, 0]) == 2.0**-128 and float(groups.scale[1, 0]) == 2.0**-127
 

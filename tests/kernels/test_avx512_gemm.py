@@ -1,5 +1,6 @@
 """The AVX-512 VNNI tiles of the quantized GEMMs (csrc/gemm_avx512.c) against the AVX2 tiles they replace
-on CPUs that have them: q4 (float32 and half scales), q8b (scale groups of 32 and 16), iq4 and q5.
+on CPUs that have them: q4 (float32 and half scales), q8b (scale groups of 32 and 16), iq4 (IQ4's codebook
+and MXFP4's) and q5.
 
 What is checked, and with what tolerance:
 * bit for bit: the same packed weights and activations through the AVX-512 tiles (onecall_set_avx512(1))
@@ -39,6 +40,7 @@ pytestmark = [
 ROWS = (1, 2, 3, 5, 16, 37, 70)
 OUT_FEATURES = (16, 48, 40)
 IQ4_CODEBOOK = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+MXFP4_CODEBOOK = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])  # e2m1 doubled
 
 # A weight: (packed form, dequantized (N, K) float64)
 Weight = tuple[native.Packed, torch.Tensor]
@@ -70,11 +72,12 @@ def _q8b(n: int, k: int, gen: torch.Generator, group_size: int) -> Weight:
     return native.pack_q8_blocked(q, scale, group_size), w
 
 
-def _iq4(n: int, k: int, gen: torch.Generator, half: bool) -> Weight:
+def _iq4(n: int, k: int, gen: torch.Generator, half: bool, codebook: str = "iq4nl") -> Weight:
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scale = _scales((n, k // 32), gen, half).float()  # pack_iq4 keeps half-exact scales as float16
-    w = IQ4_CODEBOOK[codes.long()].double() * scale.double().repeat_interleave(32, 1)
-    packed = native.pack_iq4(codes, scale)
+    table = MXFP4_CODEBOOK if codebook == "mxfp4" else IQ4_CODEBOOK
+    w = table[codes.long()].double() * scale.double().repeat_interleave(32, 1)
+    packed = native.pack_iq4(codes, scale, codebook)
     assert (packed.scale.dtype == torch.float16) == half
     return packed, w
 
@@ -86,6 +89,8 @@ KINDS: dict[str, Callable[[int, int, torch.Generator], Weight]] = {
     "q8b-g16": lambda n, k, gen: _q8b(n, k, gen, 16),
     "iq4-f32": lambda n, k, gen: _iq4(n, k, gen, half=False),
     "iq4-f16": lambda n, k, gen: _iq4(n, k, gen, half=True),
+    "mxfp4-f32": lambda n, k, gen: _iq4(n, k, gen, half=False, codebook="mxfp4"),
+    "mxfp4-f16": lambda n, k, gen: _iq4(n, k, gen, half=True, codebook="mxfp4"),
     "q5-f32": lambda n, k, gen: _q5(n, k, gen, half=False),
     "q5-f16": lambda n, k, gen: _q5(n, k, gen, half=True),
 }

@@ -437,10 +437,10 @@ def test_an_iq4_nl_gguf_runs_its_projections_on_the_iq4_kernel(
     _compare_logits(fast, ref, config["vocab_size"])
 
 
-def test_mxfp4_experts_run_on_the_int8_kernel(tmp_path: Path) -> None:
+def test_mxfp4_experts_run_on_their_own_codes(tmp_path: Path) -> None:
     """gpt-oss keeps its experts in MXFP4: stacked (E, rows, cols) expert tensors, split per expert by the
-    GGUF reader, each one's int8 form packed for the q8b kernel; every MoE layer runs them (their float32
-    parameters freed), the logits the reference path's within MODEL_ATOL."""
+    GGUF reader, each one's 4-bit codes packed for the iq4 kernel with the mxfp4 codebook; every MoE layer
+    runs them (their float32 parameters freed), the logits the reference path's within MODEL_ATOL."""
     from tests.formats.test_gguf_families import random_hf
 
     hf = random_hf("qwen3_moe", seed=3)
@@ -451,7 +451,7 @@ def test_mxfp4_experts_run_on_the_int8_kernel(tmp_path: Path) -> None:
     )
     ref, fast = _load(path, fast=False), _load(path, fast=True)
     layers = hf.config.num_hidden_layers
-    assert f"experts native int8 ({layers} of {layers} MoE layers)" in fast.kernels, fast.kernels
+    assert f"experts native mxfp4 ({layers} of {layers} MoE layers)" in fast.kernels, fast.kernels
     experts = [m for m in fast.modules() if isinstance(m, Experts)]
     assert len(experts) == layers and all(m.gate_up_proj.numel() == m.down_proj.numel() == 0 for m in experts)
     _compare_logits(fast, ref, hf.config.vocab_size)

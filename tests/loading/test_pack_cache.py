@@ -110,6 +110,7 @@ def _no_packing(monkeypatch: pytest.MonkeyPatch) -> None:
         ("llama", T.Q8_0, False),  # untied: the embedding's own table; q/k rows un-permuted
         ("qwen3", T.Q5_0, False),  # 5-bit groups, q/k norms
         ("qwen2", T.Q4_1, True),  # 4-bit groups in the int8-activation layout
+        ("qwen3", T.MXFP4, False),  # 4-bit codes that record their codebook (MXFP4's, not IQ4's)
     ],
 )
 def test_second_load_maps_the_cache_and_gives_the_same_logits(

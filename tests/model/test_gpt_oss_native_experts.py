@@ -7,19 +7,22 @@ no float32 copy of a held weight, the biases added after each projection and the
    outputs' largest magnitude (measured 3.0e-5 of it, on outputs up to ~220); the float32 weights freed,
    the biases kept; zeroed groups (and zeroed biases) change every row, decode and prompt: each is read.
 2. An MXFP4 GGUF (gguf.quants.quantize, as test_gguf_gpt_oss.test_mxfp4_file writes it) loaded as the
-   engine loads it (kernels "fast", stored groups on the way in): every MoE layer's experts native int8,
-   no float32 expert weight left (only the biases); logits against transformers run on the dequantized
-   experts within NATIVE_ATOL (test_gguf_gpt_oss's, 5e-3: test_gguf_families' FAST_ATOL for int8 groups),
-   measured 1.8e-3, 12 greedy tokens transformers' own.
+   engine loads it (kernels "fast", stored groups on the way in): every MoE layer's experts native mxfp4
+   (their own 4-bit codes on the iq4 kernel with the mxfp4 codebook: native.IQ4Packed, at most 0.6x the
+   bytes of the same weight as int8 groups), no float32 expert weight left (only the biases); logits
+   against transformers run on the dequantized experts within NATIVE_ATOL (test_gguf_gpt_oss's, 5e-3:
+   test_gguf_families' FAST_ATOL for int8 groups: the codes' values are the int8 groups' exactly and the
+   kernel's arithmetic is q8b's), measured 1.8e-3, 12 greedy tokens transformers' own.
 3. LLM(model=file.gguf) on the default kernels, the file carrying the embedded model's tokenizer: the
-   start-up kernels line says the MoE layers run native int8, and greedy tokens from a token-id prompt
+   start-up kernels line says the MoE layers run native mxfp4, and greedy tokens from a token-id prompt
    equal transformers' on the file's dequantized experts (each step's top-2 gap at least 2 * NATIVE_ATOL,
    so the kernels' rounding cannot flip one: checked as the premise).
 4. A safetensors checkpoint's MXFP4 pairs (transformers' nibble order): with the loader's stored groups,
-   loading/weights.py's _gpt_oss_layout yields them per expert, the int8 groups kept
-   (quants.mxfp4_int8_groups) dequantizing to dequantize_mxfp4's values bit for bit (every nibble, the
-   subnormal and overflowing exponents), a pair with a scale of 255 (NaN) left on the float path; and a
-   model packed on load with them runs its experts native int8 with no float32 copy, logits within
+   loading/weights.py's _gpt_oss_layout yields them per expert, their codes kept
+   (quants.mxfp4_code_groups) dequantizing to dequantize_mxfp4's values bit for bit (every nibble, the
+   subnormal and overflowing exponents), as do quants.mxfp4_int8_groups' int8 values, a pair with a scale
+   of 255 (NaN) left on the float path; and a model packed on load with them runs its experts native
+   mxfp4 with no float32 copy, logits within
    NATIVE_ATOL of transformers' over convert_moe_packed_tensors (measured 1.0e-4, a 20-token prefill).
    load_weights does not pass its stored groups to _gpt_oss_layout yet (another helper's function): the
    last test makes that one call as the wiring would.
@@ -40,9 +43,9 @@ from gguf.quants import quantize as gguf_quantize
 from onecall.formats.checkpoint import resolve_model
 from onecall.formats.gguf import GGUFFile
 from onecall.formats.hf_config import model_config_from_hf
-from onecall.formats.quants import Int8Groups, StoredGroups
+from onecall.formats.quants import Int4CodeGroups, Int8Groups, StoredGroups, mxfp4_int8_groups
 from onecall.kernels.cpu import native
-from onecall.kernels.cpu.experts import native_experts
+from onecall.kernels.cpu.experts import NativeExperts, native_experts
 from onecall.loading.weights import _gpt_oss_layout
 from onecall.model.decoder import DecoderLM
 from onecall.model.gpt_oss import GptOssExperts, GptOssMoE
@@ -182,10 +185,18 @@ def test_an_mxfp4_gguf_runs_its_experts_natively(tmp_path: Path) -> None:
     path = _write_mxfp4(tmp_path / "mxfp4.gguf", hf)
     fast = load(path, {})
     layers = hf.config.num_hidden_layers
-    assert f"experts native int8 ({layers} of {layers} MoE layers)" in fast.kernels, fast.kernels
+    assert f"experts native mxfp4 ({layers} of {layers} MoE layers)" in fast.kernels, fast.kernels
     experts = [m for m in fast.modules() if isinstance(m, GptOssExperts)]
     assert len(experts) == layers
     assert all(m.stored is not None and m.stored.covers(0) and m.stored.covers(1) for m in experts)
+    for m in experts:  # the codes, not int8 groups: about half the bytes of the same weight as int8
+        assert isinstance(m.stored, NativeExperts)
+        for gate_up, down in m.stored.weights:
+            for w in (gate_up, down):
+                assert isinstance(w, native.IQ4Packed) and w.codebook == "mxfp4"
+                n, k = w.out_features, w.in_features  # the int8 form's bytes depend on the shape only
+                int8 = native.pack_q8_blocked(torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, k // 32))
+                assert w.nbytes <= 0.6 * int8.nbytes, (w.nbytes, int8.nbytes)
     assert _float_expert_weights(fast) == []  # no float32 copy of any expert weight
     _check_against_transformers(hf, fast, atol=NATIVE_ATOL)
 
@@ -210,7 +221,7 @@ def test_llm_serves_an_mxfp4_gguf(tmp_path: Path) -> None:
         out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
         kernels = llm.info.kernels
     layers = hf.config.num_hidden_layers
-    assert f"experts native int8 ({layers} of {layers} MoE layers)" in kernels, kernels
+    assert f"experts native mxfp4 ({layers} of {layers} MoE layers)" in kernels, kernels
     assert out.token_ids == want[21:]
 
 
@@ -225,7 +236,7 @@ def _mxfp4(
     return blocks, scales
 
 
-def test_mxfp4_pairs_come_per_expert_as_exact_int8_groups() -> None:
+def test_mxfp4_pairs_come_per_expert_as_their_exact_codes() -> None:
     blocks, scales = _mxfp4((3, 40, 4), (0, 254), seed=0)
     scales[0, :11, 0] = torch.tensor([0, 1, 2, 100, 126, 127, 128, 200, 252, 253, 254], dtype=torch.uint8)
     nibbles = torch.arange(16, dtype=torch.uint8)
@@ -254,8 +265,12 @@ def test_mxfp4_pairs_come_per_expert_as_exact_int8_groups() -> None:
         ):
             name = f"{base}.{e}.{part}.weight"
             groups = stored[name]
-            assert isinstance(groups, Int8Groups) and groups.group_size == 32
+            assert isinstance(groups, Int4CodeGroups) and groups.codebook == "mxfp4"
             assert torch.equal(got[name], value) and torch.equal(groups.dequantize(), value), name
+            rows = slice(None) if part == "down_proj" else slice(part == "up_proj", None, 2)
+            pair = (down_blocks, down_scales) if part == "down_proj" else (blocks, scales)
+            int8 = mxfp4_int8_groups(pair[0][e, rows], pair[1][e, rows])
+            assert int8 is not None and torch.equal(int8.dequantize(), value), name
     nan_name = "model.layers.1.mlp.experts.down_proj"
     assert not any(k.startswith("model.layers.1.") for k in stored)  # a NaN scale: no groups
     assert torch.equal(got[nan_name].isnan(), want[nan_name].isnan()) and bool(got[nan_name].isnan().any())
@@ -285,7 +300,7 @@ def test_an_mxfp4_checkpoint_packed_on_load_runs_its_experts_natively() -> None:
     model = DecoderLM(model_config_from_hf(hf.config.to_dict()), kernels="fast")
     weights.load_weights(model, [*checkpoint, *quantized.items()], stored)
     layers = hf.config.num_hidden_layers
-    assert f"experts native int8 ({layers} of {layers} MoE layers)" in model.kernels, model.kernels
+    assert f"experts native mxfp4 ({layers} of {layers} MoE layers)" in model.kernels, model.kernels
     assert _float_expert_weights(model.eval()) == []
     assert not stored  # every expert's groups taken and packed
     tokens = prompt(20, seed=4)

@@ -1,11 +1,11 @@
 """A MoE layer's experts on the native kernels: each expert weight in the checkpoint's own groups.
 
 A quantized GGUF stores every expert's gate, up and down weights in a stored form (quants.py's table:
-4-bit or 5-bit groups, int8 groups, among them gpt-oss's MXFP4, IQ4 codes, or 16-bit floats). NativeExperts holds,
-per expert, gate_up (rows [gate; up]) and down in the layout their kernel reads (native.Packed:
-fast_linear.pack_stored), or None where that weight runs on its float32 copy (a form the kernels do
-not take: a group size or a K they do not run). Every row, decode
-and prompt alike, of a held weight runs on its kernel (csrc/gemm.c), as FastLinear's stored parts do.
+4-bit or 5-bit groups, int8 groups, 4-bit codebook codes (IQ4, and gpt-oss's MXFP4), or 16-bit
+floats). NativeExperts holds, per expert, gate_up (rows [gate; up]) and down in the layout their kernel
+reads (native.Packed: fast_linear.pack_stored), or None where that weight runs on its float32 copy (a
+form the kernels do not take: a group size or a K they do not run). Every row, decode and prompt alike,
+of a held weight runs on its kernel (csrc/gemm.c), as FastLinear's stored parts do.
 model/moe.py's Experts asks it through kernels/ops.py's ExpertKernels.
 """
 
@@ -43,7 +43,7 @@ class NativeExperts:
         return None if groups is None else groups.nbytes
 
     def kinds(self) -> set[str]:
-        """ "int4", "int5", "int8", "f16", "bf16": the kernels the held weights run on."""
+        """ "int4", "int5", "int8", "iq4", "mxfp4", "f16", "bf16": the kernels the held weights run on."""
         return {native.kind(g) for pair in self.weights for g in pair if g is not None}
 
     def project(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor | None:

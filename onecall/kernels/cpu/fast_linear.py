@@ -122,7 +122,7 @@ def pack_stored(g: StoredGroups, act8: bool = False) -> native.Packed | None:
     if isinstance(g, Int8Groups):
         return native.pack_q8_blocked(g.q, g.scale, g.group_size)
     if isinstance(g, Int4CodeGroups):
-        return native.pack_iq4(g.q, g.scale)
+        return native.pack_iq4(g.q, g.scale, g.codebook)
     return native.pack_half(g.values)
 
 

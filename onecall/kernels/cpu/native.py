@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from onecall.formats.quants import CODEBOOKS
+
 # the library's entry points and the ctypes mirrors of kernels.h's structs, re-exported: callers take
 # them from here
 from onecall.kernels.cpu.native_abi import DecodeLayer as DecodeLayer
@@ -320,26 +322,33 @@ def q8_blocked_gemm(
 
 @dataclass(frozen=True)
 class IQ4Packed:
-    """An IQ4 weight (N, K) (IQ4_NL, IQ4_XS: 4-bit indices into the kvalues_iq4nl codebook, one scale per
-    group of 32) in the iq4 layout (csrc/gemm.c): qs the codes in the q4 layout's bytes, (N16 / 16, K / 32,
-    2, 8, 8, 2) uint8, scale (N16 / 16, K / 32, 2, 8) float32 or float16 (where exact). w = codebook[code]
-    * scale."""
+    """A weight (N, K) of 4-bit indices into a 16-value codebook, one scale per group of 32 (IQ4_NL, IQ4_XS:
+    kvalues_iq4nl, "iq4nl"; MXFP4: e2m1 doubled, "mxfp4": quants.CODEBOOKS) in the iq4 layout
+    (csrc/gemm.c): qs the codes in the q4 layout's bytes, (N16 / 16, K / 32, 2, 8, 8, 2) uint8, scale (N16 /
+    16, K / 32, 2, 8) float32 or float16 (where exact). w = codebook[code] * scale."""
 
     qs: torch.Tensor
     scale: torch.Tensor
     out_features: int
     in_features: int
+    codebook: str = "iq4nl"  # a key of quants.CODEBOOKS: which table the kernel looks the codes up in
+
+    @property
+    def codebook_id(self) -> int:
+        """The kernels' number for the codebook (csrc/codebooks.h: CODEBOOKS' order)."""
+        return list(CODEBOOKS).index(self.codebook)
 
     @property
     def nbytes(self) -> int:
         return self.qs.numel() + self.scale.numel() * self.scale.element_size()
 
 
-def pack_iq4(codes: torch.Tensor, scale: torch.Tensor) -> IQ4Packed:
-    """(N, K) uint8 codes 0..15 with (N, K / 32) float32 scales -> the iq4 layout; the scales kept as
-    float16 when every one is exactly a float16 (IQ4_NL's d always is), else float32."""
+def pack_iq4(codes: torch.Tensor, scale: torch.Tensor, codebook: str = "iq4nl") -> IQ4Packed:
+    """(N, K) uint8 codes 0..15 into quants.CODEBOOKS[codebook] with (N, K / 32) float32 scales -> the iq4
+    layout; the scales kept as float16 when every one is exactly a float16 (IQ4_NL's d always is, MXFP4's
+    2^(e - 128) for e in 104..143), else float32."""
     n, k = codes.shape
-    assert k % 32 == 0 and tuple(scale.shape) == (n, k // 32)
+    assert k % 32 == 0 and tuple(scale.shape) == (n, k // 32) and codebook in CODEBOOKS
     n16, g = -(-n // 16) * 16, k // 32
     codes, scale = codes.to(torch.uint8), scale.float()
     if n16 > n:
@@ -348,7 +357,9 @@ def pack_iq4(codes: torch.Tensor, scale: torch.Tensor) -> IQ4Packed:
     half = scale.half()
     if torch.equal(half.float(), scale):
         scale = half
-    return IQ4Packed(_q4_layout(_nibble_pairs(codes, n16, g), n16, g), _blocked(scale, n16, g), n, k)
+    return IQ4Packed(
+        _q4_layout(_nibble_pairs(codes, n16, g), n16, g), _blocked(scale, n16, g), n, k, codebook
+    )
 
 
 def iq4_gemm(
@@ -362,6 +373,7 @@ def iq4_gemm(
     rc = lib.onecall_iq4_gemm(
         x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(w.scale.dtype == torch.float16),
+        w.codebook_id,
     )  # fmt: skip
     if rc == -1:
         raise MemoryError("onecall_iq4_gemm: out of memory for the activation buffer")
@@ -376,7 +388,7 @@ def iq4_rows(lib: ctypes.CDLL, w: IQ4Packed, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty(flat.shape[0], w.in_features, dtype=torch.float32)
     rc = lib.onecall_iq4_rows(
         w.qs.data_ptr(), w.scale.data_ptr(), w.out_features, w.in_features, int(w.scale.dtype == torch.float16),
-        flat.data_ptr(), flat.shape[0], out.data_ptr(),
+        flat.data_ptr(), flat.shape[0], out.data_ptr(), w.codebook_id,
     )  # fmt: skip
     if rc == -3:
         raise IndexError(f"a token id outside the embedding's {w.out_features} rows")
@@ -404,9 +416,11 @@ def matmul(
 
 
 def kind(w: Packed) -> str:
-    """What a packed weight holds, for logs and DecoderLM.kernels: int4, int5, int8, iq4, f16 or bf16."""
+    """What a packed weight holds, for logs and DecoderLM.kernels: int4, int5, int8, iq4, mxfp4, f16 or bf16."""
     if isinstance(w, HalfPacked):
         return "bf16" if w.values.dtype == torch.bfloat16 else "f16"
+    if isinstance(w, IQ4Packed) and w.codebook == "mxfp4":
+        return "mxfp4"
     return {Q4Packed: "int4", Q5Packed: "int5", Q8Blocked: "int8", IQ4Packed: "iq4"}[type(w)]
 
 

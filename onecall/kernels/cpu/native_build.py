@@ -53,7 +53,7 @@ _SOURCES = (  # one library, one cache key
 )
 _HEADER = _CSRC / "kernels.h"  # everything the library exports, and the structs Python fills
 # included by the sources: part of the cache key, not compiled alone
-_HEADERS = (_HEADER, _CSRC / "simd.h", _CSRC / "act_quant.h", _CSRC / "gemm_avx512.h")
+_HEADERS = (_HEADER, _CSRC / "simd.h", _CSRC / "act_quant.h", _CSRC / "gemm_avx512.h", _CSRC / "codebooks.h")
 # -ffp-contract=off: float arithmetic runs as written (FMAs only where the code asks for one), so two
 # paths that should give the same bits (float16 vs float32 scales, a row alone vs in a batch) do.
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c11", "-ffp-contract=off")

@@ -5,7 +5,7 @@
  *                     kernel reads when the embedding is tied
  *   onecall_q4_rows   4-bit groups of 32 (Q4_0, Q4_1, Q4_K) in the q4 layout (gemm.c): the logits
  *                     head's own bytes when tied, a packed copy when untied
- *   onecall_iq4_rows  IQ4 codes (IQ4_NL, IQ4_XS) in the iq4 layout (gemm.c), the same way
+ *   onecall_iq4_rows  IQ4 codes (IQ4_NL, IQ4_XS; MXFP4) in the iq4 layout (gemm.c), the same way
  *
  * q8b: element (n, col) of the (N, K) table lives at qs[n / 16][col / 32][(n % 16) / 8][(col % 32) / 2][n % 8]
  * [col % 2] and its scale at scale[n / 16][col / group_size][(n % 16) / 8][n % 8]; the value is
@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "codebooks.h"
 #include "kernels.h"
 
 int onecall_q8b_rows(const int8_t *qs, const float *scale, int64_t N, int64_t K, int64_t group_size,
@@ -71,14 +72,15 @@ int onecall_q4_rows(const uint8_t *qs, const void *scale, const void *offset, in
     return 0;
 }
 
-/* IQ4 codes in the iq4 layout (gemm.c): the q4 layout's bytes, each nibble an index into the IQ4 codebook
- * (kvalues_iq4nl), one scale per row and group (float32, or IEEE half when f16). The value is
- * float(codebook[code]) * scale, one float32 product, as Int4CodeGroups.dequantize (and ggml) computes it.
- * 0 on success, -2 a K it does not take, -3 an id outside 0..N-1 (nothing written). */
+/* IQ4 codes in the iq4 layout (gemm.c): the q4 layout's bytes, each nibble an index into codebooks.h's table
+ * number `codebook_id` (kvalues_iq4nl, or MXFP4's doubled e2m1 values), one scale per row and group (float32,
+ * or IEEE half when f16). The value is float(codebook[code]) * scale, one float32 product, as
+ * Int4CodeGroups.dequantize (and ggml) computes it. 0 on success, -2 a K or codebook it does not take, -3 an
+ * id outside 0..N-1 (nothing written). */
 int onecall_iq4_rows(const uint8_t *qs, const void *scale, int64_t N, int64_t K, int f16, const int64_t *ids,
-                     int64_t M, float *out) {
-    static const int8_t codebook[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-    if (K % 32) return -2;
+                     int64_t M, float *out, int codebook_id) {
+    if (K % 32 || codebook_id < 0 || codebook_id >= ONECALL_NUM_CODEBOOKS) return -2;
+    const int8_t *codebook = onecall_codebooks[codebook_id];
     for (int64_t m = 0; m < M; m++)
         if (ids[m] < 0 || ids[m] >= N) return -3;
     const int64_t G = K / 32;

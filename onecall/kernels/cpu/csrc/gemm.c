@@ -4,7 +4,7 @@
  *   onecall_q4_gemm    4-bit weights (the q4 layout) x int16 activations: the projections
  *   onecall_q4a8_gemm  4-bit weights (the q4a8 layout) x int8 activations (EngineConfig.int8_activations)
  *   onecall_q8b_gemm   int8 weights (the q8b layout) x int16 activations: Q8_0/Q6_K projections, logits
- *   onecall_iq4_gemm   IQ4 codes (the iq4 layout, codebook lookup by vpshufb) x int16 activations
+ *   onecall_iq4_gemm   IQ4 / MXFP4 codes (the iq4 layout, codebook lookup by vpshufb) x int16 activations
  *
  * All four share one parallel structure (q4_gemm): the rows are quantized, then chunk by chunk of
  * Q4_ROW_CHUNK rows the weight units of 16 rows are split across the threads; each thread streams its
@@ -45,6 +45,7 @@
 #include <string.h>
 
 #include "act_quant.h"
+#include "codebooks.h"
 #include "gemm_avx512.h"
 #include "kernels.h"
 #include "simd.h"
@@ -470,14 +471,17 @@ int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, con
     return -2;
 }
 
-/* ---- IQ4 codes (IQ4_NL, IQ4_XS) x int16 activations -------------------------------------------------
+/* ---- IQ4 codes (IQ4_NL, IQ4_XS; MXFP4) x int16 activations ------------------------------------------
  *
- * An IQ4 weight is a 4-bit index per value into the 16-entry non-linear codebook kvalues_iq4nl (-127 ..
- * 113, int8) with one scale per group of 32 (IQ4_NL: the block's d; IQ4_XS: d x (6-bit sub-scale - 32),
- * exact in float32): w = codebook[code] * scale (quants.Int4CodeGroups). Layout iq4 (native.pack_iq4):
- * the codes in exactly the q4 layout's bytes (qs (N16 / 16, G, 2, 8, 8, 2), a byte holding column 2c + j
- * in its low nibble and 16 + 2c + j in its high one), scale (N16 / 16, G, 2, 8) float32 or IEEE half (no
- * offset): 4 bits a weight plus the scales, half what the int8 conversion of these files read.
+ * An IQ4 weight is a 4-bit index per value into a 16-entry int8 codebook (codebooks.h, by the
+ * `codebook` number: 0 the non-linear kvalues_iq4nl, -127 .. 113; 1 MXFP4's doubled e2m1 values, -12 ..
+ * 12) with one scale per group of 32 (IQ4_NL: the block's d; IQ4_XS: d x (6-bit sub-scale - 32), exact in
+ * float32; MXFP4: 2^(e - 128)): w = codebook[code] * scale (quants.Int4CodeGroups). The table is one
+ * register loaded before the loops, so either codebook runs the same instructions. Layout iq4
+ * (native.pack_iq4): the codes in exactly the q4 layout's bytes (qs (N16 / 16, G, 2, 8, 8, 2), a byte
+ * holding column 2c + j in its low nibble and 16 + 2c + j in its high one), scale (N16 / 16, G, 2, 8)
+ * float32 or IEEE half (no offset): 4 bits a weight plus the scales, half what the int8 conversion of
+ * these files read.
  *
  * Arithmetic: the q8b kernel's, with the codebook lookup in the weight load. A block's chunk c (16
  * bytes: 8 rows x column pair) has its low and high nibbles masked out and turned into their int8
@@ -494,11 +498,11 @@ int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, con
 static inline __attribute__((always_inline)) void iq4_tile(const int MT, const QuantRows *r, int64_t m0, int64_t u,
                                                            int64_t K, int64_t N, const uint8_t *qs,
                                                            const void *scale, const float *bias, float *y,
-                                                           const int f16) {
+                                                           const int f16, const int codebook) {
     const int64_t G = K / 32, es = f16 ? 2 : 4;
     const uint8_t *wu = qs + u * G * 256;
     const char *su = (const char *)scale + u * G * 16 * es;
-    const __m128i table = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const __m128i table = _mm_load_si128((const __m128i *)onecall_codebooks[codebook]);
     const __m128i low4 = _mm_set1_epi8(0x0F);
     __m256 acc[2][Q4_PAIR_TILE];
     for (int k = 0; k < 2; k++)
@@ -554,8 +558,8 @@ static inline __attribute__((always_inline)) void iq4_tile(const int MT, const Q
  * float32 operations are the same, so a row's bits do not depend on which path ran it. */
 #define IQ4_BUFFER_ROWS 8
 
-static void iq4_decode_unit(const uint8_t *wu, int64_t G, int16_t *buf) {
-    const __m128i table = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+static void iq4_decode_unit(const uint8_t *wu, int64_t G, int16_t *buf, int codebook) {
+    const __m128i table = _mm_load_si128((const __m128i *)onecall_codebooks[codebook]);
     const __m128i low4 = _mm_set1_epi8(0x0F);
     for (int64_t gk = 0; gk < 2 * G; gk++) /* a group's block k: 128 bytes -> 16 pairs x 16 int16 */
         for (int c = 0; c < 8; c++) {
@@ -616,7 +620,7 @@ static inline __attribute__((always_inline)) void iq4_buffered_tile(const int MT
  * when M < IQ4_BUFFER_ROWS or the AVX-512 tiles run, which keep their own: no chunk uses them) */
 static inline __attribute__((always_inline)) int iq4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs,
                                                           const void *scale, int64_t N, const float *bias, float *y,
-                                                          int num_threads, const int f16) {
+                                                          int num_threads, const int f16, const int codebook) {
     QuantRows r;
     if (alloc_rows(M, K, &r)) return -1;
     const int wide = avx512_gemm_enabled(); /* the AVX-512 tiles (gemm_avx512.c): the same bits */
@@ -636,21 +640,22 @@ static inline __attribute__((always_inline)) int iq4_gemm(const float *x, int64_
 #pragma omp for schedule(static) nowait
             for (int64_t u = 0; u < units; u++) {
                 if (wide) {
-                    iq4_unit_avx512(&r, m0, m_end, u, K, N, qs, scale, bias, y, f16);
+                    iq4_unit_avx512(&r, m0, m_end, u, K, N, qs, scale, bias, y, f16, codebook);
                     continue;
                 }
                 int64_t m = m0;
                 if (buf && m_end - m0 >= IQ4_BUFFER_ROWS) {
-                    iq4_decode_unit(qs + u * G * 256, G, buf);
+                    iq4_decode_unit(qs + u * G * 256, G, buf, codebook);
                     for (; m + IQ4_TILE <= m_end; m += IQ4_TILE)
                         iq4_buffered_tile(IQ4_TILE, &r, m, u, K, N, buf, scale, bias, y, f16);
                     for (; m + 2 <= m_end; m += 2) iq4_buffered_tile(2, &r, m, u, K, N, buf, scale, bias, y, f16);
                     if (m < m_end) iq4_buffered_tile(1, &r, m, u, K, N, buf, scale, bias, y, f16);
                     continue;
                 }
-                for (; m + IQ4_TILE <= m_end; m += IQ4_TILE) iq4_tile(IQ4_TILE, &r, m, u, K, N, qs, scale, bias, y, f16);
-                for (; m + 2 <= m_end; m += 2) iq4_tile(2, &r, m, u, K, N, qs, scale, bias, y, f16);
-                if (m < m_end) iq4_tile(1, &r, m, u, K, N, qs, scale, bias, y, f16);
+                for (; m + IQ4_TILE <= m_end; m += IQ4_TILE)
+                    iq4_tile(IQ4_TILE, &r, m, u, K, N, qs, scale, bias, y, f16, codebook);
+                for (; m + 2 <= m_end; m += 2) iq4_tile(2, &r, m, u, K, N, qs, scale, bias, y, f16, codebook);
+                if (m < m_end) iq4_tile(1, &r, m, u, K, N, qs, scale, bias, y, f16, codebook);
             }
         }
     }
@@ -659,11 +664,12 @@ static inline __attribute__((always_inline)) int iq4_gemm(const float *x, int64_
     return 0;
 }
 
-/* y (M, N) = x (M, K) @ W^T (+ bias), W IQ4 codes in the iq4 layout (see above) with scales float32, or
- * IEEE half when f16_scales. 0 on success, -1 out of memory, -2 K % 32 != 0. */
+/* y (M, N) = x (M, K) @ W^T (+ bias), W codes into codebook `codebook` (codebooks.h) in the iq4 layout (see
+ * above) with scales float32, or IEEE half when f16_scales. 0 on success, -1 out of memory, -2 K % 32 != 0
+ * or a codebook number outside 0 .. ONECALL_NUM_CODEBOOKS - 1. */
 int onecall_iq4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, int64_t N,
-                     const float *bias, float *y, int num_threads, int f16_scales) {
-    if (K % 32) return -2;
-    if (f16_scales) return iq4_gemm(x, M, K, qs, scale, N, bias, y, num_threads, 1);
-    return iq4_gemm(x, M, K, qs, scale, N, bias, y, num_threads, 0);
+                     const float *bias, float *y, int num_threads, int f16_scales, int codebook) {
+    if (K % 32 || codebook < 0 || codebook >= ONECALL_NUM_CODEBOOKS) return -2;
+    if (f16_scales) return iq4_gemm(x, M, K, qs, scale, N, bias, y, num_threads, 1, codebook);
+    return iq4_gemm(x, M, K, qs, scale, N, bias, y, num_threads, 0, codebook);
 }

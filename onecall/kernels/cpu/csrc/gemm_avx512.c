@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "codebooks.h"
 #include "gemm_avx512.h"
 #include "kernels.h"
 
@@ -217,10 +218,10 @@ AVX512_INLINE void q4_chunk(const uint8_t *wg, int c, __m512i *lo, __m512i *hi) 
     *hi = _mm512_srli_epi16(wb, 4);
 }
 
-/* iq4 (gemm.c's iq4_tile): q4's nibbles as indices into the codebook */
-AVX512_INLINE void iq4_chunk(const uint8_t *wg, int c, __m512i *lo, __m512i *hi) {
-    const __m256i table = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-                                           -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+/* iq4 (gemm.c's iq4_tile): q4's nibbles as indices into codebook `codebook` (codebooks.h: a constant at
+ * each use, so the table is one register loaded before the loops, as a literal table would be) */
+AVX512_INLINE void iq4_chunk(const int codebook, const uint8_t *wg, int c, __m512i *lo, __m512i *hi) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)onecall_codebooks[codebook]));
     const __m256i low4 = _mm256_set1_epi8(0x0F), wb = load_blocks(wg + c * 16, wg + 128 + c * 16);
     *lo = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(wb, low4)));
     *hi = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(wb, 4), low4)));
@@ -247,12 +248,14 @@ AVX512_INLINE __m512i q8b_pair(const int8_t *wg, int p) {
     return _mm512_cvtepi8_epi16(load_blocks(wg + p * 16, wg + 256 + p * 16));
 }
 
-/* The layouts' chunk functions by number, for the tiles below (a compile-time constant at each use) */
-enum { LAYOUT_Q4, LAYOUT_IQ4, LAYOUT_Q5 };
+/* The layouts' chunk functions by number, for the tiles below (a compile-time constant at each use); the iq4
+ * layout once per codebook (LAYOUT_IQ4 + codebooks.h's number), all of them without offsets */
+enum { LAYOUT_Q4, LAYOUT_Q5, LAYOUT_IQ4 };
+#define LAYOUT_HAS_OFFSET(layout) ((layout) < LAYOUT_IQ4)
 AVX512_INLINE void nibble_chunk(const int layout, const uint8_t *wg, int c, __m512i *lo, __m512i *hi) {
     if (layout == LAYOUT_Q4) q4_chunk(wg, c, lo, hi);
-    else if (layout == LAYOUT_IQ4) iq4_chunk(wg, c, lo, hi);
-    else q5_chunk(wg, c, lo, hi);
+    else if (layout == LAYOUT_Q5) q5_chunk(wg, c, lo, hi);
+    else iq4_chunk(layout - LAYOUT_IQ4, wg, c, lo, hi);
 }
 
 /* ---- decode and short chunks: the chunks unpacked per tile of rows ---- */
@@ -261,7 +264,7 @@ AVX512_INLINE void nibble_chunk(const int layout, const uint8_t *wg, int c, __m5
 AVX512_INLINE void nibble_tile(const int MT, const int layout, const QuantRows *r, int64_t m0, int64_t u, int64_t K,
                                int64_t N, const uint8_t *qs, const void *scale, const void *offset,
                                const float *bias, float *y, const int f16) {
-    const int has_offset = layout != LAYOUT_IQ4;
+    const int has_offset = LAYOUT_HAS_OFFSET(layout);
     const int64_t G = K / 32, es = f16 ? 2 : 4, gb = layout == LAYOUT_Q5 ? Q5_GROUP_BYTES : 256;
     const uint8_t *wu = qs + u * G * gb;
     const char *su = (const char *)scale + u * G * 16 * es;
@@ -355,7 +358,7 @@ AVX512_INLINE void nibble_unit(const int layout, const QuantRows *r, int64_t m0,
                 _mm512_store_si512((void *)(buf + (g * 16 + c) * 32), lo);
                 _mm512_store_si512((void *)(buf + (g * 16 + 8 + c) * 32), hi);
             }
-        wide_rows(layout != LAYOUT_IQ4, 0, r, m0, m_end, u, K, N, buf, scale, offset, bias, y, f16);
+        wide_rows(LAYOUT_HAS_OFFSET(layout), 0, r, m0, m_end, u, K, N, buf, scale, offset, bias, y, f16);
         return;
     }
 #define NIBBLE_TILE(MT, m) nibble_tile(MT, layout, r, m, u, K, N, qs, scale, offset, bias, y, f16)
@@ -371,9 +374,13 @@ AVX512_FN void q4_unit_avx512(const QuantRows *r, int64_t m0, int64_t m_end, int
 }
 
 AVX512_FN void iq4_unit_avx512(const QuantRows *r, int64_t m0, int64_t m_end, int64_t u, int64_t K, int64_t N,
-                               const uint8_t *qs, const void *scale, const float *bias, float *y, int f16) {
-    if (f16) nibble_unit(LAYOUT_IQ4, r, m0, m_end, u, K, N, qs, scale, NULL, bias, y, 1);
-    else nibble_unit(LAYOUT_IQ4, r, m0, m_end, u, K, N, qs, scale, NULL, bias, y, 0);
+                               const uint8_t *qs, const void *scale, const float *bias, float *y, int f16,
+                               int codebook) {
+    _Static_assert(ONECALL_NUM_CODEBOOKS == 2, "a layout per codebook below");
+    if (f16 && codebook == 0) nibble_unit(LAYOUT_IQ4, r, m0, m_end, u, K, N, qs, scale, NULL, bias, y, 1);
+    else if (codebook == 0) nibble_unit(LAYOUT_IQ4, r, m0, m_end, u, K, N, qs, scale, NULL, bias, y, 0);
+    else if (f16) nibble_unit(LAYOUT_IQ4 + 1, r, m0, m_end, u, K, N, qs, scale, NULL, bias, y, 1);
+    else nibble_unit(LAYOUT_IQ4 + 1, r, m0, m_end, u, K, N, qs, scale, NULL, bias, y, 0);
 }
 
 AVX512_FN void q5_unit_avx512(const QuantRows *r, int64_t m0, int64_t m_end, int64_t u, int64_t K, int64_t N,

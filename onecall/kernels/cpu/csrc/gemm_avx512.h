@@ -28,9 +28,11 @@ ONECALL_HIDDEN void q4_unit_avx512(const QuantRows *r, int64_t m0, int64_t m_end
 ONECALL_HIDDEN void q8b_unit_avx512(const QuantRows *r, int64_t m0, int64_t m_end, int64_t u, int64_t K, int64_t N,
                                     const int8_t *qs, const float *scale, const float *bias, float *y, int G16);
 
-/* gemm.c's iq4 tiles: the iq4 layout, scale float32 or IEEE half (f16) */
+/* gemm.c's iq4 tiles: the iq4 layout, scale float32 or IEEE half (f16), codes into codebooks.h's table
+ * number `codebook` */
 ONECALL_HIDDEN void iq4_unit_avx512(const QuantRows *r, int64_t m0, int64_t m_end, int64_t u, int64_t K, int64_t N,
-                                    const uint8_t *qs, const void *scale, const float *bias, float *y, int f16);
+                                    const uint8_t *qs, const void *scale, const float *bias, float *y, int f16,
+                                    int codebook);
 
 /* gemm_q5.c's q5 tiles: the q5 layout, scale and offset float32 or IEEE half (f16) */
 ONECALL_HIDDEN void q5_unit_avx512(const QuantRows *r, int64_t m0, int64_t m_end, int64_t u, int64_t K, int64_t N,

@@ -52,12 +52,13 @@ int onecall_q4a8_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, c
 int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *scale, int64_t N,
                      const float *bias, float *y, int num_threads, int group_size);
 
-/* y (M, N) = x (M, K) @ W^T (+ bias (N,) unless NULL), W IQ4 codes (IQ4_NL, IQ4_XS: 4-bit indices into the
- * kvalues_iq4nl codebook) in the iq4 layout (the q4 layout's bytes, N padded to whole units of 16 rows
- * there; only N rows written) with one scale per group of 32, float32 or IEEE half when f16_scales;
- * int16 activation steps as onecall_q4_gemm's. 0 on success, -1 out of memory, -2 K % 32 != 0. */
+/* y (M, N) = x (M, K) @ W^T (+ bias (N,) unless NULL), W 4-bit indices into a 16-value int8 codebook
+ * (codebooks.h's table number `codebook`: 0 kvalues_iq4nl for IQ4_NL and IQ4_XS, 1 MXFP4's doubled e2m1
+ * values) in the iq4 layout (the q4 layout's bytes, N padded to whole units of 16 rows there; only N rows
+ * written) with one scale per group of 32, float32 or IEEE half when f16_scales; int16 activation steps as
+ * onecall_q4_gemm's. 0 on success, -1 out of memory, -2 K % 32 != 0 or another codebook number. */
 int onecall_iq4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, int64_t N,
-                     const float *bias, float *y, int num_threads, int f16_scales);
+                     const float *bias, float *y, int num_threads, int f16_scales, int codebook);
 
 /* The AVX-512 VNNI tiles of the q4, q8b, iq4 and q5 GEMMs (gemm_avx512.c; bit for bit the AVX2 tiles'
  * outputs): enable 1 turns them on where the CPU has AVX-512 F/BW/VL and VNNI (the default there), 0
@@ -145,7 +146,7 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
 
 /* One projection of the decode step, a (n, k) weight: 4-bit groups (q8_group, q5, half, iq4 all 0:
  * onecall_q4_gemm, or onecall_q4a8_gemm with act8), int8 groups (q8_group 32 or 16: onecall_q8b_gemm),
- * 5-bit groups (q5 1: onecall_q5_gemm), IQ4 codes (iq4 1: onecall_iq4_gemm) or 16-bit floats (half 1:
+ * 5-bit groups (q5 1: onecall_q5_gemm), codes (iq4 1 + codebook: onecall_iq4_gemm) or 16-bit floats (half 1:
  * IEEE half, 2: bfloat16, in qs: onecall_half_gemm). A projection stored in parts of different forms (a Q4_K_M file's q/k beside its
  * v) is a chain: this struct its first n rows, `next` the Q4Weight of the rows after them, and so on;
  * the first part's bias is then the whole projection's, added once every part is in. */
@@ -159,7 +160,7 @@ typedef struct {
     int64_t act8;     /* 4-bit only: the q4a8 layout, run with int8 activations */
     int64_t q5;       /* 1: 5-bit groups in the q5 layout */
     int64_t half;     /* 1: IEEE half, 2: bfloat16 weights in the h16 layout */
-    int64_t iq4;      /* 1: IQ4 codes in the iq4 layout (scale float32, or IEEE half when f16) */
+    int64_t iq4;      /* 1 + codebook: codes in the iq4 layout (1 IQ4, 2 MXFP4; scale float32, or half when f16) */
     const void *next; /* the next part (a Q4Weight), or NULL: this part is the projection's last */
 } Q4Weight;
 
@@ -205,10 +206,11 @@ int onecall_q8b_rows(const int8_t *qs, const float *scale, int64_t N, int64_t K,
 int onecall_q4_rows(const uint8_t *qs, const void *scale, const void *offset, int64_t N, int64_t K, int f16,
                     const int64_t *ids, int64_t M, float *out);
 
-/* The same over IQ4 codes in the iq4 layout (float(codebook[code]) * scale; scale float32, or IEEE half
- * when f16). 0 on success, -2 K % 32 != 0, -3 an id outside 0 .. N - 1. */
+/* The same over codes in the iq4 layout (float(codebook[code]) * scale, codebook as onecall_iq4_gemm's; scale
+ * float32, or IEEE half when f16). 0 on success, -2 K % 32 != 0 or another codebook number, -3 an id outside
+ * 0 .. N - 1. */
 int onecall_iq4_rows(const uint8_t *qs, const void *scale, int64_t N, int64_t K, int f16, const int64_t *ids,
-                     int64_t M, float *out);
+                     int64_t M, float *out, int codebook);
 
 /* ---- argmax.c ---- */
 
