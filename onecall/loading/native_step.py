@@ -51,6 +51,12 @@ def _part(w: native.Packed, bias: int, n: int, k: int) -> native.Q4Weight:
         )
     if isinstance(w, native.Q8Blocked):
         return native.Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), 0, bias, n, k, 0, w.group_size, 0, 0, 0, 0, None)
+    if isinstance(w, native.KQPacked):  # kbits (after next): the sub-scales in scale, supers in offset
+        part = native.Q4Weight(
+            w.qs.data_ptr(), w.scales.data_ptr(), w.supers.data_ptr(), bias, n, k, 0, 0, 0, 0, 0, 0
+        )
+        part.kbits = w.bits
+        return part
     if isinstance(w, native.IQ4Packed):
         f16 = int(w.scale.dtype == torch.float16)
         return native.Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), 0, bias, n, k, f16, 0, 0, 0, 0, 1, None)
