@@ -211,3 +211,16 @@ def test_a_q4_k_m_style_mix_runs_v_and_down_on_q6_k_codes_in_the_one_call_step(
         outs.append((harness.step([(seq, 1)], num_decode=1)[0], harness.kv_cache))
     (got, got_kv), (want, want_kv) = outs
     assert torch.equal(got, want) and torch.equal(got_kv.k, want_kv.k) and torch.equal(got_kv.v, want_kv.v)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_the_c_packer_lays_out_the_torch_layouts_bytes(qtype: T, monkeypatch: pytest.MonkeyPatch) -> None:
+    """native.pack_kq's one pass in C (onecall_kq_pack) and its torch reshapes give the same bytes,
+    padding rows included."""
+    groups, _ = _groups(21, 512, qtype, seed=11)
+    args = (groups.bits, groups.q, groups.sub_scale, groups.d, groups.sub_min, groups.dmin)
+    in_c = native.pack_kq(*args)
+    monkeypatch.setattr(native, "load", lambda: None)
+    in_torch = native.pack_kq(*args)
+    for field in ("qs", "scales", "supers"):
+        assert torch.equal(getattr(in_c, field), getattr(in_torch, field)), field

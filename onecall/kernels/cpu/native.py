@@ -238,14 +238,21 @@ def pack_kq(
     def padded(t: torch.Tensor) -> torch.Tensor:
         return torch.cat((t, t.new_zeros(n16 - n, t.shape[1]))) if n16 > n else t.contiguous()
 
-    q = padded(q.to(torch.uint8))
-    if bits == 6:
+    q = q.to(torch.uint8).contiguous()
+    lib = load()
+    if lib is not None:  # one pass in C (a tied Q6_K head is 10^8 codes), the same bytes as below
+        qs = torch.empty(n16 // 16, g, {6: 384, 3: 192, 2: 128}[bits], dtype=torch.uint8)
+        rc = lib.onecall_kq_pack(q.data_ptr(), n, k, bits, qs.data_ptr(), torch.get_num_threads())
+        assert rc == 0, f"onecall_kq_pack refused K {k} or bits {bits} (rc {rc})"
+    elif bits == 6:
+        q = padded(q)
         low = _q4_layout(_nibble_pairs(q & 15, n16, g), n16, g).view(n16 // 16, g, 256)
         qs = torch.cat((low, _two_bit_plane(q >> 4, n16, g)), dim=-1)
     elif bits == 3:
+        q = padded(q)
         qs = torch.cat((_two_bit_plane(q & 3, n16, g), _bit_words(q >> 2, n16, g)), dim=-1)
     else:
-        qs = _two_bit_plane(q, n16, g)
+        qs = _two_bit_plane(padded(q), n16, g)
     scales = [sub_scale] if sub_min is None else [sub_scale, sub_min]
     supers = [d] if dmin is None else [d, dmin]
     assert all(t.dtype == torch.int8 and tuple(t.shape) == (n, k // 16) for t in scales)

@@ -4,6 +4,7 @@
  *
  *   onecall_kq_gemm   6-, 3- or 2-bit codes (the kq layout) x int16 activations: every row, decode and prompt
  *   onecall_kq_rows   rows of a table in the kq layout, dequantized (a token embedding, a tied head)
+ *   onecall_kq_pack   codes (N, K) -> the layout's bytes (one pass; native.pack_kq lays out the scales)
  *
  * The values, per 16 columns (a sub-block of the file's super-block of 256), with z the code's zero point:
  *   Q6_K (bits 6): w = (d * sc) * (q - 32), q 0..63, sc int8;        z = 32
@@ -257,6 +258,41 @@ int onecall_kq_rows(const uint8_t *qs, const void *scales, const void *supers, i
                     row[g * 32 + col] = bits == 2 ? scale * (float)q - offset : scale * (float)q;
                 }
             }
+        }
+    }
+    return 0;
+}
+
+/* The kq layout's bytes of (N, K) codes (uint8, 0 .. 2^bits - 1, row-major): qs (N16 / 16, G, KQ_BYTES),
+ * rows N .. N16 - 1 as zero codes. One pass over the codes, the units split across the threads. */
+int onecall_kq_pack(const uint8_t *codes, int64_t N, int64_t K, int bits, uint8_t *qs, int num_threads) {
+    if (K % 256 || (bits != 6 && bits != 3 && bits != 2)) return -2;
+    const int64_t G = K / 32, units = (N + 15) / 16, bytes = KQ_BYTES(bits);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t u = 0; u < units; u++) {
+        for (int64_t g = 0; g < G; g++) {
+            uint8_t *wg = qs + (u * G + g) * bytes;
+            memset(wg, 0, (size_t)bytes);
+            uint8_t *plane2 = wg + (bits == 6 ? 256 : 0);
+            for (int64_t k = 0; k < 2; k++)
+                for (int64_t b = 0; b < 8; b++) {
+                    const int64_t n = u * 16 + k * 8 + b;
+                    if (n >= N) continue;
+                    const uint8_t *q = codes + n * K + g * 32;
+                    for (int64_t c = 0; c < 8; c++)
+                        for (int64_t j = 0; j < 2; j++)
+                            for (int64_t h = 0; h < 2; h++) {
+                                const int v = q[16 * h + 2 * c + j];
+                                const int low = bits == 6 ? v >> 4 : v & 3; /* the 2-bit plane's pair */
+                                plane2[c * 16 + 2 * b + j] |= (uint8_t)((low & 3) << (4 * k + 2 * h));
+                                if (bits == 6) wg[k * 128 + c * 16 + b * 2 + j] |= (uint8_t)((v & 15) << (4 * h));
+                                if (bits == 3) {
+                                    uint8_t *word = wg + 128 + 4 * (8 * k + c); /* little-endian */
+                                    const int bit = (int)(b + 8 * h + 16 * j);
+                                    word[bit / 8] |= (uint8_t)(((v >> 2) & 1) << (bit % 8));
+                                }
+                            }
+                }
         }
     }
     return 0;

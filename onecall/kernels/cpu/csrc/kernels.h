@@ -209,6 +209,10 @@ int onecall_kq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
 int onecall_kq_rows(const uint8_t *qs, const void *scales, const void *supers, int64_t N, int64_t K, int bits,
                     const int64_t *ids, int64_t M, float *out);
 
+/* qs (N16 / 16, K / 32, 384 | 192 | 128 bytes for bits 6 | 3 | 2) = the kq layout of (N, K) uint8 codes in
+ * 0 .. 2^bits - 1, rows N .. N16 - 1 zero codes. 0 on success, -2 K % 256 != 0 or another `bits`. */
+int onecall_kq_pack(const uint8_t *codes, int64_t N, int64_t K, int bits, uint8_t *qs, int num_threads);
+
 /* ---- embedding.c: rows of a token embedding kept as the checkpoint stored it ---- */
 
 /* out (M, K) = rows ids[0 .. M) (int64) of an (N, K) int8 table in the q8b layout, dequantized
