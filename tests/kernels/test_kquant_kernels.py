@@ -224,3 +224,29 @@ def test_the_c_packer_lays_out_the_torch_layouts_bytes(qtype: T, monkeypatch: py
     in_torch = native.pack_kq(*args)
     for field in ("qs", "scales", "supers"):
         assert torch.equal(getattr(in_c, field), getattr(in_torch, field)), field
+
+
+@pytest.mark.skipif(
+    not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= native.cpu_flags(),
+    reason="this CPU lacks AVX-512 F/BW/VL + VNNI",
+)
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_the_avx512_tile_gives_the_avx2_tiles_bits(qtype: T) -> None:
+    """csrc/gemm_kq_avx512.c against gemm_kq.c's AVX2 tile (onecall_set_avx512 0 / 1): torch.equal for
+    one row, the tails of its tiles of 8 and 4, and a second chunk of 64 rows; N with a partial unit."""
+    assert LIB is not None
+    groups, w = _groups(40, 512, qtype, seed=13)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(13))
+    bias = torch.randn(40)
+    before = LIB.onecall_set_avx512(-1)
+    try:
+        for m in (1, 3, 5, 13, 70):
+            LIB.onecall_set_avx512(1)
+            wide = _kq(x[:m], groups, bias)
+            LIB.onecall_set_avx512(0)
+            narrow = _kq(x[:m], groups, bias)
+            assert torch.equal(wide, narrow), m
+            ref = x[:m].double() @ w.double().T + bias.double()
+            assert bool(((wide.double() - ref).abs() <= _bound(x[:m], w, groups)).all())
+    finally:
+        LIB.onecall_set_avx512(before)

@@ -36,7 +36,8 @@
  * fma(-(dmin * m_h), sum16[m, 2g + h], oacc) with sum16 the float32 sum of the activations of those 16
  * columns (kq_sums: a fixed order), y = (acc + oacc) + bias. Every row goes through the same operations
  * in the same order whatever M, the tile or the thread count: batch invariance. Tolerances:
- * tests/kernels/test_kquant_kernels.py.
+ * tests/kernels/test_kquant_kernels.py. On CPUs with AVX-512 VNNI the units' rows run on gemm_kq_avx512.c's
+ * tile (the same outputs bit for bit).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -44,9 +45,9 @@
 #include <string.h>
 
 #include "act_quant.h"
+#include "gemm_avx512.h" /* KQ_BYTES, and the AVX-512 tile */
 #include "kernels.h"
 
-#define KQ_BYTES(bits) ((bits) == 6 ? 384 : (bits) == 3 ? 192 : 128) /* one unit's group */
 #define KQ_TILE 2 /* activation rows per tile: four int32 accumulators a row (one per block and half) */
 #ifndef KQ_PREFETCH
 #define KQ_PREFETCH 16 /* groups ahead that the weight stream is prefetched */
@@ -182,6 +183,7 @@ static inline __attribute__((always_inline)) int kq_gemm(const int bits, const f
         return -1;
     }
     const int64_t units = (N + 15) / 16;
+    const int wide = avx512_gemm_enabled(); /* the AVX-512 tile (gemm_kq_avx512.c): the same bits */
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -193,6 +195,10 @@ static inline __attribute__((always_inline)) int kq_gemm(const int bits, const f
             const int64_t m_end = m0 + Q4_ROW_CHUNK < M ? m0 + Q4_ROW_CHUNK : M;
 #pragma omp for schedule(static) nowait
             for (int64_t u = 0; u < units; u++) {
+                if (wide) {
+                    kq_unit_avx512(bits, &r, sums, m0, m_end, u, K, N, qs, scales, supers, bias, y);
+                    continue;
+                }
                 int64_t m = m0;
                 for (; m + KQ_TILE <= m_end; m += KQ_TILE)
                     kq_unit_tile(bits, KQ_TILE, &r, sums, m, u, K, N, qs, scales, supers, bias, y);
