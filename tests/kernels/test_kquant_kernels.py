@@ -38,6 +38,7 @@ from tests.formats.test_stored_groups import random_blocks
 from tests.helpers import kquant_blocks, make_models
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_converted_gguf, write_tiny_gguf
 from tests.kernels.test_quant_kernels import _compare_logits, _int16_bound, _load, _never
+from tests.loading.test_pack_cache import cache_dir  # noqa: F401  (the fixture: a cache in tmp_path)
 from tests.model.test_model_numerics import Harness, Seq
 
 T = GGMLQuantizationType
@@ -250,3 +251,30 @@ def test_the_avx512_tile_gives_the_avx2_tiles_bits(qtype: T) -> None:
             assert bool(((wide.double() - ref).abs() <= _bound(x[:m], w, groups)).all())
     finally:
         LIB.onecall_set_avx512(before)
+
+
+@pytest.mark.usefixtures("cache_dir")
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q2_K], ids=lambda t: t.name)
+def test_the_pack_cache_maps_k_quant_packs_back(
+    qtype: T, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """loading/pack_cache.py writes the kq packs (codes, int8 sub-scales, float16 supers) and a second
+    load maps them back, checked against the kq layout's shapes, without packing anything: the same
+    logits bit for bit (the same kernels on the same bytes)."""
+    from tests.loading.test_pack_cache import _load as cached_load
+    from tests.loading.test_pack_cache import _logits, _no_packing
+
+    monkeypatch.setattr(make_models, "quantize", kquant_blocks.quantize)
+    config = tiny_hf_config(
+        "qwen2", hidden_size=256, intermediate_size=256, num_attention_heads=4, head_dim=64
+    )
+    path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=qtype)
+    first, status = cached_load(path)
+    assert status == "written", status
+    want = _logits(first)
+    with monkeypatch.context() as m:
+        _no_packing(m)
+        m.setattr(native, "pack_kq", _never)
+        second, status = cached_load(path)
+    assert status == "hit" and second.kernels == first.kernels and KIND[qtype] in second.kernels
+    assert torch.equal(_logits(second), want)
