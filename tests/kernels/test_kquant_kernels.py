@@ -278,3 +278,22 @@ def test_the_pack_cache_maps_k_quant_packs_back(
         second, status = cached_load(path)
     assert status == "hit" and second.kernels == first.kernels and KIND[qtype] in second.kernels
     assert torch.equal(_logits(second), want)
+
+
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q3_K], ids=lambda t: t.name)
+def test_q6_k_and_q3_k_give_the_values_their_int8_groups_gave(qtype: T) -> None:
+    """The kq GEMM runs the float32 operations the q8b kernel ran on the same weights as int8 groups of 16
+    (the same exact integer dot a half-group, the same scale x step, the same two FMAs in order), so
+    moving Q6_K / Q3_K onto their own codes changes no output value (a -0.0 may become +0.0)."""
+    from onecall.formats.quants import int8_groups
+
+    assert LIB is not None
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    raw = torch.from_numpy(random_blocks(qtype, 40 * 768 // block_size, seed=17).reshape(-1).copy())
+    as_int8 = int8_groups(raw, qtype, (40, 768))  # type: ignore[arg-type]
+    codes = kquant_groups(raw, qtype, (40, 768))  # type: ignore[arg-type]
+    assert as_int8 is not None and codes is not None
+    x = torch.randn(11, 768, generator=torch.Generator().manual_seed(17))
+    bias = torch.randn(40)
+    before = native.q8_blocked_gemm(LIB, x, native.pack_q8_blocked(as_int8.q, as_int8.scale, 16), bias, 2)
+    assert torch.equal(_kq(x, codes, bias), before)

@@ -35,7 +35,8 @@
  * g in order, acc = fma(float(dot_h), (d * sc_h) * step[m, g], acc) for h = 0, 1 and (Q2_K) oacc =
  * fma(-(dmin * m_h), sum16[m, 2g + h], oacc) with sum16 the float32 sum of the activations of those 16
  * columns (kq_sums: a fixed order), y = (acc + oacc) + bias. Every row goes through the same operations
- * in the same order whatever M, the tile or the thread count: batch invariance. Tolerances:
+ * in the same order whatever M, the tile or the thread count: batch invariance. Q6_K and Q3_K so run the
+ * very float32 operations the q8b kernel runs on their int8 groups of 16 (gemm.c): the same values. Tolerances:
  * tests/kernels/test_kquant_kernels.py. On CPUs with AVX-512 VNNI the units' rows run on gemm_kq_avx512.c's
  * tile (the same outputs bit for bit).
  */
