@@ -28,9 +28,10 @@
  * group's columns 16h .. 16h + 15; Q2_K's m in a second plane. supers IEEE half (planes, N16 / 16,
  * K / 256, 2, 8): d (Q2_K: then dmin). So 6.56, 3.56 and 3.13 bits a weight (the files: 6.56, 3.44, 2.63).
  *
- * Arithmetic: per chunk c the four int16 lane sets (block k, half h) of signed values (q - z), each
- * madd-ed with the activation row's column pair of its half (broadcast), accumulate in four int32
- * accumulators per row: one per block and half, since each half has its own scale. A half's dot is an
+ * Arithmetic: each half h of a group (its own scale) in turn: per chunk c the int16 lanes of both blocks'
+ * signed values (q - z) in half h, each madd-ed with the activation row's column pair there (broadcast),
+ * accumulate in two int32 accumulators per row (one a block), so a tile of 4 rows shares each chunk's
+ * unpacking within the AVX2 registers. A half's dot is an
  * exact integer, |dot| <= 16 x 32 x 32767 < 2^24, so its conversion to float32 is exact too; then, over
  * g in order, acc = fma(float(dot_h), (d * sc_h) * step[m, g], acc) for h = 0, 1 and (Q2_K) oacc =
  * fma(-(dmin * m_h), sum16[m, 2g + h], oacc) with sum16 the float32 sum of the activations of those 16
@@ -49,43 +50,45 @@
 #include "gemm_avx512.h" /* KQ_BYTES, and the AVX-512 tile */
 #include "kernels.h"
 
-#define KQ_TILE 2 /* activation rows per tile: four int32 accumulators a row (one per block and half) */
+#define KQ_TILE 4 /* activation rows per tile: two int32 accumulators a row, one half-group at a time */
+#define KQ_BUFFER_ROWS 8 /* chunks of this many rows or more read a unit's values widened once (kq_widen) */
 #ifndef KQ_PREFETCH
 #define KQ_PREFETCH 16 /* groups ahead that the weight stream is prefetched */
 #endif
 
-/* Chunk c's four lane sets as signed values q - z: v[2k + h] is block k's half h. */
-static inline __attribute__((always_inline)) void kq_values(const int bits, const uint8_t *wg, int c, __m256i v[4]) {
-    const __m256i m2 = _mm256_set1_epi16(3), m4 = _mm256_set1_epi16(0x0F), top = _mm256_set1_epi16(0x30);
-    const __m256i rows = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+/* Chunk c's lanes of half h (columns 16h + 2c, 16h + 2c + 1) as signed values q - z, block 0 in *v0 and
+ * block 1 in *v1 (lane (b, j): row b, column 16h + 2c + j) */
+static inline __attribute__((always_inline)) void kq_values(const int bits, const int h, const uint8_t *wg, int c,
+                                                            __m256i *v0, __m256i *v1) {
+    const __m256i m2 = _mm256_set1_epi16(3), top = _mm256_set1_epi16(0x30);
     const uint8_t *plane2 = wg + (bits == 6 ? 256 : 0);
     const __m256i p = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(plane2 + c * 16)));
     if (bits == 6) { /* nibbles | the 2-bit plane's pair << 4 */
         const __m256i n0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + c * 16)));
         const __m256i n1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + 128 + c * 16)));
-        v[0] = _mm256_or_si256(_mm256_and_si256(n0, m4), _mm256_and_si256(_mm256_slli_epi16(p, 4), top));
-        v[1] = _mm256_or_si256(_mm256_srli_epi16(n0, 4), _mm256_and_si256(_mm256_slli_epi16(p, 2), top));
-        v[2] = _mm256_or_si256(_mm256_and_si256(n1, m4), _mm256_and_si256(p, top));
-        v[3] = _mm256_or_si256(_mm256_srli_epi16(n1, 4), _mm256_and_si256(_mm256_srli_epi16(p, 2), top));
-        const __m256i z = _mm256_set1_epi16(32);
-        for (int i = 0; i < 4; i++) v[i] = _mm256_sub_epi16(v[i], z);
+        const __m256i low4 = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16(32);
+        const __m256i l0 = h ? _mm256_srli_epi16(n0, 4) : _mm256_and_si256(n0, low4);
+        const __m256i l1 = h ? _mm256_srli_epi16(n1, 4) : _mm256_and_si256(n1, low4);
+        const __m256i t0 = _mm256_and_si256(h ? _mm256_slli_epi16(p, 2) : _mm256_slli_epi16(p, 4), top);
+        const __m256i t1 = _mm256_and_si256(h ? _mm256_srli_epi16(p, 2) : p, top);
+        *v0 = _mm256_sub_epi16(_mm256_or_si256(l0, t0), z);
+        *v1 = _mm256_sub_epi16(_mm256_or_si256(l1, t1), z);
         return;
     }
-    v[0] = _mm256_and_si256(p, m2);
-    v[1] = _mm256_and_si256(_mm256_srli_epi16(p, 2), m2);
-    v[2] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m2);
-    v[3] = _mm256_srli_epi16(p, 6); /* the byte was zero-extended: nothing above */
+    *v0 = _mm256_and_si256(h ? _mm256_srli_epi16(p, 2) : p, m2);
+    *v1 = h ? _mm256_srli_epi16(p, 6) : _mm256_and_si256(_mm256_srli_epi16(p, 4), m2); /* zero-extended byte */
     if (bits == 3) { /* | the 3rd bit << 2, as gemm_q5.c brings its 5th bits to their lanes */
+        const __m256i rows = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i b2 = _mm256_set1_epi16(4), z = _mm256_set1_epi16(4);
         int32_t w0, w1;
         memcpy(&w0, wg + 128 + 4 * c, 4);
         memcpy(&w1, wg + 128 + 32 + 4 * c, 4);
         const __m256i h0 = _mm256_srlv_epi32(_mm256_set1_epi32(w0), rows);
         const __m256i h1 = _mm256_srlv_epi32(_mm256_set1_epi32(w1), rows);
-        const __m256i b2 = _mm256_set1_epi16(4), z = _mm256_set1_epi16(4);
-        v[0] = _mm256_sub_epi16(_mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(h0, 2), b2)), z);
-        v[1] = _mm256_sub_epi16(_mm256_or_si256(v[1], _mm256_and_si256(_mm256_srli_epi16(h0, 6), b2)), z);
-        v[2] = _mm256_sub_epi16(_mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(h1, 2), b2)), z);
-        v[3] = _mm256_sub_epi16(_mm256_or_si256(v[3], _mm256_and_si256(_mm256_srli_epi16(h1, 6), b2)), z);
+        const __m256i e0 = h ? _mm256_srli_epi16(h0, 6) : _mm256_slli_epi16(h0, 2); /* bit 8h -> bit 2 */
+        const __m256i e1 = h ? _mm256_srli_epi16(h1, 6) : _mm256_slli_epi16(h1, 2);
+        *v0 = _mm256_sub_epi16(_mm256_or_si256(*v0, _mm256_and_si256(e0, b2)), z);
+        *v1 = _mm256_sub_epi16(_mm256_or_si256(*v1, _mm256_and_si256(e1, b2)), z);
     }
 }
 
@@ -96,12 +99,79 @@ static inline __attribute__((always_inline)) __m256 kq_scale8(const int8_t *sc, 
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(raw))), d);
 }
 
+/* Half h of group g for MT rows: its 8 chunks' dots, then acc[k] = fma(float(dot), (d sc) step, acc[k])
+ * and (Q2_K) oacc[k] = fma(-(dmin m), sum16, oacc[k]) */
+static inline __attribute__((always_inline)) void kq_half(const int bits, const int MT, const int h, const QuantRows *r,
+                                                          const float *sums, int64_t m0, int64_t g, int64_t K,
+                                                          const uint8_t *wg, const int8_t *sg, const int8_t *mg,
+                                                          __m256 d[2], __m256 dm[2], __m256 acc[2][KQ_TILE],
+                                                          __m256 oacc[2][KQ_TILE], const int16_t *buf) {
+    const int64_t G = K / 32;
+    __m256i a0[KQ_TILE], a1[KQ_TILE];
+    for (int i = 0; i < MT; i++) a0[i] = a1[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        __m256i v0, v1;
+        if (buf) { /* kq_widen's values of this group, half and chunk */
+            v0 = _mm256_load_si256((const __m256i *)(buf + ((g * 2 + h) * 8 + c) * 32));
+            v1 = _mm256_load_si256((const __m256i *)(buf + ((g * 2 + h) * 8 + c) * 32 + 16));
+        } else {
+            kq_values(bits, h, wg, c, &v0, &v1);
+        }
+        for (int i = 0; i < MT; i++) {
+            int32_t xp; /* the column pair's int16 activations, broadcast */
+            memcpy(&xp, r->q + (m0 + i) * K + g * 32 + 16 * h + 2 * c, 4);
+            const __m256i b = _mm256_set1_epi32(xp);
+            a0[i] = _mm256_add_epi32(a0[i], _mm256_madd_epi16(v0, b));
+            a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(v1, b));
+            __asm__("" : "+x"(a0[i]), "+x"(a1[i])); /* no add trees, no spills (gemm.c's q4_unit_tile) */
+        }
+    }
+    const __m256 sc0 = kq_scale8(sg + 8 * h, d[0]), sc1 = kq_scale8(sg + 16 + 8 * h, d[1]);
+    __m256 of0 = _mm256_setzero_ps(), of1 = _mm256_setzero_ps();
+    if (bits == 2) { /* -(dmin * m): an exact product, negated */
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        of0 = _mm256_xor_ps(kq_scale8(mg + 8 * h, dm[0]), sign);
+        of1 = _mm256_xor_ps(kq_scale8(mg + 16 + 8 * h, dm[1]), sign);
+    }
+    for (int i = 0; i < MT; i++) {
+        const int64_t m = m0 + i;
+        const __m256 step = _mm256_broadcast_ss(r->d + m * G + g);
+        acc[0][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[i]), _mm256_mul_ps(sc0, step), acc[0][i]);
+        acc[1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[i]), _mm256_mul_ps(sc1, step), acc[1][i]);
+        if (bits == 2) {
+            const __m256 s = _mm256_broadcast_ss(sums + m * 2 * G + 2 * g + h);
+            oacc[0][i] = _mm256_fmadd_ps(of0, s, oacc[0][i]);
+            oacc[1][i] = _mm256_fmadd_ps(of1, s, oacc[1][i]);
+        }
+    }
+}
+
+/* Unit u's values widened once into buf (16 K int16, 32-byte aligned): per group g, half h and chunk c, 32
+ * lanes at ((g * 2 + h) * 8 + c) * 32, block 0's then block 1's, as kq_values gives them. */
+static inline __attribute__((always_inline)) void kq_widen(const int bits, int64_t u, int64_t K, const uint8_t *qs,
+                                                           int16_t *buf) {
+    const int64_t G = K / 32, bytes = KQ_BYTES(bits);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *wg = qs + (u * G + g) * bytes;
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < 8; c++) {
+                __m256i v0, v1;
+                if (h) kq_values(bits, 1, wg, c, &v0, &v1);
+                else kq_values(bits, 0, wg, c, &v0, &v1);
+                _mm256_store_si256((__m256i *)(buf + ((g * 2 + h) * 8 + c) * 32), v0);
+                _mm256_store_si256((__m256i *)(buf + ((g * 2 + h) * 8 + c) * 32 + 16), v1);
+            }
+    }
+}
+
 /* Unit u (two blocks of 8 weight rows) x MT activation rows from m0 (a compile-time constant at every
  * call site). Lane b of acc[k][i] is output (m0 + i, 16u + 8k + b). */
 static inline __attribute__((always_inline)) void kq_unit_tile(const int bits, const int MT, const QuantRows *r,
                                                                const float *sums, int64_t m0, int64_t u, int64_t K,
                                                                int64_t N, const uint8_t *qs, const int8_t *scales,
-                                                               const uint16_t *supers, const float *bias, float *y) {
+                                                               const uint16_t *supers, const float *bias, float *y,
+                                                               const int16_t *buf) {
     const int64_t G = K / 32, S = K / 256, units = (N + 15) / 16, bytes = KQ_BYTES(bits);
     const uint8_t *wu = qs + u * G * bytes;
     const int8_t *su = scales + u * G * 32, *mu = scales + units * G * 32 + u * G * 32;
@@ -110,48 +180,17 @@ static inline __attribute__((always_inline)) void kq_unit_tile(const int bits, c
     for (int i = 0; i < MT; i++) acc[0][i] = acc[1][i] = oacc[0][i] = oacc[1][i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *wg = wu + g * bytes;
-        if (KQ_PREFETCH)
+        if (KQ_PREFETCH && !buf)
             for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(wg + KQ_PREFETCH * bytes + l), _MM_HINT_T0);
-        __m256i a[4][KQ_TILE];
-        for (int h = 0; h < 4; h++)
-            for (int i = 0; i < MT; i++) a[h][i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) {
-            __m256i v[4];
-            kq_values(bits, wg, c, v);
-            for (int i = 0; i < MT; i++) {
-                int32_t xl, xh; /* the column pair's int16 activations in half 0, then in half 1 */
-                memcpy(&xl, r->q + (m0 + i) * K + g * 32 + 2 * c, 4);
-                memcpy(&xh, r->q + (m0 + i) * K + g * 32 + 16 + 2 * c, 4);
-                const __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
-                a[0][i] = _mm256_add_epi32(a[0][i], _mm256_madd_epi16(v[0], bl));
-                a[1][i] = _mm256_add_epi32(a[1][i], _mm256_madd_epi16(v[1], bh));
-                a[2][i] = _mm256_add_epi32(a[2][i], _mm256_madd_epi16(v[2], bl));
-                a[3][i] = _mm256_add_epi32(a[3][i], _mm256_madd_epi16(v[3], bh));
-            }
-        }
         const int64_t s = g / 8;
+        __m256 d[2], dm[2];
         for (int k = 0; k < 2; k++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(du + (s * 2 + k) * 8)));
-            const __m256 sc0 = kq_scale8(su + (g * 2 + k) * 16, d), sc1 = kq_scale8(su + (g * 2 + k) * 16 + 8, d);
-            __m256 of0 = _mm256_setzero_ps(), of1 = _mm256_setzero_ps();
-            if (bits == 2) { /* -(dmin * m): an exact product, negated */
-                const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dmu + (s * 2 + k) * 8)));
-                const __m256 sign = _mm256_set1_ps(-0.0f);
-                of0 = _mm256_xor_ps(kq_scale8(mu + (g * 2 + k) * 16, dm), sign);
-                of1 = _mm256_xor_ps(kq_scale8(mu + (g * 2 + k) * 16 + 8, dm), sign);
-            }
-            for (int i = 0; i < MT; i++) {
-                const int64_t m = m0 + i;
-                const __m256 step = _mm256_broadcast_ss(r->d + m * G + g);
-                acc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[2 * k][i]), _mm256_mul_ps(sc0, step), acc[k][i]);
-                acc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[2 * k + 1][i]), _mm256_mul_ps(sc1, step), acc[k][i]);
-                if (bits == 2) {
-                    oacc[k][i] = _mm256_fmadd_ps(of0, _mm256_broadcast_ss(sums + m * 2 * G + 2 * g), oacc[k][i]);
-                    oacc[k][i] = _mm256_fmadd_ps(of1, _mm256_broadcast_ss(sums + m * 2 * G + 2 * g + 1), oacc[k][i]);
-                }
-            }
+            d[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(du + (s * 2 + k) * 8)));
+            dm[k] = bits == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dmu + (s * 2 + k) * 8)))
+                              : _mm256_setzero_ps();
         }
+        kq_half(bits, MT, 0, r, sums, m0, g, K, wg, su + g * 32, mu + g * 32, d, dm, acc, oacc, buf);
+        kq_half(bits, MT, 1, r, sums, m0, g, K, wg, su + g * 32, mu + g * 32, d, dm, acc, oacc, buf);
     }
     for (int i = 0; i < MT; i++) {
         float out[16];
@@ -171,7 +210,7 @@ static inline void kq_sums(const float *x, int64_t m, int64_t K, float *sums) {
 }
 
 /* gemm_q5.c's structure: the rows quantized (split across the threads), then chunk by chunk of
- * Q4_ROW_CHUNK rows the weight units split across the threads, each unit's rows in tiles of KQ_TILE, then 1. */
+ * Q4_ROW_CHUNK rows the weight units split across the threads, each unit's rows in tiles of KQ_TILE, then 2, then 1. */
 static inline __attribute__((always_inline)) int kq_gemm(const int bits, const float *x, int64_t M, int64_t K,
                                                          const uint8_t *qs, const int8_t *scales,
                                                          const uint16_t *supers, int64_t N, const float *bias,
@@ -187,6 +226,9 @@ static inline __attribute__((always_inline)) int kq_gemm(const int bits, const f
     const int wide = avx512_gemm_enabled(); /* the AVX-512 tile (gemm_kq_avx512.c): the same bits */
 #pragma omp parallel num_threads(num_threads)
     {
+        /* prompt chunks (KQ_BUFFER_ROWS rows or more): a unit's values widened once per chunk, not per tile
+         * (a thread that cannot allocate its buffer unpacks per tile: the same bits) */
+        int16_t *buf = !wide && M >= KQ_BUFFER_ROWS ? aligned_alloc(32, sizeof(int16_t) * (size_t)(16 * K)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
             quantize_row(x, m, K, &r);
@@ -200,12 +242,20 @@ static inline __attribute__((always_inline)) int kq_gemm(const int bits, const f
                     kq_unit_avx512(bits, &r, sums, m0, m_end, u, K, N, qs, scales, supers, bias, y);
                     continue;
                 }
+                const int16_t *values = NULL;
+                if (buf && m_end - m0 >= KQ_BUFFER_ROWS) {
+                    kq_widen(bits, u, K, qs, buf);
+                    values = buf;
+                }
                 int64_t m = m0;
                 for (; m + KQ_TILE <= m_end; m += KQ_TILE)
-                    kq_unit_tile(bits, KQ_TILE, &r, sums, m, u, K, N, qs, scales, supers, bias, y);
-                if (m < m_end) kq_unit_tile(bits, 1, &r, sums, m, u, K, N, qs, scales, supers, bias, y);
+                    kq_unit_tile(bits, KQ_TILE, &r, sums, m, u, K, N, qs, scales, supers, bias, y, values);
+                for (; m + 2 <= m_end; m += 2)
+                    kq_unit_tile(bits, 2, &r, sums, m, u, K, N, qs, scales, supers, bias, y, values);
+                if (m < m_end) kq_unit_tile(bits, 1, &r, sums, m, u, K, N, qs, scales, supers, bias, y, values);
             }
         }
+        free(buf);
     }
     free(sums);
     free_rows(&r);
