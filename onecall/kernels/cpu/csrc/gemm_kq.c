@@ -31,8 +31,9 @@
  * Arithmetic: each half h of a group (its own scale) in turn: per chunk c the int16 lanes of both blocks'
  * signed values (q - z) in half h, each madd-ed with the activation row's column pair there (broadcast),
  * accumulate in two int32 accumulators per row (one a block), so a tile of 4 rows shares each chunk's
- * unpacking within the AVX2 registers. A half's dot is an
- * exact integer, |dot| <= 16 x 32 x 32767 < 2^24, so its conversion to float32 is exact too; then, over
+ * unpacking (prompt chunks of KQ_BUFFER_ROWS rows or more unpack a unit once, into a thread's int16
+ * buffer, kq_widen). A half's dot is an exact integer, |dot| <= 16 x 32 x 32767 < 2^24, so its
+ * conversion to float32 is exact too; then, over
  * g in order, acc = fma(float(dot_h), (d * sc_h) * step[m, g], acc) for h = 0, 1 and (Q2_K) oacc =
  * fma(-(dmin * m_h), sum16[m, 2g + h], oacc) with sum16 the float32 sum of the activations of those 16
  * columns (kq_sums: a fixed order), y = (acc + oacc) + bias. Every row goes through the same operations
