@@ -670,12 +670,12 @@ def kquant_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> KQ
     g = _KQUANT[ggml_type](raw.view(-1, type_size))  # per block of 256
     rows, cols = shape
 
-    def per_row(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.reshape(rows, -1).contiguous()
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(rows, -1).contiguous()
 
     return KQuantGroups(
-        g.bits, g.q.reshape(rows, cols).contiguous(), *(per_row(t) for t in (g.sub_scale, g.d)),  # type: ignore[misc]
-        per_row(g.sub_min), per_row(g.dmin),
+        g.bits, per_row(g.q), per_row(g.sub_scale), per_row(g.d),
+        None if g.sub_min is None else per_row(g.sub_min), None if g.dmin is None else per_row(g.dmin),
     )  # fmt: skip
 
 

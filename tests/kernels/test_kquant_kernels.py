@@ -297,3 +297,17 @@ def test_q6_k_and_q3_k_give_the_values_their_int8_groups_gave(qtype: T) -> None:
     bias = torch.randn(40)
     before = native.q8_blocked_gemm(LIB, x, native.pack_q8_blocked(as_int8.q, as_int8.scale, 16), bias, 2)
     assert torch.equal(_kq(x, codes, bias), before)
+
+
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q2_K], ids=lambda t: t.name)
+def test_columns_move_with_their_super_blocks_or_not_at_all(qtype: T) -> None:
+    """gguf._select_columns (a hybrid's ssm_out, its value heads reordered) on K-quant codes: whole
+    super-blocks of 256 columns move with their d (and dmin, mins), exactly; any other cut is None (the
+    weight is then expanded and its columns picked from the float copy)."""
+    from onecall.formats.gguf import _select_columns
+
+    groups, w = _groups(8, 1024, qtype, seed=19)
+    columns = torch.cat((torch.arange(512, 768), torch.arange(0, 256)))
+    picked = _select_columns(groups, columns)
+    assert isinstance(picked, KQuantGroups) and torch.equal(picked.dequantize(), w[:, columns])
+    assert _select_columns(groups, torch.arange(128, 384)) is None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import get_args
 
 import torch
 
@@ -22,7 +21,14 @@ from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_linear import pack_stored
 
 ExpertGroups = native.Packed  # one expert weight in the layout its kernel reads
-_PACKED = get_args(native.Packed)  # native.Packed's members
+_PACKED = (  # native.Packed's members
+    native.Q4Packed,
+    native.Q5Packed,
+    native.Q8Blocked,
+    native.IQ4Packed,
+    native.KQPacked,
+    native.HalfPacked,
+)
 
 
 class NativeExperts:
