@@ -148,6 +148,53 @@ static inline __attribute__((always_inline)) void kq_half(const int bits, const 
     }
 }
 
+/* kq_half for h = 0 then 1 with both halves' chunks unpacked in one pass (four int32 accumulators a row,
+ * so for tiles of 1 or 2 rows): the same dots, the same float32 operations in the same order. */
+static inline __attribute__((always_inline)) void kq_both_halves(const int bits, const int MT, const QuantRows *r,
+                                                                 const float *sums, int64_t m0, int64_t g, int64_t K,
+                                                                 const uint8_t *wg, const int8_t *sg,
+                                                                 const int8_t *mg, __m256 d[2], __m256 dm[2],
+                                                                 __m256 acc[2][KQ_TILE], __m256 oacc[2][KQ_TILE]) {
+    const int64_t G = K / 32;
+    __m256i a[2][2][KQ_TILE]; /* [half][block][row] */
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < MT; i++) a[h][0][i] = a[h][1][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        __m256i v[2][2];
+        kq_values(bits, 0, wg, c, &v[0][0], &v[0][1]);
+        kq_values(bits, 1, wg, c, &v[1][0], &v[1][1]);
+        for (int i = 0; i < MT; i++)
+            for (int h = 0; h < 2; h++) {
+                int32_t xp;
+                memcpy(&xp, r->q + (m0 + i) * K + g * 32 + 16 * h + 2 * c, 4);
+                const __m256i b = _mm256_set1_epi32(xp);
+                a[h][0][i] = _mm256_add_epi32(a[h][0][i], _mm256_madd_epi16(v[h][0], b));
+                a[h][1][i] = _mm256_add_epi32(a[h][1][i], _mm256_madd_epi16(v[h][1], b));
+            }
+    }
+    for (int h = 0; h < 2; h++) {
+        const __m256 sc0 = kq_scale8(sg + 8 * h, d[0]), sc1 = kq_scale8(sg + 16 + 8 * h, d[1]);
+        __m256 of0 = _mm256_setzero_ps(), of1 = _mm256_setzero_ps();
+        if (bits == 2) {
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            of0 = _mm256_xor_ps(kq_scale8(mg + 8 * h, dm[0]), sign);
+            of1 = _mm256_xor_ps(kq_scale8(mg + 16 + 8 * h, dm[1]), sign);
+        }
+        for (int i = 0; i < MT; i++) {
+            const int64_t m = m0 + i;
+            const __m256 step = _mm256_broadcast_ss(r->d + m * G + g);
+            acc[0][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h][0][i]), _mm256_mul_ps(sc0, step), acc[0][i]);
+            acc[1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h][1][i]), _mm256_mul_ps(sc1, step), acc[1][i]);
+            if (bits == 2) {
+                const __m256 s = _mm256_broadcast_ss(sums + m * 2 * G + 2 * g + h);
+                oacc[0][i] = _mm256_fmadd_ps(of0, s, oacc[0][i]);
+                oacc[1][i] = _mm256_fmadd_ps(of1, s, oacc[1][i]);
+            }
+        }
+    }
+}
+
 /* Unit u's values widened once into buf (16 K int16, 32-byte aligned): per group g, half h and chunk c, 32
  * lanes at ((g * 2 + h) * 8 + c) * 32, block 0's then block 1's, as kq_values gives them. */
 static inline __attribute__((always_inline)) void kq_widen(const int bits, int64_t u, int64_t K, const uint8_t *qs,
@@ -189,6 +236,10 @@ static inline __attribute__((always_inline)) void kq_unit_tile(const int bits, c
             d[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(du + (s * 2 + k) * 8)));
             dm[k] = bits == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dmu + (s * 2 + k) * 8)))
                               : _mm256_setzero_ps();
+        }
+        if (MT <= 2 && !buf) { /* decode rows: both halves per chunk, their shared loads and shifts once */
+            kq_both_halves(bits, MT, r, sums, m0, g, K, wg, su + g * 32, mu + g * 32, d, dm, acc, oacc);
+            continue;
         }
         kq_half(bits, MT, 0, r, sums, m0, g, K, wg, su + g * 32, mu + g * 32, d, dm, acc, oacc, buf);
         kq_half(bits, MT, 1, r, sums, m0, g, K, wg, su + g * 32, mu + g * 32, d, dm, acc, oacc, buf);
