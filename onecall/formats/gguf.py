@@ -52,6 +52,7 @@ from onecall.formats.quants import (
     HalfWeights,
     Int4CodeGroups,
     Int8Groups,
+    KQuantGroups,
     StoredGroups,
     dequantize,
     stored_groups,
@@ -543,12 +544,31 @@ def _undo_hybrid(
     return tensor.to(dtype)
 
 
+def _select_kquant_columns(groups: KQuantGroups, columns: torch.Tensor) -> KQuantGroups | None:
+    """_select_columns for K-quant codes: the columns must be whole super-blocks of 256 (their d, dmin)."""
+    if columns.numel() % 256:
+        return None
+    blocks = columns.reshape(-1, 256)
+    starts = blocks[:, 0]
+    if bool((starts % 256).any()) or not torch.equal(blocks, starts[:, None] + torch.arange(256)):
+        return None
+    supers = starts // 256
+    subs = (supers[:, None] * 16 + torch.arange(16)).reshape(-1)  # their sub-blocks of 16
+    mins = (groups.sub_min, groups.dmin)
+    return KQuantGroups(
+        groups.bits, groups.q[:, columns], groups.sub_scale[:, subs], groups.d[:, supers],
+        None if mins[0] is None else mins[0][:, subs], None if mins[1] is None else mins[1][:, supers],
+    )  # fmt: skip
+
+
 def _select_columns(groups: StoredGroups, columns: torch.Tensor) -> StoredGroups | None:
     """The given columns of a stored weight, where they move whole groups (a hybrid's ssm_out whose value
     heads are a multiple of the group size, as every released Qwen3.5's 128 are); None where they do not
     (the weight is then expanded, its columns picked from the float copy)."""
     if isinstance(groups, HalfWeights):
         return HalfWeights(groups.values[:, columns])
+    if isinstance(groups, KQuantGroups):  # a d per 256 columns: whole super-blocks move
+        return _select_kquant_columns(groups, columns)
     size = groups.group_size
     blocks = columns.reshape(-1, size)
     starts = blocks[:, 0]

@@ -13,11 +13,11 @@ The stored forms (StoredGroups), one per kernel family (kernels/cpu/fast_linear.
 | Int4Groups     | q * scale + offset, q 0..15   | Q4_0, Q4_1, Q4_K (groups of 32)                     |
 | Int5Groups     | q * scale + offset, q 0..31   | Q5_0, Q5_1, Q5_K (groups of 32)                     |
 | Int4CodeGroups | codebook[q] * scale, q 0..15  | IQ4_NL, IQ4_XS (32; kvalues_iq4nl), MXFP4 (32; e2m1) |
-| Int8Groups     | q * scale, q int8             | Q8_0 (32); Q6_K, Q3_K (16)                          |
+| Int8Groups     | q * scale, q int8             | Q8_0 (32); Q6_K, Q3_K (16: int8_groups only)        |
+| KQuantGroups   | (d sc) (q - z) [- dmin m]     | Q6_K, Q3_K, Q2_K (their codes, per 16; d per 256)   |
 | HalfWeights    | float(value)                  | F16, BF16 (2-D weights)                             |
 
-F32 and Q2_K (affine per 16 elements: neither int8 symmetric groups nor groups of 32) have no stored
-form: they are expanded to float. Each stored form expands to exactly ggml's dequantization, bit for bit
+F32 has no stored form: it is expanded to float. Each stored form expands to exactly ggml's dequantization, bit for bit
 (Q4_0's q * d + (-8 d) equals (q - 8) * d: a float16 d times a small integer is exact in float32, and so
 is their sum), which tests/formats/test_stored_groups.py checks against gguf.quants.dequantize.
 """
@@ -144,6 +144,27 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:  # scales:u8[16], qs:u8[64], d, dmin
     scale = (dm[:, :1] * (sc & 0xF).float()).unsqueeze(-1)
     offset = (dm[:, 1:] * (sc >> 4).float()).unsqueeze(-1)
     return q.mul_(scale).sub_(offset).flatten(1)
+
+
+def _codes_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks -> codes (n, 256) uint8 in 0..63 (the value is code - 32): each 128-element half h
+    uses ql[64h:64h+64] and qh[32h:32h+32]; element 32k + l of the half takes nibble (k >= 2) of
+    ql[l + 32 (k % 2)] and 2-bit pair k of qh[l]."""
+    low4 = _nibbles(b[:, :128].reshape(-1, 64), 32).transpose(1, 2).reshape(-1, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high2 = (b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
+    return (low4 | (high2 << 4)).view(-1, 256)
+
+
+def _codes_q3_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K blocks -> (codes (n, 256) uint8 in 0..7, the value code - 4; sub-scales s - 32 (n, 16)
+    int8): _int8_q3_k's bits, the high bit kept as bit 2 of the code."""
+    low = _shifted(b[:, 32:96].reshape(-1, 32), [0, 2, 4, 6], 3).view(-1, 256)
+    high = _shifted(b[:, :32], list(range(8)), 1).view(-1, 256)
+    sc = b[:, 96:108]
+    lo = _shifted(sc[:, :8], [0, 4], 0xF).flatten(1)
+    hi = _shifted(sc[:, 8:12], [0, 2, 4, 6], 3).flatten(1)
+    return low | (high << 2), ((lo | (hi << 4)).view(torch.int8) - 32)
 
 
 def _int8_q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -462,8 +483,67 @@ class HalfWeights:
         return HalfWeights(self.values[index])
 
 
+@dataclass(frozen=True)
+class KQuantGroups:
+    """A Q6_K, Q3_K or Q2_K weight as stored: its codes on their own bits (`bits` 6, 3, 2), an int8
+    sub-scale per 16 columns and the super-block's float16 d per 256 (Q2_K: also a 4-bit min per 16 and
+    dmin per 256): w = (d * sc) * (q - z) with z = ZERO[bits] (Q6_K: 32, Q3_K: 4), Q2_K w = (d * sc) * q -
+    dmin * m. d * sc and dmin * m are exact float32 products (11 bits times at most 8), so this is ggml's
+    dequantization bit for bit. The native kq kernel (csrc/gemm_kq.c) multiplies by the codes directly:
+    6.56, 3.56 and 3.13 bits a weight where int8 groups of 16 took 10 and float32 32."""
+
+    ZERO: ClassVar[dict[int, int]] = {6: 32, 3: 4, 2: 0}
+    bits: int
+    q: torch.Tensor  # (rows, cols) uint8 codes in [0, 2^bits)
+    sub_scale: torch.Tensor  # (rows, cols // 16) int8
+    d: torch.Tensor  # (rows, cols // 256) float32, each a float16 value
+    sub_min: torch.Tensor | None = None  # Q2_K: (rows, cols // 16) int8 in 0..15
+    dmin: torch.Tensor | None = None  # Q2_K: (rows, cols // 256) float32, each a float16 value
+
+    def __post_init__(self) -> None:
+        assert self.bits in self.ZERO, f"K-quant codes of 6, 3 or 2 bits, not {self.bits}"
+        assert self.q.dtype == torch.uint8 and self.sub_scale.dtype == torch.int8
+        assert (self.sub_min is not None) == (self.dmin is not None) == (self.bits == 2), "mins are Q2_K's"
+
+    group_size: ClassVar[int] = 16
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.q.shape
+        return rows, cols
+
+    def dequantize(self) -> torch.Tensor:
+        """(rows, cols) float32: the weight (ggml's operations: one product, Q2_K's then one difference)."""
+        rows, cols = self.q.shape
+        scale = self.d.repeat_interleave(16, dim=1).mul_(self.sub_scale.float()).unsqueeze(-1)
+        w = self.q.view(rows, -1, 16).float().sub_(self.ZERO[self.bits]).mul_(scale)
+        if self.sub_min is not None and self.dmin is not None:
+            w.sub_(self.dmin.repeat_interleave(16, dim=1).mul_(self.sub_min.float()).unsqueeze(-1))
+        return w.view(rows, cols)
+
+    @staticmethod
+    def cat(groups: list[KQuantGroups]) -> KQuantGroups:
+        """Stack row blocks (q, k, v / gate, up), in order; one type."""
+        assert groups and len({g.bits for g in groups}) == 1, "one K-quant type per fused weight"
+        if len(groups) == 1:
+            return groups[0]
+        mins = groups[0].bits == 2
+        return KQuantGroups(
+            groups[0].bits, *(torch.cat([g.q for g in groups]), torch.cat([g.sub_scale for g in groups]),
+                              torch.cat([g.d for g in groups])),
+            torch.cat([g.sub_min for g in groups if g.sub_min is not None]) if mins else None,
+            torch.cat([g.dmin for g in groups if g.dmin is not None]) if mins else None,
+        )  # fmt: skip
+
+    def select_rows(self, index: torch.Tensor | slice) -> KQuantGroups:
+        return KQuantGroups(
+            self.bits, self.q[index], self.sub_scale[index], self.d[index],
+            None if self.sub_min is None else self.sub_min[index], None if self.dmin is None else self.dmin[index],
+        )  # fmt: skip
+
+
 # a checkpoint's own stored weights, kept for the fast kernels (by Hugging Face name)
-StoredGroups = Int4Groups | Int5Groups | Int8Groups | Int4CodeGroups | HalfWeights
+StoredGroups = Int4Groups | Int5Groups | Int8Groups | Int4CodeGroups | KQuantGroups | HalfWeights
 
 
 def cat_rows(parts: list[StoredGroups]) -> StoredGroups | None:
@@ -480,6 +560,9 @@ def cat_rows(parts: list[StoredGroups]) -> StoredGroups | None:
     if isinstance(first, Int4CodeGroups):
         same = all(p.codebook == first.codebook for p in parts)  # type: ignore[union-attr]
         return Int4CodeGroups.cat(parts) if same else None  # type: ignore[arg-type]
+    if isinstance(first, KQuantGroups):
+        same = all(isinstance(p, KQuantGroups) and p.bits == first.bits for p in parts)
+        return KQuantGroups.cat(parts) if same else None  # type: ignore[arg-type]
     return type(first).cat(parts)  # type: ignore[arg-type]
 
 
@@ -587,6 +670,48 @@ def int4_code_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) ->
     )
 
 
+def _kquant_q6_k(b: torch.Tensor) -> KQuantGroups:  # ql:u8[128], qh:u8[64], scales:i8[16], d:f16
+    return KQuantGroups(6, _codes_q6_k(b), b[:, 192:208].view(torch.int8), _f16(b, 208))
+
+
+def _kquant_q3_k(b: torch.Tensor) -> KQuantGroups:  # hmask:u8[32], qs:u8[64], scales:u8[12], d:f16
+    codes, sub_scale = _codes_q3_k(b)
+    return KQuantGroups(3, codes, sub_scale, _f16(b, 108))
+
+
+def _kquant_q2_k(b: torch.Tensor) -> KQuantGroups:  # scales:u8[16], qs:u8[64], d, dmin:f16
+    """_q2_k's codes; the 4-bit sub-scales (low nibbles) and mins (high ones) as int8."""
+    codes = _shifted(b[:, 16:80].reshape(-1, 32), [0, 2, 4, 6], 3).view(-1, 256)
+    dm = _f16(b, 80, 2)
+    sc = b[:, :16]
+    return KQuantGroups(
+        2, codes, (sc & 0xF).view(torch.int8), dm[:, :1], (sc >> 4).view(torch.int8), dm[:, 1:]
+    )
+
+
+_KQUANT: dict[T, Callable[[torch.Tensor], KQuantGroups]] = {
+    T.Q6_K: _kquant_q6_k, T.Q3_K: _kquant_q3_k, T.Q2_K: _kquant_q2_k,
+}  # fmt: skip
+
+
+def kquant_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> KQuantGroups | None:
+    """Raw data of a 2-D Q6_K, Q3_K or Q2_K tensor -> its KQuantGroups (the codes, not their int8 values
+    or floats), or None for other types."""
+    if ggml_type not in _KQUANT or len(shape) != 2:
+        return None
+    _, type_size = GGML_BLOCK_SIZES[ggml_type]
+    g = _KQUANT[ggml_type](raw.view(-1, type_size))  # per block of 256
+    rows, cols = shape
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(rows, -1).contiguous()
+
+    return KQuantGroups(
+        g.bits, per_row(g.q), per_row(g.sub_scale), per_row(g.d),
+        None if g.sub_min is None else per_row(g.sub_min), None if g.dmin is None else per_row(g.dmin),
+    )  # fmt: skip
+
+
 def half_weights(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> HalfWeights | None:
     """Raw data of a 2-D F16 or BF16 tensor -> HalfWeights (a view of `raw`: no copy), else None."""
     if ggml_type not in (T.F16, T.BF16) or len(shape) != 2:
@@ -596,10 +721,11 @@ def half_weights(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> Hal
 
 def stored_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> StoredGroups | None:
     """Raw data of a 2-D tensor -> the stored form a native kernel runs (the table above), or None
-    where there is none (F32, Q2_K, a tensor that is not 2-D): it is expanded to float."""
+    where there is none (F32, a tensor that is not 2-D): it is expanded to float."""
     return (
         int4_groups(raw, ggml_type, shape)
         or int5_groups(raw, ggml_type, shape)
+        or kquant_groups(raw, ggml_type, shape)
         or int4_code_groups(raw, ggml_type, shape)
         or int8_groups(raw, ggml_type, shape)
         or half_weights(raw, ggml_type, shape)

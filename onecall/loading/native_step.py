@@ -16,7 +16,7 @@ the same order over the same values from C, so:
 cannot run: a projection whose rows do not all run on native GEMMs (a part not stored in a form one
 runs, quants.py's table; parts in several forms are fine: a Q4_K_M file's q/k beside its v run as a
 chain of parts, kernels.h's Q4Weight), norms with different eps, or the native kernels unavailable. Qwen3's per-head q/k norms run inside the RoPE pass on both paths.
-A token embedding kept as 5-bit groups or 16-bit floats (which onecall_decode_layers does not gather)
+A token embedding kept as 5-bit groups, K-quant codes or 16-bit floats (which onecall_decode_layers does not gather)
 is looked up first, as the per-op path looks it up, and handed over as a float32 table of those rows.
 """
 
@@ -51,6 +51,12 @@ def _part(w: native.Packed, bias: int, n: int, k: int) -> native.Q4Weight:
         )
     if isinstance(w, native.Q8Blocked):
         return native.Q4Weight(w.qs.data_ptr(), w.scale.data_ptr(), 0, bias, n, k, 0, w.group_size, 0, 0, 0, 0, None)
+    if isinstance(w, native.KQPacked):  # kbits (after next): the sub-scales in scale, supers in offset
+        part = native.Q4Weight(
+            w.qs.data_ptr(), w.scales.data_ptr(), w.supers.data_ptr(), bias, n, k, 0, 0, 0, 0, 0, 0
+        )
+        part.kbits = w.bits
+        return part
     if isinstance(w, native.IQ4Packed):
         f16 = int(w.scale.dtype == torch.float16)
         iq4 = 1 + w.codebook_id  # kernels.h: 1 + the codebook's number

@@ -87,7 +87,7 @@ _ALIGN = 64  # every tensor's offset: cache lines, and any element size
 _SAMPLE = 4096  # bytes hashed at each end of a GGUF tensor (the key) and of a cached tensor (the digest)
 _LAYOUT_SOURCES = ("formats", "kernels/cpu", "loading", "model/decoder.py")
 _PACKED = {cls.__name__: cls for cls in (native.Q4Packed, native.Q5Packed, native.Q8Blocked,
-                                          native.IQ4Packed, native.HalfPacked)}  # fmt: skip
+                                          native.IQ4Packed, native.KQPacked, native.HalfPacked)}  # fmt: skip
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int8, torch.float16, torch.bfloat16,
                                                      torch.float32)}  # fmt: skip
 
@@ -282,6 +282,13 @@ def _check_packed(p: native.Packed, n: int, k: int, act8: bool, what: str) -> No
         if p.codebook not in CODEBOOKS:
             raise _Invalid(f"{what} indexes an unknown codebook {p.codebook!r}")
         want = {"qs": ((units, g, 2, 8, 8, 2), (torch.uint8,)), "scale": (blocked, _SCALES)}
+    elif isinstance(p, native.KQPacked):
+        if p.bits not in (6, 3, 2) or k % 256:
+            raise _Invalid(f"{what} holds {p.bits}-bit K-quant codes along {k} columns")
+        planes, group_bytes = (2, 128) if p.bits == 2 else (1, 384 if p.bits == 6 else 192)
+        want = {"qs": ((units, g, group_bytes), (torch.uint8,)),
+                "scales": ((planes, units, g, 2, 2, 8), (torch.int8,)),
+                "supers": ((planes, units, k // 256, 2, 8), (torch.float16,))}  # fmt: skip
     else:
         want = {"values": ((units, k, 16), (torch.float16, torch.bfloat16))}
     for field, (shape, dtypes) in want.items():

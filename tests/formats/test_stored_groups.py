@@ -1,13 +1,13 @@
 """quants.stored_groups: each GGUF type's stored form (Int4Groups, Int5Groups, Int8Groups, Int4CodeGroups,
-HalfWeights)
+KQuantGroups, HalfWeights)
 against gguf.quants.dequantize of the same bytes, bit for bit.
 
 The int8 conversions and IQ4's codes are exact by construction, and checked so: IQ4_NL and IQ4_XS are
 their codebook's int8 values (at their 4-bit codes) times d (IQ4_XS: d * (s - 32) per 32), MXFP4 its codes into
 the e2m1 values doubled (integers) times 2^(e - 128) (half of the block's 2^(e - 127)), Q3_K (q - 4) in -4..3 times d * (s - 32) per 16: every
 product is the float32 product ggml's dequantize_row_* forms, so q * scale equals the dequantization
-exactly, not within a tolerance. Q2_K has no stored form (affine per 16: neither int8 symmetric groups
-nor groups of 32): it is dequantized, and that dequantization is checked here too.
+exactly, not within a tolerance. Q6_K, Q3_K and Q2_K are stored as their codes (KQuantGroups: (d * sc) *
+(q - z), Q2_K minus dmin * m, per 16); their int8 groups (int8_groups) stay exact too.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from onecall.formats.quants import (
     Int4Groups,
     Int5Groups,
     Int8Groups,
+    KQuantGroups,
     cat_rows,
     dequantize,
+    int8_groups,
     stored_groups,
 )
 
@@ -42,7 +44,7 @@ _F16_FIELDS = {
 _FORMS = {
     T.Q4_0: (Int4Groups, 32), T.Q4_1: (Int4Groups, 32), T.Q4_K: (Int4Groups, 32),
     T.Q5_0: (Int5Groups, 32), T.Q5_1: (Int5Groups, 32), T.Q5_K: (Int5Groups, 32),
-    T.Q8_0: (Int8Groups, 32), T.Q6_K: (Int8Groups, 16), T.Q3_K: (Int8Groups, 16),
+    T.Q8_0: (Int8Groups, 32), T.Q6_K: (KQuantGroups, 16), T.Q3_K: (KQuantGroups, 16), T.Q2_K: (KQuantGroups, 16),
     T.IQ4_NL: (Int4CodeGroups, 32), T.IQ4_XS: (Int4CodeGroups, 32), T.MXFP4: (Int4CodeGroups, 32),
 }  # fmt: skip
 
@@ -93,7 +95,8 @@ def test_int8_conversions_hold_the_types_own_integers(qtype: T, values: list[int
     exactly its codebook, so the q8b and iq4 kernels run the file's values and nothing rounded."""
     block_size, _ = GGML_QUANT_SIZES[qtype]
     raw = random_blocks(qtype, 4096 // block_size, seed=1)
-    groups = stored_groups(torch.from_numpy(raw.reshape(-1).copy()), qtype, (16, 256))  # type: ignore[arg-type]
+    data = torch.from_numpy(raw.reshape(-1).copy())
+    groups = (int8_groups if qtype == T.Q3_K else stored_groups)(data, qtype, (16, 256))  # type: ignore[arg-type]
     if qtype in (T.IQ4_NL, T.IQ4_XS, T.MXFP4):
         assert isinstance(groups, Int4CodeGroups) and groups.q.dtype == torch.uint8
         assert groups.codebook == ("mxfp4" if qtype == T.MXFP4 else "iq4nl")
@@ -127,12 +130,25 @@ def test_16bit_weights_are_kept_as_a_view_of_the_file(qtype: T) -> None:
     assert torch.equal(halves.dequantize(), want)
 
 
-def test_q2_k_has_no_stored_form_and_dequantizes_exactly() -> None:
-    raw = random_blocks(T.Q2_K, 12, seed=2)
+@pytest.mark.parametrize(
+    ("qtype", "bits"), [(T.Q6_K, 6), (T.Q3_K, 3), (T.Q2_K, 2)], ids=["Q6_K", "Q3_K", "Q2_K"]
+)
+def test_k_quant_codes_are_the_files_own_and_int8_groups_stay_exact(qtype: T, bits: int) -> None:
+    """KQuantGroups hold every code of `bits` bits (nothing widened) and the int8 sub-scales; Q6_K's and
+    Q3_K's int8 groups of 16 (int8_groups: q - z, d * sc) are the same weight bit for bit."""
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 8192 // block_size, seed=3)
     data = torch.from_numpy(raw.reshape(-1).copy())
-    assert stored_groups(data, T.Q2_K, (6, 512)) is None  # type: ignore[arg-type]
-    want = torch.from_numpy(gguf_dequantize(raw, T.Q2_K).reshape(6, 512))
-    assert torch.equal(dequantize(data, T.Q2_K, (6, 512), torch.float32), want)  # type: ignore[arg-type]
+    groups = stored_groups(data, qtype, (16, 512))  # type: ignore[arg-type]
+    assert isinstance(groups, KQuantGroups) and groups.bits == bits
+    assert groups.q.dtype == torch.uint8 and sorted(groups.q.unique().tolist()) == list(range(2**bits))
+    assert groups.sub_scale.shape == (16, 32) and groups.d.shape == (16, 2)
+    want = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(16, 512))
+    assert torch.equal(groups.dequantize(), want)
+    assert torch.equal(groups.select_rows(slice(3, 9)).dequantize(), want[3:9])
+    if qtype != T.Q2_K:
+        as_int8 = int8_groups(data, qtype, (16, 512))  # type: ignore[arg-type]
+        assert isinstance(as_int8, Int8Groups) and torch.equal(as_int8.dequantize(), want)
 
 
 def test_rows_of_one_form_stack_and_of_two_forms_do_not() -> None:
@@ -148,6 +164,10 @@ def test_rows_of_one_form_stack_and_of_two_forms_do_not() -> None:
     assert torch.equal(both.dequantize(), torch.cat((a.dequantize(), a.dequantize()[[3, 0]])))
     assert cat_rows([c, d]) is None  # int8 groups of 16 beside groups of 32
     assert cat_rows([b, c]) is None
+    q3 = stored_groups(torch.from_numpy(random_blocks(T.Q3_K, 1, 7).reshape(-1).copy()), T.Q3_K, (1, 256))  # type: ignore[arg-type]
+    assert q3 is not None and cat_rows([c, q3]) is None  # 6-bit codes beside 3-bit ones
+    sixes = cat_rows([c, c])
+    assert isinstance(sixes, KQuantGroups) and torch.equal(sixes.dequantize(), c.dequantize().repeat(2, 1))
     f16 = HalfWeights(torch.ones(2, 8, dtype=torch.float16))
     assert cat_rows([f16, HalfWeights(torch.ones(2, 8, dtype=torch.bfloat16))]) is None
     assert isinstance(cat_rows([f16, f16]), HalfWeights)

@@ -214,6 +214,10 @@ def _mirror(name: str, fields: list[tuple[str, object]], pack: int = 0) -> type[
     return type(name, (ctypes.Structure,), body)
 
 
+_LAST_Q4 = native_abi.Q4Weight._fields_[-1][0]  # a mirror without it: nothing else moves
+_Q4_SIZE = ctypes.sizeof(native_abi.Q4Weight)
+
+
 def _decode_fields(**changes: object) -> list[tuple[str, object]]:
     return [(f[0], changes.get(f[0], f[1])) for f in native_abi.DecodeLayer._fields_]
 
@@ -224,12 +228,12 @@ def _decode_fields(**changes: object) -> list[tuple[str, object]]:
         (_q4_fields(n=ctypes.c_int32), None, r"Q4Weight\.n: kernels.h declares int64_t .* the ctypes mirror has c_int"),
         # the same size as the float it replaces: only the header's types tell
         (None, _decode_fields(softcap=ctypes.c_int32), r"DecodeLayer\.softcap: kernels.h declares float"),
-        (_q4_fields(next=None), None, r"Q4Weight\.next: in kernels.h, missing from the ctypes mirror"),
+        (_q4_fields(**{_LAST_Q4: None}), None, rf"Q4Weight\.{_LAST_Q4}: in kernels.h, missing from the ctypes mirror"),
         (_q4_fields() + [("extra", ctypes.c_int64)], None, r"Q4Weight\.extra: the ctypes mirror's field where"),
         (None, [f if f[0] != "window" else ("sliding_window", f[1]) for f in _decode_fields()],
          r"DecodeLayer\.sliding_window: the ctypes mirror's field where kernels.h has window"),
         # right names and types, packed: the compiled layout tells, at the first field that moves
-        (None, "pack", r"DecodeLayer\.qkv: offset, size \(48, 104\) in C, \(44, 104\) in ctypes"),
+        (None, "pack", rf"DecodeLayer\.qkv: offset, size \(48, {_Q4_SIZE}\) in C, \(44, {_Q4_SIZE}\) in ctypes"),
     ],
 )  # fmt: skip
 def test_a_mirror_that_disagrees_is_a_load_error(lib: KernelLibrary, q4: object, layer: object, match: str) -> None:

@@ -21,7 +21,14 @@ from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_linear import pack_stored
 
 ExpertGroups = native.Packed  # one expert weight in the layout its kernel reads
-_PACKED = (native.Q4Packed, native.Q5Packed, native.Q8Blocked, native.IQ4Packed, native.HalfPacked)  # native.Packed's members
+_PACKED = (  # native.Packed's members
+    native.Q4Packed,
+    native.Q5Packed,
+    native.Q8Blocked,
+    native.IQ4Packed,
+    native.KQPacked,
+    native.HalfPacked,
+)
 
 
 class NativeExperts:

@@ -1,6 +1,6 @@
 """StoredEmbedding: a token embedding kept as the checkpoint stored it (any form of quants.py's table:
-4-bit or 5-bit groups, int8 groups, IQ4 codes, 16-bit floats), its rows dequantized on lookup by the native kernels
-(csrc/embedding.c, gemm_q5.c; a widening gather for 16-bit floats) instead of held as a float32 table,
+4-bit or 5-bit groups, int8 groups, IQ4 codes, K-quant codes, 16-bit floats), its rows dequantized on lookup by the
+native kernels (csrc/embedding.c, gemm_q5.c, gemm_kq.c; a widening gather for 16-bit floats) instead of held as a float32 table,
 in the layout the logits kernels read.
 
 A float32 copy of the embedding is the largest single tensor of many models: 113 MB of the embedded

@@ -4,8 +4,8 @@ Decode on a CPU is bound by how fast the weights stream through the cores; torch
 float32 GEMM (MKL) streams them slowly at decode's skinny shapes. Per projection:
 
 * a weight the checkpoint stored in a form a native kernel multiplies by directly (quants.py's table:
-  4-bit groups of 32, Q4_0/Q4_1/Q4_K; 5-bit groups of 32, Q5_0/Q5_1/Q5_K; int8 groups, Q8_0, Q6_K,
-  Q3_K, IQ4_NL, IQ4_XS, MXFP4; 16-bit floats, F16/BF16), or in parts of those (Q4_K_M files keep v in
+  4-bit groups of 32, Q4_0/Q4_1/Q4_K; 5-bit groups of 32, Q5_0/Q5_1/Q5_K; int8 groups, Q8_0, IQ4_NL,
+  IQ4_XS, MXFP4; the K-quants' 6-, 3- and 2-bit codes per 16, Q6_K/Q3_K/Q2_K; 16-bit floats, F16/BF16), or in parts of those (Q4_K_M files keep v in
   Q6_K beside q/k in Q4_K, or in Q8_0 beside Q5_0 where a width is not a multiple of 256): every row,
   decode and prompt alike, runs the native kernels on the file's own weights (kernels/cpu/native.py,
   csrc/gemm*.c: int16 activations per group of 32 and exact integer dot products for the groups, int8
@@ -48,6 +48,7 @@ from onecall.formats.quants import (
     Int4Groups,
     Int5Groups,
     Int8Groups,
+    KQuantGroups,
     StoredGroups,
     cat_rows,
 )
@@ -87,7 +88,8 @@ def _native() -> ctypes.CDLL | None:
     return native.load()
 
 
-_STORED = (Int4Groups, Int5Groups, Int8Groups, Int4CodeGroups, HalfWeights)  # quants.StoredGroups' members
+# quants.StoredGroups' members
+_STORED = (Int4Groups, Int5Groups, Int8Groups, Int4CodeGroups, KQuantGroups, HalfWeights)
 
 
 def runs_stored_only(stored: StoredGroups | Sequence[tuple[int, int, StoredGroups]]) -> bool:
@@ -102,6 +104,8 @@ def _native_groups(g: StoredGroups) -> bool:
     floats."""
     if isinstance(g, HalfWeights):
         return g.values.dtype in (torch.float16, torch.bfloat16)
+    if isinstance(g, KQuantGroups):  # whole super-blocks of 256 (a K-quant row always is)
+        return g.shape[1] % 256 == 0
     if g.shape[1] % 32:
         return False
     if isinstance(g, Int8Groups):
@@ -111,7 +115,8 @@ def _native_groups(g: StoredGroups) -> bool:
 
 def pack_stored(g: StoredGroups, act8: bool = False) -> native.Packed | None:
     """A checkpoint's stored weight in the layout of its native kernel (None: none takes it): 4-bit groups
-    in the q4 layout (act8: q4a8), 5-bit in q5's, int8 in q8b's, IQ4 codes in iq4's, 16-bit floats in h16's, scales and
+    in the q4 layout (act8: q4a8), 5-bit in q5's, int8 in q8b's, IQ4 codes in iq4's, Q6_K / Q3_K / Q2_K codes in kq's,
+    16-bit floats in h16's, scales and
     offsets as compact as exact (compact_scales). Projections, the logits head, experts, embeddings."""
     if not _native_groups(g):
         return None
@@ -123,6 +128,8 @@ def pack_stored(g: StoredGroups, act8: bool = False) -> native.Packed | None:
         return native.pack_q8_blocked(g.q, g.scale, g.group_size)
     if isinstance(g, Int4CodeGroups):
         return native.pack_iq4(g.q, g.scale, g.codebook)
+    if isinstance(g, KQuantGroups):
+        return native.pack_kq(g.bits, g.q, g.sub_scale, g.d, g.sub_min, g.dmin)
     return native.pack_half(g.values)
 
 

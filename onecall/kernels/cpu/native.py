@@ -8,7 +8,7 @@ turned into its int8 codebook value by one vpshufb) (llama.cpp's idea, at a fine
 step; int8 steps with int8_activations), its F16 / BF16 weights as they are (float32 accumulation), and
 read the paged KV cache in place for decode attention and for causal prefill attention (a flash-style
 tiled kernel, prefill_attention.c). Each stored form has its layout here (Q4Packed, Q5Packed,
-Q8Blocked, IQ4Packed, HalfPacked: `Packed`), a pack_* function and its GEMM; `matmul` and `rows` pick by layout.
+Q8Blocked, IQ4Packed, KQPacked, HalfPacked: `Packed`), a pack_* function and its GEMM; `matmul` and `rows` pick by layout.
 
 Every function here takes the library (`load()`: None where it cannot run, with the reason in
 `unavailable_reason()`) and contiguous CPU tensors, and checks the shapes it relies on. The library's
@@ -187,6 +187,115 @@ def q5_rows(lib: ctypes.CDLL, w: Q5Packed, ids: torch.Tensor) -> torch.Tensor:
     if rc == -3:
         raise IndexError(f"a token id outside the embedding's {w.out_features} rows")
     assert rc == 0, f"onecall_q5_rows refused K {w.in_features} (rc {rc})"
+    return out.view(*ids.shape, w.in_features)
+
+
+@dataclass(frozen=True)
+class KQPacked:
+    """A Q6_K, Q3_K or Q2_K weight (N, K) in the kq layout (csrc/gemm_kq.c: rows in units of 16, N padded
+    to whole units): qs (N16 / 16, K / 32, 384 | 192 | 128) uint8, each unit's group its codes' bit planes
+    (bits 6: q4's nibbles then a 2-bit plane; 3: a 2-bit plane then q5's words of single bits; 2: a
+    2-bit plane); scales (planes, N16 / 16, K / 32, 2, 2, 8) int8, the sub-scales per 16 columns (Q2_K:
+    then the mins); supers (planes, N16 / 16, K / 256, 2, 8) float16, d (Q2_K: then dmin)."""
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+    supers: torch.Tensor
+    out_features: int
+    in_features: int
+    bits: int  # 6 (Q6_K), 3 (Q3_K), 2 (Q2_K)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.supers))
+
+
+def _two_bit_plane(p: torch.Tensor, n16: int, g: int) -> torch.Tensor:
+    """(N16, K) values 0..3 -> the kq layout's 2-bit plane (N16 / 16, G, 128): byte 2b + j of chunk c holds
+    (block k, half h)'s row b, column 16h + 2c + j at bits 4k + 2h: (unit, k, b, G, h, c, j) -> (unit, G,
+    c, b, j, k h), the four pairs shifted into one byte."""
+    pairs = p.view(n16 // 16, 2, 8, g, 2, 8, 2).permute(0, 3, 5, 1, 4, 2, 6).reshape(n16 // 16, g, 8, 4, 8, 2)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
+    return (pairs << shifts).sum(3, dtype=torch.uint8).reshape(n16 // 16, g, 128)
+
+
+def _bit_words(bits: torch.Tensor, n16: int, g: int) -> torch.Tensor:
+    """(N16, K) bits -> pack_q5's words of 5th bits (N16 / 16, G, 64): bit b + 8h + 16j of word (block k,
+    pair c) is row 8k + b's column 16h + 2c + j."""
+    runs = bits.view(n16 // 16, 2, 8, g, 2, 8, 2).permute(0, 3, 1, 5, 6, 4, 2).reshape(-1, 8)
+    return (runs << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).view(n16 // 16, g, 64)
+
+
+def pack_kq(
+    bits: int, q: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor,
+    sub_min: torch.Tensor | None = None, dmin: torch.Tensor | None = None,
+) -> KQPacked:  # fmt: skip
+    """(N, K) uint8 codes of `bits` 6, 3 or 2 (quants.KQuantGroups' fields) with (N, K / 16) int8
+    sub-scales and (N, K / 256) super-block d (float16 values; Q2_K: the mins and dmin too) -> the kq
+    layout."""
+    n, k = q.shape
+    assert bits in (6, 3, 2) and k % 256 == 0 and (sub_min is not None) == (dmin is not None) == (bits == 2)
+    n16, g, s = -(-n // 16) * 16, k // 32, k // 256
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat((t, t.new_zeros(n16 - n, t.shape[1]))) if n16 > n else t.contiguous()
+
+    q = q.to(torch.uint8).contiguous()
+    lib = load()
+    if lib is not None:  # one pass in C (a tied Q6_K head is 10^8 codes), the same bytes as below
+        qs = torch.empty(n16 // 16, g, {6: 384, 3: 192, 2: 128}[bits], dtype=torch.uint8)
+        rc = lib.onecall_kq_pack(q.data_ptr(), n, k, bits, qs.data_ptr(), torch.get_num_threads())
+        assert rc == 0, f"onecall_kq_pack refused K {k} or bits {bits} (rc {rc})"
+    elif bits == 6:
+        q = padded(q)
+        low = _q4_layout(_nibble_pairs(q & 15, n16, g), n16, g).view(n16 // 16, g, 256)
+        qs = torch.cat((low, _two_bit_plane(q >> 4, n16, g)), dim=-1)
+    elif bits == 3:
+        q = padded(q)
+        qs = torch.cat((_two_bit_plane(q & 3, n16, g), _bit_words(q >> 2, n16, g)), dim=-1)
+    else:
+        qs = _two_bit_plane(padded(q), n16, g)
+    scales = [sub_scale] if sub_min is None else [sub_scale, sub_min]
+    supers = [d] if dmin is None else [d, dmin]
+    assert all(t.dtype == torch.int8 and tuple(t.shape) == (n, k // 16) for t in scales)
+    assert all(tuple(t.shape) == (n, s) and torch.equal(t.half().float(), t.float()) for t in supers)
+    scale_planes = torch.stack(
+        [padded(t).view(n16 // 16, 2, 8, g, 2).permute(0, 3, 1, 4, 2) for t in scales]
+    ).contiguous()  # (planes, unit, G, k, h, b)
+    super_planes = torch.stack([_blocked(padded(t.half()), n16, s) for t in supers]).contiguous()
+    return KQPacked(qs.contiguous(), scale_planes, super_planes, n, k, bits)
+
+
+def kq_gemm(
+    lib: ctypes.CDLL, x: torch.Tensor, w: KQPacked, bias: torch.Tensor | None, num_threads: int
+) -> torch.Tensor:
+    """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_kq; activations
+    rounded to int16 steps per group of 32, as the q4 kernel does."""
+    m, k = x.shape
+    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
+    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    rc = lib.onecall_kq_gemm(
+        x.data_ptr(), m, k, w.qs.data_ptr(), w.scales.data_ptr(), w.supers.data_ptr(), w.out_features,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, w.bits,
+    )  # fmt: skip
+    if rc == -1:
+        raise MemoryError("onecall_kq_gemm: out of memory for the activation buffer")
+    assert rc == 0, f"onecall_kq_gemm refused K {k} or bits {w.bits} (rc {rc})"
+    return y
+
+
+def kq_rows(lib: ctypes.CDLL, w: KQPacked, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape, int64) of the (N, K) table packed by pack_kq, dequantized: (*ids.shape, K)
+    float32, each value exactly KQuantGroups.dequantize's (an embedding lookup, a tied head's table)."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.shape[0], w.in_features, dtype=torch.float32)
+    rc = lib.onecall_kq_rows(
+        w.qs.data_ptr(), w.scales.data_ptr(), w.supers.data_ptr(), w.out_features, w.in_features, w.bits,
+        flat.data_ptr(), flat.shape[0], out.data_ptr(),
+    )  # fmt: skip
+    if rc == -3:
+        raise IndexError(f"a token id outside the embedding's {w.out_features} rows")
+    assert rc == 0, f"onecall_kq_rows refused K {w.in_features} or bits {w.bits} (rc {rc})"
     return out.view(*ids.shape, w.in_features)
 
 
@@ -397,7 +506,7 @@ def iq4_rows(lib: ctypes.CDLL, w: IQ4Packed, ids: torch.Tensor) -> torch.Tensor:
 
 
 # A weight in the layout its native GEMM reads (packed from the checkpoint's own stored form)
-Packed = Q4Packed | Q5Packed | Q8Blocked | IQ4Packed | HalfPacked
+Packed = Q4Packed | Q5Packed | Q8Blocked | IQ4Packed | KQPacked | HalfPacked
 
 
 def matmul(
@@ -412,15 +521,20 @@ def matmul(
         return q8_blocked_gemm(lib, x, w, bias, num_threads)
     if isinstance(w, IQ4Packed):
         return iq4_gemm(lib, x, w, bias, num_threads)
+    if isinstance(w, KQPacked):
+        return kq_gemm(lib, x, w, bias, num_threads)
     return half_gemm(lib, x, w, bias, num_threads)
 
 
 def kind(w: Packed) -> str:
-    """What a packed weight holds, for logs and DecoderLM.kernels: int4, int5, int8, iq4, mxfp4, f16 or bf16."""
+    """What a packed weight holds, for logs and DecoderLM.kernels: int4, int5, int8, iq4, mxfp4, q6k, q3k,
+    q2k, f16 or bf16."""
     if isinstance(w, HalfPacked):
         return "bf16" if w.values.dtype == torch.bfloat16 else "f16"
     if isinstance(w, IQ4Packed) and w.codebook == "mxfp4":
         return "mxfp4"
+    if isinstance(w, KQPacked):
+        return {6: "q6k", 3: "q3k", 2: "q2k"}[w.bits]
     return {Q4Packed: "int4", Q5Packed: "int5", Q8Blocked: "int8", IQ4Packed: "iq4"}[type(w)]
 
 
@@ -435,6 +549,8 @@ def rows(lib: ctypes.CDLL, w: Packed, ids: torch.Tensor) -> torch.Tensor:
         return q8_blocked_rows(lib, w, ids)
     if isinstance(w, IQ4Packed):
         return iq4_rows(lib, w, ids)
+    if isinstance(w, KQPacked):
+        return kq_rows(lib, w, ids)
     return half_rows(w, ids)
 
 

@@ -330,6 +330,7 @@ class Q4Weight(ctypes.Structure):
         ("half", ctypes.c_int64),
         ("iq4", ctypes.c_int64),
         ("next", ctypes.c_void_p),
+        ("kbits", ctypes.c_int64),
     ]
 
 

@@ -41,7 +41,9 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (  # one library, one cache key
     _CSRC / "gemm.c",  # the quantized GEMMs (q4, q4a8, q8b)
     _CSRC / "gemm_q5.c",  # the 5-bit GEMM (q5) and rows of a 5-bit table
+    _CSRC / "gemm_kq.c",  # the K-quants' 6-, 3- and 2-bit codes (Q6_K, Q3_K, Q2_K: kq) and their rows
     _CSRC / "gemm_avx512.c",  # AVX-512 VNNI tiles of the q4/q8b/iq4/q5 GEMMs, chosen at run time
+    _CSRC / "gemm_kq_avx512.c",  # the AVX-512 VNNI tile of the kq GEMM, chosen at run time
     _CSRC / "gemm_half.c",  # the F16 / BF16 GEMM
     _CSRC / "decode_attention.c",  # paged decode attention
     _CSRC / "decode_step.c",  # the small fused ops and the whole decode step (onecall_decode_layers)

@@ -148,6 +148,8 @@ static int part_apply(const Q4Weight *w, const float *bias, const float *x, int6
     if (w->iq4)
         return onecall_iq4_gemm(x, M, w->k, w->qs, w->scale, w->n, bias, y, num_threads, (int)w->f16,
                                 (int)w->iq4 - 1);
+    if (w->kbits)
+        return onecall_kq_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, bias, y, num_threads, (int)w->kbits);
     if (w->q5)
         return onecall_q5_gemm(x, M, w->k, w->qs, w->scale, w->offset, w->n, bias, y, num_threads, (int)w->f16);
     if (w->q8_group)

@@ -39,4 +39,11 @@ ONECALL_HIDDEN void q5_unit_avx512(const QuantRows *r, int64_t m0, int64_t m_end
                                    const uint8_t *qs, const void *scale, const void *offset, const float *bias,
                                    float *y, int f16);
 
+/* gemm_kq.c's kq tiles (gemm_kq_avx512.c): the kq layout of `bits` 6, 3 or 2, sums the rows' float32 sums
+ * per 16 activations (Q2_K; else unused) */
+#define KQ_BYTES(bits) ((bits) == 6 ? 384 : (bits) == 3 ? 192 : 128) /* one unit's group of 32 columns */
+ONECALL_HIDDEN void kq_unit_avx512(int bits, const QuantRows *r, const float *sums, int64_t m0, int64_t m_end,
+                                   int64_t u, int64_t K, int64_t N, const uint8_t *qs, const int8_t *scales,
+                                   const uint16_t *supers, const float *bias, float *y);
+
 #endif /* ONECALL_GEMM_AVX512_H */

@@ -1,6 +1,7 @@
 /* onecall's native CPU kernels: the one declaration of everything the library exports.
  *
- * The library: gemm.c (the quantized GEMMs, IQ4 codes included), gemm_q5.c (the 5-bit one), gemm_avx512.c
+ * The library: gemm.c (the quantized GEMMs, IQ4 codes included), gemm_q5.c (the 5-bit one), gemm_kq.c (the
+ * K-quants' 6-, 3- and 2-bit codes), gemm_avx512.c
  * (their AVX-512 VNNI tiles, compiled per function for that target and chosen at run time where the CPU
  * has it, bit for bit the AVX2 tiles' results), gemm_half.c (F16 / BF16
  * weights), decode_attention.c (paged decode attention), decode_step.c (the small fused ops and the
@@ -162,6 +163,7 @@ typedef struct {
     int64_t half;     /* 1: IEEE half, 2: bfloat16 weights in the h16 layout */
     int64_t iq4;      /* 1 + codebook: codes in the iq4 layout (1 IQ4, 2 MXFP4; scale float32, or half when f16) */
     const void *next; /* the next part (a Q4Weight), or NULL: this part is the projection's last */
+    int64_t kbits;    /* 6, 3, 2: Q6_K / Q3_K / Q2_K codes in the kq layout (scale: sub-scales, offset: supers) */
 } Q4Weight;
 
 /* One decoder layer of the decode step: its two norm weights, its q/k norm weights (or NULL), its
@@ -192,6 +194,25 @@ int onecall_decode_layers(const DecodeLayer *layers, int64_t num_layers, const i
                           const int64_t *slot_mapping, void *k_cache, void *v_cache, int64_t layer_stride,
                           int kv_f16, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                           int64_t block_size, const float *final_norm, float *out, int num_threads);
+
+/* ---- gemm_kq.c: the K-quants' low-bit codes on their own bits (Q6_K, Q3_K, Q2_K; layout kq there) ---- */
+
+/* y (M, N) = x (M, K) @ W^T (+ bias (N,) unless NULL), W the codes of `bits` 6 (Q6_K), 3 (Q3_K) or 2
+ * (Q2_K) in the kq layout with their int8 sub-scales (Q2_K: then the mins) per 16 columns in scales and
+ * their super-blocks' IEEE half d (Q2_K: then dmin) in supers; activations quantized per group of 32 to
+ * int16 steps. 0 on success, -1 out of memory, -2 K % 256 != 0 or another `bits`. */
+int onecall_kq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scales, const void *supers,
+                    int64_t N, const float *bias, float *y, int num_threads, int bits);
+
+/* out (M, K) = rows ids[0 .. M) (int64) of an (N, K) table in the kq layout, dequantized ((d * sc) * (q - z);
+ * Q2_K: (d * sc) * q - dmin * m). 0 on success, -2 K % 256 != 0 or another `bits`, -3 an id outside
+ * 0 .. N - 1. */
+int onecall_kq_rows(const uint8_t *qs, const void *scales, const void *supers, int64_t N, int64_t K, int bits,
+                    const int64_t *ids, int64_t M, float *out);
+
+/* qs (N16 / 16, K / 32, 384 | 192 | 128 bytes for bits 6 | 3 | 2) = the kq layout of (N, K) uint8 codes in
+ * 0 .. 2^bits - 1, rows N .. N16 - 1 zero codes. 0 on success, -2 K % 256 != 0 or another `bits`. */
+int onecall_kq_pack(const uint8_t *codes, int64_t N, int64_t K, int bits, uint8_t *qs, int num_threads);
 
 /* ---- embedding.c: rows of a token embedding kept as the checkpoint stored it ---- */
 

@@ -30,6 +30,7 @@ static const Row ROWS[] = {
     FIELD(Q4Weight, half),
     FIELD(Q4Weight, iq4),
     FIELD(Q4Weight, next),
+    FIELD(Q4Weight, kbits),
     STRUCT(DecodeLayer),
     FIELD(DecodeLayer, input_norm),
     FIELD(DecodeLayer, post_norm),
