@@ -42,8 +42,9 @@ DELTA_MAX_DIM = 512  # largest key / value head size of the DeltaNet decode rows
 class Q4Packed:
     """A 4-bit weight (N, K) in the q4 kernel's layout (csrc: rows in units of 16, two blocks of 8, N
     padded to whole units): qs (N16 / 16, K / 32, 2, 8, 8, 2) uint8, scale and offset (N16 / 16, K / 32,
-    2, 8) float32 or float16. With act8, qs is in the q4a8 layout, (N16 / 16, K / 32, 2, 4, 8, 4), and
-    runs with int8 activations."""
+    2, 8) float32 or float16, or (pack_q4_super) scale (N16 / 16, K / 256, 384) uint8, super-block factors,
+    and offset empty. With act8, qs is in the q4a8 layout, (N16 / 16, K / 32, 2, 4, 8, 4), and runs with
+    int8 activations."""
 
     qs: torch.Tensor
     scale: torch.Tensor
@@ -80,6 +81,77 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, act8: bo
     return Q4Packed(_q4_layout(pairs, n16, g), _blocked(scale, n16, g), _blocked(offset, n16, g), n, k)
 
 
+# act_quant.h's Q4_SUPER form: a super-block of this many groups shares a d (and an nmin) per row
+Q4_SUPER_GROUPS = 8
+Q4_SUPER_BYTES = 384  # per unit and super-block: float32 d[16], nmin[16], then 8 x (uint8 sc[16], mn[16])
+
+
+def _super_factors(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(R, 8) float32 -> (d (R,) float32, f (R, 8) uint8) with float32(d * f) == v everywhere (a zero's sign
+    aside), or None where some row has no such factors. Q4_K's scales are d * sc and its offsets -dmin * m
+    with 6-bit sc, m whose largest is 63 (llama.cpp's quantizer maps a super-block's largest to 63): d =
+    the entry of largest magnitude / 63 is tried on every row at once, then / 1 .. 255 on the rows left."""
+    big = v.gather(1, v.abs().argmax(1, keepdim=True)).squeeze(1)  # (R,) the entry of largest magnitude
+    zero = big == 0  # an all-zero row: d 0, f 0
+    d = torch.where(zero, 0.0, big / 63)
+    q = torch.round(v / torch.where(zero, 1.0, d)[:, None])
+    ok = ((q >= 0) & (q <= 255) & (d[:, None] * q == v)).all(1) | zero
+    f = torch.where(ok[:, None] & ~zero[:, None], q, 0.0).to(torch.uint8)
+    todo = ~ok
+    for k in range(1, 256):
+        if not bool(todo.any()):
+            return d, f
+        rows = todo.nonzero().squeeze(1)
+        cand = big[rows] / k
+        q = torch.round(v[rows] / cand[:, None])
+        good = ((q >= 0) & (q <= 255) & (cand[:, None] * q == v[rows])).all(1)
+        d[rows[good]] = cand[good]
+        f[rows[good]] = q[good].to(torch.uint8)
+        todo[rows[good]] = False
+    return None if bool(todo.any()) else (d, f)
+
+
+def pack_q4_super(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Packed | None:
+    """pack_q4 with the scales and offsets kept as super-block factors (act_quant.h's Q4_SUPER: Q4_K's own
+    form, 2.5 bytes a row and group where float32 takes 8; the kernels compute the same float32 values), or
+    None where they do not factor exactly (not Q4_K's: pack_q4 then) or K is not a multiple of 256."""
+    n, k = q.shape
+    assert tuple(scale.shape) == tuple(offset.shape) == (n, k // 32)
+    assert scale.dtype == offset.dtype == torch.float32
+    g = k // 32
+    if k % 32 or g % Q4_SUPER_GROUPS:
+        return None
+    n16, s = -(-n // 16) * 16, g // Q4_SUPER_GROUPS
+    pad = n16 - n
+    if pad:
+        scale = torch.cat((scale, scale.new_zeros(pad, g)))
+        offset = torch.cat((offset, offset.new_zeros(pad, g)))
+    sd = _super_factors(scale.reshape(-1, Q4_SUPER_GROUPS))
+    od = _super_factors(offset.reshape(-1, Q4_SUPER_GROUPS))
+    if sd is None or od is None:
+        return None
+    units = n16 // 16
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # (N16, S, ...) -> (units, S, ..., 16): lane l row 16u + l
+        t = t.reshape(units, 16, s, -1)
+        return t.permute(0, 2, 3, 1).contiguous()
+
+    d, nmin = lanes(sd[0].view(n16, s)), lanes(od[0].view(n16, s))  # (units, S, 1, 16) float32
+    # (units, S, 8, 2, 16): per group, the 16 rows' sub-scales, then their mins
+    f = torch.stack((lanes(sd[1].view(n16, s, 8)), lanes(od[1].view(n16, s, 8))), dim=3)
+    table = torch.cat(
+        (d.view(torch.uint8).reshape(units, s, 64), nmin.view(torch.uint8).reshape(units, s, 64),
+         f.reshape(units, s, 256)), dim=2,
+    )  # fmt: skip
+    packed = pack_q4(q[:n], scale[:n], offset[:n])
+    return Q4Packed(packed.qs, table, table.new_empty(0), n, k)
+
+
+def q4_scales_mode(w: Q4Packed) -> int:
+    """The q4 kernels' scales argument for w: 0 float32, 1 IEEE half, 2 super-block factors (Q4_SUPER)."""
+    return 2 if w.scale.dtype == torch.uint8 else int(w.scale.dtype == torch.float16)
+
+
 def _nibble_pairs(q: torch.Tensor, n16: int, g: int) -> torch.Tensor:
     """(N16, K) uint8 values 0..15 -> (N16, G, 16) bytes: byte j of a row's group holds column j in its low
     nibble and column 16 + j in its high one (one pass)."""
@@ -112,7 +184,7 @@ def q4_gemm(
     kernel = lib.onecall_q4a8_gemm if w.act8 else lib.onecall_q4_gemm
     rc = kernel(
         x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.out_features,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(w.scale.dtype == torch.float16),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, q4_scales_mode(w),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"{kernel.__name__}: out of memory for the activation buffer")
