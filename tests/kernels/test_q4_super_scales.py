@@ -16,6 +16,7 @@ What is checked, and with what tolerance:
 * the form is chosen only where it is exact and smaller: float32 scales that are not such products, and K
   not a multiple of 256, get None (pack_q4_groups then keeps float32), and the kernel refuses factors
   with K % 256 != 0 (rc -2) rather than read past them.
+* the one-call decode step (loading/native_step.py) hands a factored part to the kernel as f16 = 2.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gguf import GGMLQuantizationType, quants
 from onecall.formats.quants import T, int4_groups
 from onecall.kernels.cpu import native, native_build
 from onecall.kernels.cpu.fast_linear import pack_q4_groups
+from onecall.loading.native_step import _part
 
 LIB = native_build.load()
 pytestmark = pytest.mark.skipif(
@@ -117,3 +119,14 @@ def test_kernel_refuses_factors_for_k_not_multiple_of_256() -> None:
         x.data_ptr(), 1, k, qs.data_ptr(), table.data_ptr(), None, n, None, y.data_ptr(), 1, 2
     )
     assert rc == -2
+
+
+def test_decode_step_passes_the_factors_mode() -> None:
+    """The one-call decode step hands a factored part to onecall_q4_gemm with f16 = 2 (kernels.h's Q4Weight),
+    a float32 one with 0: the wiring the bitwise checks above rely on for the step."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 16, 256
+    g = int4_groups(_q4_k_raw(n, k, gen), T.Q4_K, (n, k))
+    assert g is not None
+    factored, plain = pack_q4_groups(g, super_blocks=True), pack_q4_groups(g)
+    assert _part(factored, 0, n, k).f16 == 2 and _part(plain, 0, n, k).f16 == 0
