@@ -186,6 +186,7 @@ def q4_gemm(
         x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, q4_scales_mode(w),
     )  # fmt: skip
+    assert rc != -2, "super-block factors with K % 256 != 0 (pack_q4_super never makes them)"
     if rc != 0:
         raise MemoryError(f"{kernel.__name__}: out of memory for the activation buffer")
     return y
@@ -345,6 +346,7 @@ def q4_rows(lib: ctypes.CDLL, w: Q4Packed, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (any shape, int64) of the (N, K) table packed by pack_q4 (not act8), dequantized:
     (*ids.shape, K) float32, each value float(q) * scale + offset (an embedding lookup on 4-bit groups)."""
     assert not w.act8, "rows are read from the q4 layout"
+    assert w.scale.dtype != torch.uint8, "rows are read with float scales (pack_q4), not super-block factors"
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.shape[0], w.in_features, dtype=torch.float32)
     rc = lib.onecall_q4_rows(
