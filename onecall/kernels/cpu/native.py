@@ -90,25 +90,22 @@ def _super_factors(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(R, 8) float32 -> (d (R,) float32, f (R, 8) uint8) with float32(d * f) == v everywhere (a zero's sign
     aside), or None where some row has no such factors. Q4_K's scales are d * sc and its offsets -dmin * m
     with 6-bit sc, m whose largest is 63 (llama.cpp's quantizer maps a super-block's largest to 63): d =
-    the entry of largest magnitude / 63 is tried on every row at once, then / 1 .. 255 on the rows left."""
+    the entry of largest magnitude / 63 is tried on every row at once, then / 1 .. 255 on the rows left.
+    Any guess is checked: f is rounded and clamped to 0..255, and a row stands only if d * f gives v back."""
     big = v.gather(1, v.abs().argmax(1, keepdim=True)).squeeze(1)  # (R,) the entry of largest magnitude
-    zero = big == 0  # an all-zero row: d 0, f 0
-    d = torch.where(zero, 0.0, big / 63)
-    q = torch.round(v / torch.where(zero, 1.0, d)[:, None])
-    ok = ((q >= 0) & (q <= 255) & (d[:, None] * q == v)).all(1) | zero
-    f = torch.where(ok[:, None] & ~zero[:, None], q, 0.0).to(torch.uint8)
-    todo = ~ok
+    d = torch.where(big == 0, 1.0, big / 63)  # an all-zero row: d 1, f 0
+    q = torch.div(v, d[:, None]).round_().clamp_(0, 255)
+    todo = ~torch.eq(q * d[:, None], v).all(1)
     for k in range(1, 256):
         if not bool(todo.any()):
-            return d, f
+            return d, q.to(torch.uint8)
         rows = todo.nonzero().squeeze(1)
         cand = big[rows] / k
-        q = torch.round(v[rows] / cand[:, None])
-        good = ((q >= 0) & (q <= 255) & (cand[:, None] * q == v[rows])).all(1)
-        d[rows[good]] = cand[good]
-        f[rows[good]] = q[good].to(torch.uint8)
+        qk = torch.div(v[rows], cand[:, None]).round_().clamp_(0, 255)
+        good = torch.eq(qk * cand[:, None], v[rows]).all(1)
+        d[rows[good]], q[rows[good]] = cand[good], qk[good]
         todo[rows[good]] = False
-    return None if bool(todo.any()) else (d, f)
+    return None if bool(todo.any()) else (d, q.to(torch.uint8))
 
 
 def pack_q4_super(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Packed | None:
@@ -143,8 +140,11 @@ def pack_q4_super(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) ->
         (d.view(torch.uint8).reshape(units, s, 64), nmin.view(torch.uint8).reshape(units, s, 64),
          f.reshape(units, s, 256)), dim=2,
     )  # fmt: skip
-    packed = pack_q4(q[:n], scale[:n], offset[:n])
-    return Q4Packed(packed.qs, table, table.new_empty(0), n, k)
+    q = q.to(torch.uint8)
+    if pad:
+        q = torch.cat((q, q.new_zeros(pad, k)))
+    qs = _q4_layout(_nibble_pairs(q, n16, g), n16, g)  # pack_q4's nibbles, without its float scales
+    return Q4Packed(qs, table, table.new_empty(0), n, k)
 
 
 def q4_scales_mode(w: Q4Packed) -> int:
