@@ -101,7 +101,8 @@ static inline __attribute__((always_inline)) void q4_group_scales8(const void *s
     if (mode == Q4_SUPER) {
         const uint8_t *sb = (const uint8_t *)scale + (u * (G / Q4_SUPER_GROUPS) + g / Q4_SUPER_GROUPS) * Q4_SUPER_BYTES;
         const uint8_t *f = sb + 128 + 32 * (g % Q4_SUPER_GROUPS) + 8 * k;
-        const __m256 d = _mm256_loadu_ps((const float *)sb + 8 * k), nmin = _mm256_loadu_ps((const float *)sb + 16 + 8 * k);
+        const __m256 d = _mm256_loadu_ps((const float *)sb + 8 * k);
+        const __m256 nmin = _mm256_loadu_ps((const float *)sb + 16 + 8 * k);
         *sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)f))));
         *of = _mm256_mul_ps(nmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(f + 16)))));
         return;
