@@ -153,7 +153,7 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  * the first part's bias is then the whole projection's, added once every part is in. */
 typedef struct {
     const uint8_t *qs;  /* the q4 (or q4a8) layout; int8: the q8b layout; q5: the q5 layout; half: h16 */
-    const void *scale;  /* q4, q5: float32, or IEEE half when f16 (q4: f16 2, super-block factors); int8: float32 */
+    const void *scale;  /* q4, q5: float32, IEEE half (f16 1), q4 super-block factors (f16 2); int8: float32; half: unused */
     const void *offset; /* q4, q5 only */
     const float *bias;  /* (n,) or NULL; a chain's first part: the whole projection's */
     int64_t n, k, f16;
