@@ -44,6 +44,8 @@ def _part(w: native.Packed, bias: int, n: int, k: int) -> native.Q4Weight:
     """kernels.h's Q4Weight for one part of a projection, n rows, in the layout its kernel reads."""
     if isinstance(w, (native.Q4Packed, native.Q5Packed)):
         f16 = int(w.scale.dtype == torch.float16)
+        if isinstance(w, native.Q4Packed):
+            f16 = native.q4_scales_mode(w)  # 2: super-block factors (native.pack_q4_super)
         act8 = int(isinstance(w, native.Q4Packed) and w.act8)
         q5 = int(isinstance(w, native.Q5Packed))
         return native.Q4Weight(

@@ -267,6 +267,9 @@ def _check_packed(p: native.Packed, n: int, k: int, act8: bool, what: str) -> No
             raise _Invalid(f"{what} is packed for act8={p.act8}, the model runs act8={act8}")
         qs = (units, g, 2, 4, 8, 4) if p.act8 else (units, g, 2, 8, 8, 2)
         want = {"qs": (qs, (torch.uint8,)), "scale": (blocked, _SCALES), "offset": (blocked, _SCALES)}
+        if p.scale.dtype == torch.uint8 and not p.act8 and g % native.Q4_SUPER_GROUPS == 0:  # pack_q4_super's
+            factors = (units, g // native.Q4_SUPER_GROUPS, native.Q4_SUPER_BYTES)
+            want.update(scale=(factors, (torch.uint8,)), offset=((0,), (torch.uint8,)))
     elif isinstance(p, native.Q5Packed):
         want = {
             "qs": ((units, g, 320), (torch.uint8,)),
@@ -296,7 +299,8 @@ def _check_packed(p: native.Packed, n: int, k: int, act8: bool, what: str) -> No
         if tuple(t.shape) != shape or t.dtype not in dtypes:
             raise _Invalid(f"{what}.{field} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtypes[0]}")
     scales = [getattr(p, f) for f in ("scale", "offset") if hasattr(p, f)]
-    if isinstance(p, (native.Q4Packed, native.Q5Packed)) and scales[0].dtype != scales[1].dtype:
+    affine = isinstance(p, (native.Q4Packed, native.Q5Packed))  # uint8 scales: super-block factors, no offset
+    if affine and scales[0].dtype not in (scales[1].dtype, torch.uint8):
         raise _Invalid(f"{what} has scales and offsets of two dtypes")
 
 
@@ -450,7 +454,9 @@ def _read(path: Path, key: str, material: dict[str, Any], expected: _Expected) -
             raise _Invalid(f"tensor at {offset} ({nbytes} bytes) does not fit its shape or the file")
         with warnings.catch_warnings():  # "not writable": nothing writes a packed weight
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(buf, dtype=dtype, count=nbytes // itemsize, offset=offset)
+            flat = torch.empty(0, dtype=dtype)  # an empty tensor (a Q4Packed's unused offset): no bytes
+            if nbytes:
+                flat = torch.frombuffer(buf, dtype=dtype, count=nbytes // itemsize, offset=offset)
         tensors.append(flat.view(shape))
     if _digest(tensors) != index["digest"]:
         raise _Invalid("its data's digest differs (a damaged file)")

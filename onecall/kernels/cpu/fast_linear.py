@@ -113,15 +113,15 @@ def _native_groups(g: StoredGroups) -> bool:
     return g.group_size == 32
 
 
-def pack_stored(g: StoredGroups, act8: bool = False) -> native.Packed | None:
+def pack_stored(g: StoredGroups, act8: bool = False, super_blocks: bool = False) -> native.Packed | None:
     """A checkpoint's stored weight in the layout of its native kernel (None: none takes it): 4-bit groups
-    in the q4 layout (act8: q4a8), 5-bit in q5's, int8 in q8b's, IQ4 codes in iq4's, Q6_K / Q3_K / Q2_K codes in kq's,
-    16-bit floats in h16's, scales and
-    offsets as compact as exact (compact_scales). Projections, the logits head, experts, embeddings."""
+    in the q4 layout (act8: q4a8), 5-bit in q5's, int8 in q8b's, IQ4 codes in iq4's, Q6_K / Q3_K / Q2_K
+    codes in kq's, 16-bit floats in h16's, scales and offsets as compact as exact (compact_scales;
+    super_blocks: pack_q4_groups'). Projections, the logits head, experts, embeddings."""
     if not _native_groups(g):
         return None
     if isinstance(g, Int4Groups):
-        return pack_q4_groups(g, act8)
+        return pack_q4_groups(g, act8, super_blocks)
     if isinstance(g, Int5Groups):
         return native.pack_q5(g.q, *compact_scales(g.scale.float(), g.offset.float()))
     if isinstance(g, Int8Groups):
@@ -239,7 +239,7 @@ class FastLinear(nn.Module):
         packed: list[tuple[int, int, native.Packed]] = []
         for start, end, g in _merge_runs(parts):
             assert g.shape == (end - start, self.in_features), "stored groups do not match the weight"
-            p = pack_stored(g, self.act8)
+            p = pack_stored(g, self.act8, super_blocks=True)
             if p is None:
                 return
             packed.append((start, end, p))
@@ -252,7 +252,7 @@ class FastLinear(nn.Module):
         lib = _native()
         if g.group_size == 32 and self.in_features % 32 == 0 and lib is not None:
             self.group_size = 32
-            self.q4 = pack_q4_groups(g, self.act8)
+            self.q4 = pack_q4_groups(g, self.act8, super_blocks=True)
             self._lib = lib
         elif int4_shape_ok(self.out_features, self.in_features, g.group_size):
             self.group_size = g.group_size
@@ -374,10 +374,18 @@ def compact_scales(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Ten
     return scale.contiguous(), offset.contiguous()
 
 
-def pack_q4_groups(g: Int4Groups, act8: bool = False) -> native.Q4Packed:
+def pack_q4_groups(g: Int4Groups, act8: bool = False, super_blocks: bool = False) -> native.Q4Packed:
     """A checkpoint's 4-bit groups of 32 in the native q4 layout (act8: q4a8), with their scales and
-    offsets as compact as exact (compact_scales): projections, the logits head, a stored embedding."""
-    return native.pack_q4(g.q, *compact_scales(g.scale.float(), g.offset.float()), act8)
+    offsets as compact as exact (compact_scales): projections, the logits head, a stored embedding.
+    super_blocks (the projections, which only the GEMMs read): where float16 is not exact, Q4_K's
+    super-block factors when they reproduce the float32 values (native.pack_q4_super: 0.58 bytes a
+    weight where float32 scales take 0.75; the kernels compute the same float32 scales from them)."""
+    scale, offset = compact_scales(g.scale.float(), g.offset.float())
+    if super_blocks and not act8 and scale.dtype == torch.float32:
+        packed = native.pack_q4_super(g.q, scale, offset)
+        if packed is not None:
+            return packed
+    return native.pack_q4(g.q, scale, offset, act8)
 
 
 def _nbytes(t: torch.Tensor) -> int:

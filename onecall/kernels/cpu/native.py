@@ -44,8 +44,9 @@ DELTA_MAX_DIM = 512  # largest key / value head size of the DeltaNet decode rows
 class Q4Packed:
     """A 4-bit weight (N, K) in the q4 kernel's layout (csrc: rows in units of 16, two blocks of 8, N
     padded to whole units): qs (N16 / 16, K / 32, 2, 8, 8, 2) uint8, scale and offset (N16 / 16, K / 32,
-    2, 8) float32 or float16. With act8, qs is in the q4a8 layout, (N16 / 16, K / 32, 2, 4, 8, 4), and
-    runs with int8 activations."""
+    2, 8) float32 or float16, or (pack_q4_super) scale (N16 / 16, K / 256, 384) uint8, super-block factors,
+    and offset empty. With act8, qs is in the q4a8 layout, (N16 / 16, K / 32, 2, 4, 8, 4), and runs with
+    int8 activations."""
 
     qs: torch.Tensor
     scale: torch.Tensor
@@ -82,6 +83,77 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, act8: bo
     return Q4Packed(_q4_layout(pairs, n16, g), _blocked(scale, n16, g), _blocked(offset, n16, g), n, k)
 
 
+# act_quant.h's Q4_SUPER form: a super-block of this many groups shares a d (and an nmin) per row
+Q4_SUPER_GROUPS = 8
+Q4_SUPER_BYTES = 384  # per unit and super-block: float32 d[16], nmin[16], then 8 x (uint8 sc[16], mn[16])
+
+
+def _super_factors(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(R, 8) float32 -> (d (R,) float32, f (R, 8) uint8) with float32(d * f) == v everywhere (a zero's sign
+    aside), or None where some row has no such factors. Q4_K's scales are d * sc and its offsets -dmin * m
+    with 6-bit sc, m whose largest is 63 (llama.cpp's quantizer maps a super-block's largest to 63): d =
+    the entry of largest magnitude / 63 is tried on every row at once, then / 1 .. 255 on the rows left.
+    Any guess is checked: f is rounded and clamped to 0..255, and a row stands only if d * f gives v back."""
+    big = v.gather(1, v.abs().argmax(1, keepdim=True)).squeeze(1)  # (R,) the entry of largest magnitude
+    d = torch.where(big == 0, 1.0, big / 63)  # an all-zero row: d 1, f 0
+    q = torch.div(v, d[:, None]).round_().clamp_(0, 255)
+    todo = ~torch.eq(q * d[:, None], v).all(1)
+    for k in range(1, 256):
+        if not bool(todo.any()):
+            return d, q.to(torch.uint8)
+        rows = todo.nonzero().squeeze(1)
+        cand = big[rows] / k
+        qk = torch.div(v[rows], cand[:, None]).round_().clamp_(0, 255)
+        good = torch.eq(qk * cand[:, None], v[rows]).all(1)
+        d[rows[good]], q[rows[good]] = cand[good], qk[good]
+        todo[rows[good]] = False
+    return None if bool(todo.any()) else (d, q.to(torch.uint8))
+
+
+def pack_q4_super(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q4Packed | None:
+    """pack_q4 with the scales and offsets kept as super-block factors (act_quant.h's Q4_SUPER: Q4_K's own
+    form, 2.5 bytes a row and group where float32 takes 8; the kernels compute the same float32 values), or
+    None where they do not factor exactly (not Q4_K's: pack_q4 then) or K is not a multiple of 256."""
+    n, k = q.shape
+    assert tuple(scale.shape) == tuple(offset.shape) == (n, k // 32)
+    assert scale.dtype == offset.dtype == torch.float32
+    g = k // 32
+    if k % 32 or g % Q4_SUPER_GROUPS:
+        return None
+    n16, s = -(-n // 16) * 16, g // Q4_SUPER_GROUPS
+    pad = n16 - n
+    if pad:
+        scale = torch.cat((scale, scale.new_zeros(pad, g)))
+        offset = torch.cat((offset, offset.new_zeros(pad, g)))
+    sd = _super_factors(scale.reshape(-1, Q4_SUPER_GROUPS))
+    od = _super_factors(offset.reshape(-1, Q4_SUPER_GROUPS))
+    if sd is None or od is None:
+        return None
+    units = n16 // 16
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # (N16, S, ...) -> (units, S, ..., 16): lane l row 16u + l
+        t = t.reshape(units, 16, s, -1)
+        return t.permute(0, 2, 3, 1).contiguous()
+
+    d, nmin = lanes(sd[0].view(n16, s)), lanes(od[0].view(n16, s))  # (units, S, 1, 16) float32
+    # (units, S, 8, 2, 16): per group, the 16 rows' sub-scales, then their mins
+    f = torch.stack((lanes(sd[1].view(n16, s, 8)), lanes(od[1].view(n16, s, 8))), dim=3)
+    table = torch.cat(
+        (d.view(torch.uint8).reshape(units, s, 64), nmin.view(torch.uint8).reshape(units, s, 64),
+         f.reshape(units, s, 256)), dim=2,
+    )  # fmt: skip
+    q = q.to(torch.uint8)
+    if pad:
+        q = torch.cat((q, q.new_zeros(pad, k)))
+    qs = _q4_layout(_nibble_pairs(q, n16, g), n16, g)  # pack_q4's nibbles, without its float scales
+    return Q4Packed(qs, table, table.new_empty(0), n, k)
+
+
+def q4_scales_mode(w: Q4Packed) -> int:
+    """The q4 kernels' scales argument for w: 0 float32, 1 IEEE half, 2 super-block factors (Q4_SUPER)."""
+    return 2 if w.scale.dtype == torch.uint8 else int(w.scale.dtype == torch.float16)
+
+
 def _nibble_pairs(q: torch.Tensor, n16: int, g: int) -> torch.Tensor:
     """(N16, K) uint8 values 0..15 -> (N16, G, 16) bytes: byte j of a row's group holds column j in its low
     nibble and column 16 + j in its high one (one pass)."""
@@ -114,8 +186,9 @@ def q4_gemm(
     kernel = lib.onecall_q4a8_gemm if w.act8 else lib.onecall_q4_gemm
     rc = kernel(
         x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.out_features,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(w.scale.dtype == torch.float16),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, q4_scales_mode(w),
     )  # fmt: skip
+    assert rc != -2, "super-block factors with K % 256 != 0 (pack_q4_super never makes them)"
     if rc != 0:
         raise MemoryError(f"{kernel.__name__}: out of memory for the activation buffer")
     return y
@@ -384,6 +457,7 @@ def q4_rows(lib: ctypes.CDLL, w: Q4Packed, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (any shape, int64) of the (N, K) table packed by pack_q4 (not act8), dequantized:
     (*ids.shape, K) float32, each value float(q) * scale + offset (an embedding lookup on 4-bit groups)."""
     assert not w.act8, "rows are read from the q4 layout"
+    assert w.scale.dtype != torch.uint8, "rows are read with float scales (pack_q4), not super-block factors"
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.shape[0], w.in_features, dtype=torch.float32)
     rc = lib.onecall_q4_rows(

@@ -81,6 +81,37 @@ static inline __attribute__((always_inline)) __m256 load8(const void *p, const i
     return _mm256_loadu_ps((const float *)p);
 }
 
+/* The q4 layout's scales and offsets kept as super-block factors (scales mode Q4_SUPER, native.py's
+ * pack_q4_super: Q4_K's own form, d x 6-bit sub-scale and -dmin x 6-bit min, a quarter of float32's bytes):
+ * per unit u and super-block s of Q4_SUPER_GROUPS groups, Q4_SUPER_BYTES bytes at scale + (u * G / 8 + s) *
+ * Q4_SUPER_BYTES: float32 d[16] (lane l: row 16u + l), float32 nmin[16], then per group j of the block
+ * uint8 sc[16] and uint8 mn[16]. A group's scale is d * sc and its offset nmin * mn, float32 products that
+ * pack_q4_super checked are the float32 scale and offset exactly (up to the sign of a zero, which never
+ * changes an output: a zero's product is added to an accumulator that starts at +0), so every kernel that
+ * reads them computes the same bits as from the float32 layout. offset is unused (NULL). */
+#define Q4_SUPER 2
+#define Q4_SUPER_GROUPS 8
+#define Q4_SUPER_BYTES 384
+
+/* Group g's 8 scales and offsets of block k of unit u (rows 16u + 8k ..), as float32: mode 0 float32, 1
+ * IEEE half (both (units, G, 2, 8)), Q4_SUPER the factors above. mode is a constant at every call site. */
+static inline __attribute__((always_inline)) void q4_group_scales8(const void *scale, const void *offset, int64_t u,
+                                                                   int64_t G, int64_t g, int k, const int mode,
+                                                                   __m256 *sc, __m256 *of) {
+    if (mode == Q4_SUPER) {
+        const uint8_t *sb = (const uint8_t *)scale + (u * (G / Q4_SUPER_GROUPS) + g / Q4_SUPER_GROUPS) * Q4_SUPER_BYTES;
+        const uint8_t *f = sb + 128 + 32 * (g % Q4_SUPER_GROUPS) + 8 * k;
+        const __m256 d = _mm256_loadu_ps((const float *)sb + 8 * k);
+        const __m256 nmin = _mm256_loadu_ps((const float *)sb + 16 + 8 * k);
+        *sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)f))));
+        *of = _mm256_mul_ps(nmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(f + 16)))));
+        return;
+    }
+    const int64_t es = mode ? 2 : 4, at = ((u * G + g) * 16 + 8 * k) * es;
+    *sc = load8((const char *)scale + at, mode);
+    *of = load8((const char *)offset + at, mode);
+}
+
 #define Q4_ROW_CHUNK 64 /* activation rows per pass over the weights (64 x K int16: 72-192 KiB for K 576-1536) */
 
 #endif /* ONECALL_ACT_QUANT_H */

@@ -33,7 +33,8 @@
  *       qs (N16 / 16, G, 2, 8, 8, 2) uint8: unit, group g, block k, column pair c, row b of the block,
  *       column j of the pair; the byte holds q[16u + 8k + b, g*32 + 2c + j] in its low nibble and
  *       q[.., g*32 + 16 + 2c + j] in its high nibble;
- *       scale, offset (N16 / 16, G, 2, 8) float32 or IEEE half. w = q * scale + offset, q in 0..15.
+ *       scale, offset (N16 / 16, G, 2, 8) float32 or IEEE half, or (Q4_K's form) super-block factors
+ *       (act_quant.h's Q4_SUPER). w = q * scale + offset, q in 0..15.
  *   q4a8 (int8 activations) and q8b (int8 weights): below, in the same units.
  */
 #include <float.h>
@@ -73,9 +74,8 @@ static inline __attribute__((always_inline)) void q4_unit_tile(const int MT, con
                                                                int64_t u, int64_t K, int64_t N, const uint8_t *qs,
                                                                const void *scale, const void *offset,
                                                                const float *bias, float *y, const int f16) {
-    const int64_t G = K / 32, es = f16 ? 2 : 4;
+    const int64_t G = K / 32;
     const uint8_t *wu = qs + u * G * 256;
-    const char *su = (const char *)scale + u * G * 16 * es, *ou = (const char *)offset + u * G * 16 * es;
     const __m256i low4 = _mm256_set1_epi16(0x0F);
     __m256 acc0[Q4_PAIR_TILE], oacc0[Q4_PAIR_TILE], acc1[Q4_PAIR_TILE], oacc1[Q4_PAIR_TILE];
     for (int i = 0; i < MT; i++) acc0[i] = oacc0[i] = acc1[i] = oacc1[i] = _mm256_setzero_ps();
@@ -110,8 +110,9 @@ static inline __attribute__((always_inline)) void q4_unit_tile(const int MT, con
                 __asm__("" : "+x"(a0[i]), "+x"(a1[i]));
             }
         }
-        const __m256 sc0 = load8(su + g * 16 * es, f16), of0 = load8(ou + g * 16 * es, f16);
-        const __m256 sc1 = load8(su + (g * 16 + 8) * es, f16), of1 = load8(ou + (g * 16 + 8) * es, f16);
+        __m256 sc0, of0, sc1, of1; /* f16: the scales' mode (act_quant.h's q4_group_scales8) */
+        q4_group_scales8(scale, offset, u, G, g, 0, f16, &sc0, &of0);
+        q4_group_scales8(scale, offset, u, G, g, 1, f16, &sc1, &of1);
         for (int i = 0; i < MT; i++) {
             const int64_t m = m0 + i;
             const __m256 d = _mm256_broadcast_ss(r->d + m * G + g), s = _mm256_broadcast_ss(r->sum + m * G + g);
@@ -173,9 +174,12 @@ static inline __attribute__((always_inline)) int q4_gemm(const float *x, int64_t
 
 /* y (M, N) = x (M, K) @ W^T (+ bias), W in the q4 layout (see the top of this file; N padded to whole
  * units of 16 rows there, only the N rows written here); scale and offset float32, or IEEE half when
- * f16_scales. 0 on success, -1 out of memory. */
+ * f16_scales is 1, or super-block factors in scale when it is Q4_SUPER (2; act_quant.h; K % 256 == 0).
+ * 0 on success, -1 out of memory, -2 Q4_SUPER with K % 256 != 0. */
 int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, const void *offset,
                     int64_t N, const float *bias, float *y, int num_threads, int f16_scales) {
+    if (f16_scales == Q4_SUPER)
+        return K % (32 * Q4_SUPER_GROUPS) ? -2 : q4_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, Q4_SUPER);
     if (f16_scales) return q4_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 1);
     return q4_gemm(x, M, K, qs, scale, offset, N, bias, y, num_threads, 0);
 }

@@ -104,6 +104,24 @@ AVX512_INLINE void store16(float *row, int64_t n0, int64_t N, __m512 v, const fl
     _mm512_mask_storeu_ps(row + n0, mask, v);
 }
 
+/* Group g's 16 scales and offsets of unit u (lane l: row 16u + l) as float32, laid out by mode: 0 float32,
+ * 1 IEEE half ((units, G, 2, 8) each), Q4_SUPER the q4 layout's super-block factors (act_quant.h: d * sc and
+ * nmin * mn, the AVX2 tiles' q4_group_scales8 per lane); offsets zero without has_offset */
+AVX512_INLINE void group_scales16(const int mode, const int has_offset, const void *scale, const void *offset,
+                                  int64_t u, int64_t G, int64_t g, __m512 *sc, __m512 *of) {
+    if (mode == Q4_SUPER) {
+        const uint8_t *sb = (const uint8_t *)scale + (u * (G / Q4_SUPER_GROUPS) + g / Q4_SUPER_GROUPS) * Q4_SUPER_BYTES;
+        const uint8_t *f = sb + 128 + 32 * (g % Q4_SUPER_GROUPS);
+        const __m512 d = _mm512_loadu_ps(sb), nmin = _mm512_loadu_ps(sb + 64);
+        *sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)f))));
+        *of = _mm512_mul_ps(nmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(f + 16)))));
+        return;
+    }
+    const int64_t at = (u * G + g) * 16 * (mode ? 2 : 4);
+    *sc = load16((const char *)scale + at, mode);
+    *of = has_offset ? load16((const char *)offset + at, mode) : _mm512_setzero_ps();
+}
+
 AVX512_INLINE void prefetch_group(const void *p, int lines) {
     for (int l = 0; l < lines; l++) _mm_prefetch((const char *)p + 64 * l, _MM_HINT_T0);
 }
@@ -148,8 +166,7 @@ AVX512_INLINE void wide_tile(const int MT, const int has_offset, const int G16, 
                              int64_t u, int64_t K, int64_t N, const int16_t *buf, const void *scale,
                              const void *offset, const float *bias, float *y, const int f16) {
     const int64_t G = K / 32, GS = G16 ? 2 * G : G, es = f16 ? 2 : 4;
-    const char *su = (const char *)scale + u * GS * 16 * es;
-    const char *ou = has_offset ? (const char *)offset + u * G * 16 * es : NULL;
+    const char *su = (const char *)scale + u * GS * 16 * es; /* G16 (q8b) only: its float32 scales */
     __m512 acc[AVX512_MAX_TILE], oacc[AVX512_MAX_TILE];
     __m512i a[AVX512_MAX_TILE];
     for (int i = 0; i < MT; i++) acc[i] = oacc[i] = _mm512_setzero_ps();
@@ -175,8 +192,9 @@ AVX512_INLINE void wide_tile(const int MT, const int has_offset, const int G16, 
                 }
             }
         }
-        const __m512 sc = load16(su + (G16 ? 2 * g + 1 : g) * 16 * es, f16);
-        const __m512 of = has_offset ? load16(ou + g * 16 * es, f16) : _mm512_setzero_ps();
+        __m512 sc, of;
+        if (G16) sc = load16(su + (2 * g + 1) * 16 * es, f16), of = _mm512_setzero_ps();
+        else group_scales16(f16, has_offset, scale, offset, u, G, g, &sc, &of);
         for (int i = 0; i < MT; i++) {
             const int64_t m = m0 + i;
             const __m512 ds = _mm512_mul_ps(sc, _mm512_set1_ps(r->d[m * G + g]));
@@ -265,10 +283,8 @@ AVX512_INLINE void nibble_tile(const int MT, const int layout, const QuantRows *
                                int64_t N, const uint8_t *qs, const void *scale, const void *offset,
                                const float *bias, float *y, const int f16) {
     const int has_offset = LAYOUT_HAS_OFFSET(layout);
-    const int64_t G = K / 32, es = f16 ? 2 : 4, gb = layout == LAYOUT_Q5 ? Q5_GROUP_BYTES : 256;
+    const int64_t G = K / 32, gb = layout == LAYOUT_Q5 ? Q5_GROUP_BYTES : 256;
     const uint8_t *wu = qs + u * G * gb;
-    const char *su = (const char *)scale + u * G * 16 * es;
-    const char *ou = has_offset ? (const char *)offset + u * G * 16 * es : NULL;
     __m512 acc[AVX512_MAX_TILE], oacc[AVX512_MAX_TILE];
     for (int i = 0; i < MT; i++) acc[i] = oacc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -287,8 +303,8 @@ AVX512_INLINE void nibble_tile(const int MT, const int layout, const QuantRows *
                 __asm__("" : "+v"(a[i])); /* each running sum stays in its register (gemm.c's q4_unit_tile) */
             }
         }
-        const __m512 sc = load16(su + g * 16 * es, f16);
-        const __m512 of = has_offset ? load16(ou + g * 16 * es, f16) : _mm512_setzero_ps();
+        __m512 sc, of;
+        group_scales16(f16, has_offset, scale, offset, u, G, g, &sc, &of);
         for (int i = 0; i < MT; i++) {
             const int64_t m = m0 + i;
             const __m512 ds = _mm512_mul_ps(sc, _mm512_set1_ps(r->d[m * G + g]));
@@ -369,7 +385,8 @@ AVX512_INLINE void nibble_unit(const int layout, const QuantRows *r, int64_t m0,
 AVX512_FN void q4_unit_avx512(const QuantRows *r, int64_t m0, int64_t m_end, int64_t u, int64_t K, int64_t N,
                               const uint8_t *qs, const void *scale, const void *offset, const float *bias, float *y,
                               int f16) {
-    if (f16) nibble_unit(LAYOUT_Q4, r, m0, m_end, u, K, N, qs, scale, offset, bias, y, 1);
+    if (f16 == Q4_SUPER) nibble_unit(LAYOUT_Q4, r, m0, m_end, u, K, N, qs, scale, offset, bias, y, Q4_SUPER);
+    else if (f16) nibble_unit(LAYOUT_Q4, r, m0, m_end, u, K, N, qs, scale, offset, bias, y, 1);
     else nibble_unit(LAYOUT_Q4, r, m0, m_end, u, K, N, qs, scale, offset, bias, y, 0);
 }
 

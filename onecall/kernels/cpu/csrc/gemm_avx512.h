@@ -19,7 +19,8 @@
  * onecall_set_avx512 did not turn them off */
 ONECALL_HIDDEN int avx512_gemm_enabled(void);
 
-/* gemm.c's q4_unit: the q4 layout, scale and offset float32 or IEEE half (f16) */
+/* gemm.c's q4_unit: the q4 layout, scale and offset float32 or IEEE half (f16 1), or super-block factors
+ * (f16 Q4_SUPER, act_quant.h) */
 ONECALL_HIDDEN void q4_unit_avx512(const QuantRows *r, int64_t m0, int64_t m_end, int64_t u, int64_t K, int64_t N,
                                    const uint8_t *qs, const void *scale, const void *offset, const float *bias,
                                    float *y, int f16);

@@ -38,7 +38,9 @@
 
 /* y (M, N) = x (M, K) @ W^T (+ bias (N,) unless NULL), W 4-bit in the q4 layout (N padded to whole units
  * of 16 rows there; only N rows written), activations quantized per group of 32 to int16 steps. scale,
- * offset: float32, or IEEE half when f16_scales. K % 32 == 0. 0 on success, -1 out of memory. */
+ * offset: float32, or IEEE half when f16_scales is 1; f16_scales 2: Q4_K's super-block factors in scale
+ * (act_quant.h's Q4_SUPER; offset unused; K % 256 == 0). K % 32 == 0. 0 on success, -1 out of memory, -2
+ * super-block factors with K % 256 != 0. */
 int onecall_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, const void *offset,
                     int64_t N, const float *bias, float *y, int num_threads, int f16_scales);
 
@@ -153,7 +155,7 @@ void onecall_rope_store(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
  * the first part's bias is then the whole projection's, added once every part is in. */
 typedef struct {
     const uint8_t *qs;  /* the q4 (or q4a8) layout; int8: the q8b layout; q5: the q5 layout; half: h16 */
-    const void *scale;  /* q4, q5: float32, or IEEE half when f16; int8: float32; half: unused */
+    const void *scale;  /* q4, q5: float32, IEEE half (f16 1), q4 super-block factors (f16 2); int8: float32; half: unused */
     const void *offset; /* q4, q5 only */
     const float *bias;  /* (n,) or NULL; a chain's first part: the whole projection's */
     int64_t n, k, f16;
