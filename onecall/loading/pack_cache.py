@@ -43,8 +43,9 @@ columns, in the layout's own formula), or whose sampled bytes' digest differs, i
 PackCacheWarning and the load packs as usual. Writes go to a temporary file renamed into place
 (atomic; no fsync: a crash mid-write leaves a short or zeroed file that those checks refuse). The
 folder is bounded: after a write the least recently used files go until the rest fit
-ONECALL_PACK_CACHE_GIB (envs.py), and nothing is written that would leave the disk under 10% (or
-2 GiB) free; ONECALL_PACK_CACHE=0 turns the cache off.
+ONECALL_PACK_CACHE_GIB (envs.py), and nothing is written that would leave the disk less free than
+_HEADROOM says (10% of it, but never more than 10 GiB nor less than 2 GiB: a 250 GB disk keeps 10 GiB,
+a 20 GB one 2 GiB); ONECALL_PACK_CACHE=0 turns the cache off.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ logger = logging.getLogger("onecall.pack_cache")
 MAGIC = b"OCPACK\x00\x02"  # the last byte: the file format's version (2: IQ4Packed records its codebook)
 _ALIGN = 64  # every tensor's offset: cache lines, and any element size
 _SAMPLE = 4096  # bytes hashed at each end of a GGUF tensor (the key) and of a cached tensor (the digest)
-_LAYOUT_SOURCES = ("formats", "kernels/cpu", "loading", "model/decoder.py")
+_LAYOUT_SOURCES = ("formats", "kernels/cpu", "loading", "model")  # model/: which projections each family packs
 _PACKED = {cls.__name__: cls for cls in (native.Q4Packed, native.Q5Packed, native.Q8Blocked,
                                           native.IQ4Packed, native.KQPacked, native.HalfPacked)}  # fmt: skip
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int8, torch.float16, torch.bfloat16,
@@ -191,7 +192,7 @@ class PackCache:
             return
         try:
             if not _room_for(self.path.parent, packs):
-                self.status = "not written: the disk would keep less than 10% (or 2 GiB) free"
+                self.status = f"not written: the disk would keep less than {_headroom_text(self.path.parent)} free"
                 logger.info("pack cache: %s", self.status)
                 return
             _write(self.path, self.key, self.material, *packs)
@@ -383,16 +384,25 @@ def _write(
     logger.info("pack cache: wrote %s (%.1f MB)", path, offset / 1e6)
 
 
+def _headroom(total: int) -> int:
+    """Bytes a write must leave free on a disk of `total` bytes: 10% of it, within [2 GiB, 10 GiB] (a shared
+    machine's other work comes before a faster second start; a large disk's last 10 GiB are headroom enough)."""
+    return min(max(total // 10, 2 * 2**30), 10 * 2**30)
+
+
+def _headroom_text(folder: Path) -> str:
+    return f"{_headroom(shutil.disk_usage(folder).total) / 2**30:.1f} GiB"
+
+
 def _room_for(folder: Path, packs: tuple[dict[str, ProjectionPacks], native.Packed, native.Packed]) -> bool:
-    """Whether writing `packs` leaves the disk at least 10% and 2 GiB free (a shared machine's other
-    work comes before a faster second start)."""
+    """Whether writing `packs` leaves the disk at least _headroom free."""
     projections, head, embedding = packs
     tables = [p for packed in projections.values() for p in ([packed] if isinstance(packed, native.Q4Packed)
               else [p for _, _, p in packed])] + [head] + ([] if embedding is head else [embedding])  # fmt: skip
     size = sum(t.nbytes for t in tables)
     folder.mkdir(parents=True, exist_ok=True)
     usage = shutil.disk_usage(folder)
-    return usage.free - size >= max(2 * 2**30, usage.total // 10)
+    return usage.free - size >= _headroom(usage.total)
 
 
 def _digest(tensors: Sequence[torch.Tensor]) -> str:

@@ -46,7 +46,7 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("ONECALL_PACK_CACHE", "1")
     monkeypatch.delenv("ONECALL_PACK_CACHE_GIB", raising=False)
     # The tests hold what is cached, not how full this machine's disk is (a CI runner's may keep
-    # under the 10% headroom the cache leaves): a roomy disk here, a nearly full one in its own test.
+    # under the headroom the cache leaves): a roomy disk here, a nearly full one in its own test.
     roomy = SimpleNamespace(total=100 * 2**30, used=10 * 2**30, free=90 * 2**30)
     monkeypatch.setattr(pack_cache.shutil, "disk_usage", lambda _: roomy)
     return tmp_path / "packed"
@@ -251,7 +251,16 @@ def test_a_nearly_full_disk_is_left_alone(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = _gguf(tmp_path, "qwen2", T.Q4_0)
-    full = SimpleNamespace(total=100 * 2**30, used=91 * 2**30, free=9 * 2**30)  # 9% free
+    full = SimpleNamespace(total=50 * 2**30, used=45.5 * 2**30, free=4.5 * 2**30)  # 9% free: under 5 GiB
     monkeypatch.setattr(pack_cache.shutil, "disk_usage", lambda _: full)
-    assert _load(path)[1].startswith("not written: the disk would keep less than 10%")
+    assert _load(path)[1] == "not written: the disk would keep less than 5.0 GiB free"
     assert not list(cache_dir.glob("*.ocpack"))
+    # a large disk keeps 10 GiB, not 10%: 25 of 250 GB free (this machine's disk, 9.9% free) takes a write
+    large = SimpleNamespace(total=250 * 2**30, used=225 * 2**30, free=25 * 2**30)
+    monkeypatch.setattr(pack_cache.shutil, "disk_usage", lambda _: large)
+    assert _load(path)[1] == "written"
+    # a small one keeps 2 GiB, not 10%
+    small = SimpleNamespace(total=16 * 2**30, used=14.5 * 2**30, free=1.5 * 2**30)
+    monkeypatch.setattr(pack_cache.shutil, "disk_usage", lambda _: small)
+    path.touch()  # another mtime: another key, a miss
+    assert _load(path)[1] == "not written: the disk would keep less than 2.0 GiB free"

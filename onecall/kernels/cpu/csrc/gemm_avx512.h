@@ -1,6 +1,6 @@
-/* The AVX-512 VNNI tiles of the quantized GEMMs (gemm_avx512.c), internal to the library: gemm.c and
- * gemm_q5.c call them in place of their AVX2 tiles when avx512_gemm_enabled() says so (once per call, so a
- * call runs one path). Hidden: not exported, not in kernels.h (the switch, onecall_set_avx512, is).
+/* The AVX-512 VNNI tiles of the quantized GEMMs (gemm_avx512.c, gemm_kq_avx512.c), internal to the library:
+ * gemm.c, gemm_q5.c and gemm_kq.c call them in place of their AVX2 tiles when avx512_gemm_enabled() says so
+ * (once per call, so a call runs one path; gemm_half.c's AVX-512 F tiles follow the same switch). Hidden: not exported, not in kernels.h (the switch, onecall_set_avx512, is).
  *
  * Each *_unit_avx512 computes rows [m0, m_end) of the activation rows r against weight unit u (rows
  * 16u .. 16u + 15) in the layout its AVX2 twin reads, and writes outputs (m, 16u .. min(16u + 16, N)),

@@ -63,8 +63,8 @@ int onecall_q8b_gemm(const float *x, int64_t M, int64_t K, const int8_t *qs, con
 int onecall_iq4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *scale, int64_t N,
                      const float *bias, float *y, int num_threads, int f16_scales, int codebook);
 
-/* The AVX-512 VNNI tiles of the q4, q8b, iq4 and q5 GEMMs (gemm_avx512.c; bit for bit the AVX2 tiles'
- * outputs): enable 1 turns them on where the CPU has AVX-512 F/BW/VL and VNNI (the default there), 0
+/* The AVX-512 tiles of the q4, q8b, iq4, q5 and kq GEMMs (gemm_avx512.c, gemm_kq_avx512.c: VNNI) and of
+ * the half GEMM (gemm_half.c: AVX-512 F), each bit for bit the AVX2 tiles' outputs: enable 1 turns them on where the CPU has AVX-512 F/BW/VL and VNNI (the default there), 0
  * off (the AVX2 tiles), -1 changes nothing; returns 1 if they run from now on, else 0. Not for use
  * while a GEMM runs on another thread (a call reads it once, at its start). */
 int onecall_set_avx512(int enable);
