@@ -50,10 +50,9 @@ from onecall.formats.hf_config import model_config_from_hf
 from onecall.loading.weights import load_weights
 from onecall.model.config import GLOBAL
 from onecall.model.decoder import DecoderLM
-from tests.helpers.family_checks import KVHarness, assert_close
+from tests.helpers.family_checks import check_prefill_then_decode
 from tests.helpers.make_models import write_gemma4_gguf
 from tests.model.test_gemma4 import _COMMON, ATOL, VARIANTS
-from tests.model.test_model_numerics import Seq, hf_logits, prompt
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -102,18 +101,7 @@ def _convert(tmp_path: Path, hf: Any, weight_type: GGMLQuantizationType = F32, *
 
 def _check_against_transformers(hf: Any, ours: DecoderLM) -> None:
     """20-token prefill, then 6 greedy steps through the paged cache: logits within ATOL, tokens equal."""
-    harness = KVHarness(ours)
-    seq = Seq(prompt(20, seed=3))
-    (logits,) = harness.step([(seq, 20)])
-    assert_close(logits, hf_logits(hf, seq.tokens), ATOL)
-    steps = []
-    for _ in range(6):
-        seq.tokens.append(int(logits[-1].argmax()))
-        (logits,) = harness.step([(seq, 1)])
-        steps.append(logits[-1])
-    ref = hf_logits(hf, seq.tokens)
-    for i, step_logits in enumerate(steps):
-        assert_close(step_logits, ref[20 + i], ATOL)
+    seq, ref = check_prefill_then_decode(hf, ours, ATOL)
     assert seq.tokens[21:] == [int(t) for t in ref[20:-1].argmax(-1)]  # greedy tokens transformers' too
 
 

@@ -50,9 +50,9 @@ def randomize(hf: Any) -> None:
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
 
 
-def check_prefill_then_decode(hf: Any, ours: DecoderLM, atol: float) -> None:
+def check_prefill_then_decode(hf: Any, ours: DecoderLM, atol: float) -> tuple[Seq, torch.Tensor]:
     """A 20-token prefill, then 6 greedy decode steps through the paged cache, each step's logits against
-    transformers' over the whole sequence."""
+    transformers' over the whole sequence. Returns the sequence and transformers' logits over it."""
     harness = KVHarness(ours)
     seq = Seq(prompt(20, seed=3))
     (logits,) = harness.step([(seq, 20)])
@@ -65,6 +65,7 @@ def check_prefill_then_decode(hf: Any, ours: DecoderLM, atol: float) -> None:
     ref = hf_logits(hf, seq.tokens)
     for i, step_logits in enumerate(steps):
         assert_close(step_logits, ref[20 + i], atol)
+    return seq, ref
 
 
 def check_batched_decode_on_reference(hf: Any, ours: DecoderLM, atol: float) -> None:
