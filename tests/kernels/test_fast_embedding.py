@@ -13,16 +13,16 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
+from onecall.formats.checkpoint import load_hf_config_dict, resolve_model
 from onecall.formats.hf_config import model_config_from_hf
-from onecall.formats.quants import Int8Groups, StoredGroups, dequantize, int4_groups, int8_groups
+from onecall.formats.quants import Int8Groups, dequantize, int4_groups, int8_groups
 from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_embedding import StoredEmbedding
 from onecall.kernels.cpu.fast_linear import compact_scales
 from onecall.loading import packing, weights
-from onecall.loading.weights import load_weights
 from onecall.model.decoder import DecoderLM
 from onecall.model.kv_cache import PagedKVCache
+from tests.helpers import stored_models
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
 from tests.kernels.test_fast_linear import _q6_k_blocks, _random_blocks
 from tests.kernels.test_native_step import BLOCK, PROMPT_LENS, _decode, _prefill, _scrambled_tables
@@ -71,14 +71,6 @@ def test_4bit_rows_are_the_dequantized_table_bit_for_bit(qtype: T) -> None:
             embed(torch.tensor([rows]))
 
 
-def _load(path: Path, fast: bool) -> DecoderLM:
-    files = resolve_model(path)
-    stored: dict[str, StoredGroups] | None = {} if fast else None
-    model = DecoderLM(model_config_from_hf(load_hf_config_dict(files)), kernels="fast" if fast else "reference")
-    # as engine_parts loads: stored groups not expanded where the native kernels take them
-    load_weights(model, iter_weights(files, torch.float32, stored, expand_stored=not fast), stored)
-    return model.eval()
-
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
@@ -91,12 +83,12 @@ def test_a_gguf_keeps_its_embedding_as_stored(
     model's, and the native decode step gives the per-op path's bits."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=tied)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=qtype)
-    ref = _load(path, fast=False)
+    ref = stored_models.load(path, fast=False)
     bare = DecoderLM(model_config_from_hf(load_hf_config_dict(resolve_model(path))), kernels="fast")
     assert bare.model.embed_tokens.weight.is_meta  # built without the table: the loader decides
     with monkeypatch.context() as m:
         m.setattr(weights, "materialize_weight", _never)
-        fast = _load(path, fast=True)
+        fast = stored_models.load(path, fast=True)
     embed, head = fast.model.embed_tokens, fast.fast_lm_head
     assert isinstance(embed, StoredEmbedding) and head is not None
     assert isinstance(embed.table, native.Q8Blocked if qtype == T.Q8_0 else native.Q4Packed)
@@ -138,7 +130,7 @@ def test_an_embedding_in_other_types_stays_float32(tmp_path: Path) -> None:
     """An F32 embedding has no stored form (quants.stored_groups): the loader fills the float32 table."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=True)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.F32)
-    fast, ref = _load(path, fast=True), _load(path, fast=False)
+    fast, ref = stored_models.load(path, fast=True), stored_models.load(path, fast=False)
     embed, ref_embed = fast.model.embed_tokens, ref.model.embed_tokens
     assert isinstance(embed, torch.nn.Embedding) and isinstance(ref_embed, torch.nn.Embedding)
     assert torch.equal(embed.weight, ref_embed.weight)
@@ -151,7 +143,7 @@ def test_a_5bit_or_16bit_embedding_is_kept_as_stored(tmp_path: Path, qtype: T) -
     tables up before its one call) gives the per-op path's bits."""
     config = tiny_hf_config("qwen3", tie_word_embeddings=True)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=qtype)
-    fast, ref = _load(path, fast=True), _load(path, fast=False)
+    fast, ref = stored_models.load(path, fast=True), stored_models.load(path, fast=False)
     embed, head = fast.model.embed_tokens, fast.fast_lm_head
     assert isinstance(embed, StoredEmbedding) and head is not None and embed.table is head.table
     ids = torch.arange(config["vocab_size"])
@@ -180,7 +172,7 @@ def test_groups_no_stored_embedding_takes_are_a_clear_error(
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=2), config, weight_type=T.Q8_0)
     monkeypatch.setattr(packing, "_stored_embedding", lambda model, stored: None)
     with pytest.raises(RuntimeError, match="embed_tokens"):
-        _load(path, fast=True)
+        stored_models.load(path, fast=True)
 
 
 def test_a_meta_output_weight_needs_groups_the_kernels_run() -> None:

@@ -22,7 +22,6 @@ Tolerances, written down:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -31,17 +30,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
-from onecall.formats.hf_config import model_config_from_hf
-from onecall.formats.quants import Int4CodeGroups, Int8Groups, StoredGroups, cat_rows, stored_groups
+from onecall.formats.quants import Int4CodeGroups, Int8Groups, cat_rows, stored_groups
 from onecall.kernels.cpu import native
-from onecall.kernels.cpu.fast_linear import FastLinear
 from onecall.loading import packing
-from onecall.loading.weights import load_weights
-from onecall.model.decoder import DecoderLM
-from tests.helpers import make_models
+from tests.helpers import make_models, stored_models
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
-from tests.model.test_model_numerics import Harness, Seq
 
 T = GGMLQuantizationType
 LIB = native.load()
@@ -194,16 +187,8 @@ def test_iq4_rows_are_the_dequantized_table(qtype: T) -> None:
 # ---------------------------------------------------------------- a model from an IQ4_NL GGUF
 
 
-def _load(path: Path, fast: bool) -> DecoderLM:
-    files = resolve_model(path)
-    stored: dict[str, StoredGroups] | None = {} if fast else None
-    model = DecoderLM(model_config_from_hf(load_hf_config_dict(files)), kernels="fast" if fast else "reference")
-    load_weights(model, iter_weights(files, torch.float32, stored, expand_stored=not fast), stored)
-    return model.eval()
 
 
-def _never(*args: Any) -> torch.Tensor:
-    raise AssertionError("a stored projection was expanded to float32")
 
 
 def test_an_iq4_nl_gguf_runs_every_projection_on_the_iq4_kernel(
@@ -214,27 +199,10 @@ def test_an_iq4_nl_gguf_runs_every_projection_on_the_iq4_kernel(
     config = tiny_hf_config("qwen3")
     monkeypatch.setattr(make_models, "quantize", _iq4_quantize)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=3), config, weight_type=T.IQ4_NL)
-    ref = _load(path, fast=False)
+    ref = stored_models.load(path, fast=False)
     with monkeypatch.context() as m:
-        m.setattr(packing.StreamingPacker, "_dense", _never)
-        fast = _load(path, fast=True)
+        m.setattr(packing.StreamingPacker, "_dense", stored_models.never)
+        fast = stored_models.load(path, fast=True)
     n = 4 * config["num_hidden_layers"]
-    assert f"native iq4 ({n} of {n} projections, every row)" in fast.kernels, fast.kernels
-    projections = [m for m in fast.modules() if isinstance(m, FastLinear)]
-    assert len(projections) == n and all(p.every_row and p.packed is None for p in projections)
-    assert all(isinstance(p.parts[0][2], native.IQ4Packed) for p in projections)
-    assert fast.native_step is not None  # the one-call decode step runs them too
-    vocab = config["vocab_size"]
-    tokens = torch.randint(0, vocab, (13,), generator=torch.Generator().manual_seed(4)).tolist()
-    harness, seq = Harness(ref), Seq(list(tokens))
-    want = harness.step([(seq, 13)])
-    for _ in range(3):
-        seq.tokens.append(int(want[-1][-1].argmax()))
-        want += harness.step([(seq, 1)])
-    harness, seq = Harness(fast), Seq(tokens[:13])
-    got = harness.step([(seq, 13)])
-    for step in want[:-1]:
-        seq.tokens.append(int(step[-1].argmax()))
-        got += harness.step([(seq, 1)])
-    for g, w in zip(got, want, strict=True):
-        assert float((g - w).abs().max()) <= MODEL_ATOL, float((g - w).abs().max())
+    stored_models.assert_every_projection_stored(fast, n, "iq4", native.IQ4Packed)
+    stored_models.compare_logits(fast, ref, config["vocab_size"], MODEL_ATOL)

@@ -35,9 +35,9 @@ from onecall.kernels.cpu.fast_embedding import StoredEmbedding
 from onecall.kernels.cpu.fast_linear import FastLinear, FastLMHead, pack_stored, runs_stored_only
 from onecall.loading import packing
 from tests.formats.test_stored_groups import random_blocks
-from tests.helpers import kquant_blocks, make_models
+from tests.helpers import kquant_blocks, make_models, stored_models
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_converted_gguf, write_tiny_gguf
-from tests.kernels.test_quant_kernels import _compare_logits, _int16_bound, _load, _never
+from tests.kernels.test_quant_kernels import MODEL_ATOL, _int16_bound
 from tests.loading.test_pack_cache import cache_dir  # noqa: F401  (the fixture: a cache in tmp_path)
 from tests.model.test_model_numerics import Harness, Seq
 
@@ -161,21 +161,18 @@ def test_a_k_quant_gguf_runs_every_weight_on_its_codes(
     config = tiny_hf_config(arch, hidden_size=256, intermediate_size=256, num_attention_heads=4, head_dim=64)
     monkeypatch.setattr(make_models, "quantize", kquant_blocks.quantize)
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=3), config, weight_type=qtype)
-    ref = _load(path, fast=False)
+    ref = stored_models.load(path, fast=False)
     with monkeypatch.context() as m:
-        m.setattr(packing.StreamingPacker, "_dense", _never)  # where a meta part would be expanded
-        fast = _load(path, fast=True)
+        # where a meta part would be expanded
+        m.setattr(packing.StreamingPacker, "_dense", stored_models.never)
+        fast = stored_models.load(path, fast=True)
     n = 4 * config["num_hidden_layers"]
-    assert f"native {KIND[qtype]} ({n} of {n} projections, every row)" in fast.kernels, fast.kernels
-    projections = [m for m in fast.modules() if isinstance(m, FastLinear)]
-    assert len(projections) == n and all(p.every_row and p.packed is None for p in projections)
-    assert all(isinstance(p.parts[0][2], native.KQPacked) for p in projections)
-    assert not any(name.endswith("proj.weight") for name, _ in fast.named_parameters())
+    stored_models.assert_every_projection_stored(fast, n, KIND[qtype], native.KQPacked)
     embed = fast.model.embed_tokens
     assert isinstance(embed, StoredEmbedding) and isinstance(embed.table, native.KQPacked)
     assert fast.fast_lm_head is not None and fast.fast_lm_head.kernel == f"native {KIND[qtype]}"
     assert fast.native_step is not None
-    _compare_logits(fast, ref, config["vocab_size"])
+    stored_models.compare_logits(fast, ref, config["vocab_size"], MODEL_ATOL)
 
 
 def test_a_q4_k_m_style_mix_runs_v_and_down_on_q6_k_codes_in_the_one_call_step(
@@ -192,7 +189,7 @@ def test_a_q4_k_m_style_mix_runs_v_and_down_on_q6_k_codes_in_the_one_call_step(
         tmp_path / "mix.gguf", random_state_dict(config, seed=4), config, weight_type=T.Q4_0,
         type_overrides={"attn_v": T.Q6_K, "ffn_down": T.Q6_K},
     )  # fmt: skip
-    ref, fast = _load(path, fast=False), _load(path, fast=True)
+    ref, fast = stored_models.load(path, fast=False), stored_models.load(path, fast=True)
     n = 4 * config["num_hidden_layers"]
     assert f"native int4+q6k ({n} of {n} projections, every row)" in fast.kernels, fast.kernels
     qkv = fast.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr]
@@ -201,7 +198,7 @@ def test_a_q4_k_m_style_mix_runs_v_and_down_on_q6_k_codes_in_the_one_call_step(
         native.KQPacked,
     ]
     assert fast.native_step is not None
-    _compare_logits(fast, ref, config["vocab_size"])
+    stored_models.compare_logits(fast, ref, config["vocab_size"], MODEL_ATOL)
     step, tokens, outs = fast.native_step, list(range(5, 18)), []
     for native_step in (step, None):
         fast.native_step = native_step
@@ -274,7 +271,7 @@ def test_the_pack_cache_maps_k_quant_packs_back(
     want = _logits(first)
     with monkeypatch.context() as m:
         _no_packing(m)
-        m.setattr(native, "pack_kq", _never)
+        m.setattr(native, "pack_kq", stored_models.never)
         second, status = cached_load(path)
     assert status == "hit" and second.kernels == first.kernels and KIND[qtype] in second.kernels
     assert torch.equal(_logits(second), want)

@@ -38,10 +38,9 @@ from onecall.formats.quants import (
     stored_groups,
 )
 from onecall.kernels.cpu import native
-from onecall.kernels.cpu.fast_linear import FastLinear
+from tests.helpers import stored_models
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_tiny_gguf
-from tests.kernels.test_iq4_kernel import MODEL_ATOL, _int16_bound, _load
-from tests.model.test_model_numerics import Harness, Seq
+from tests.kernels.test_iq4_kernel import MODEL_ATOL, _int16_bound
 
 T = GGMLQuantizationType
 LIB = native.load()
@@ -169,24 +168,10 @@ def test_an_mxfp4_gguf_runs_every_projection_on_its_codes(tmp_path: Path) -> Non
     path = write_tiny_gguf(
         tmp_path / "m.gguf", random_state_dict(config, seed=3), config, weight_type=T.MXFP4
     )
-    ref, fast = _load(path, fast=False), _load(path, fast=True)
+    ref, fast = stored_models.load(path, fast=False), stored_models.load(path, fast=True)
     n = 4 * config["num_hidden_layers"]
-    assert f"native mxfp4 ({n} of {n} projections, every row)" in fast.kernels, fast.kernels
-    projections = [m for m in fast.modules() if isinstance(m, FastLinear)]
-    assert all(isinstance(p.parts[0][2], native.IQ4Packed) and p.parts[0][2].codebook == "mxfp4"
-               for p in projections)  # fmt: skip
-    assert fast.native_step is not None  # the one-call decode step runs them too (Q4Weight.iq4 = 2)
-    vocab = config["vocab_size"]
-    tokens = torch.randint(0, vocab, (13,), generator=torch.Generator().manual_seed(4)).tolist()
-    harness, seq = Harness(ref), Seq(list(tokens))
-    want = harness.step([(seq, 13)])
-    for _ in range(3):
-        seq.tokens.append(int(want[-1][-1].argmax()))
-        want += harness.step([(seq, 1)])
-    harness, seq = Harness(fast), Seq(tokens[:13])
-    got = harness.step([(seq, 13)])
-    for step in want[:-1]:
-        seq.tokens.append(int(step[-1].argmax()))
-        got += harness.step([(seq, 1)])
-    for g, w in zip(got, want, strict=True):
-        assert float((g - w).abs().max()) <= MODEL_ATOL, float((g - w).abs().max())
+    # the one-call decode step runs them too (Q4Weight.iq4 = 2)
+    stored_models.assert_every_projection_stored(
+        fast, n, "mxfp4", native.IQ4Packed, lambda w: w.codebook == "mxfp4"
+    )
+    stored_models.compare_logits(fast, ref, config["vocab_size"], MODEL_ATOL)

@@ -35,16 +35,12 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from onecall.formats.checkpoint import iter_weights, load_hf_config_dict, resolve_model
-from onecall.formats.hf_config import model_config_from_hf
 from onecall.formats.quants import HalfWeights, Int5Groups, StoredGroups, half_weights, int5_groups
 from onecall.kernels.cpu import native
 from onecall.kernels.cpu.fast_linear import FastLinear, FastLMHead, runs_stored_only
 from onecall.loading import packing
-from onecall.loading.weights import load_weights
-from onecall.model.decoder import DecoderLM
 from onecall.model.moe import Experts
-from tests.helpers import make_models
+from tests.helpers import make_models, stored_models
 from tests.helpers.make_models import random_state_dict, tiny_hf_config, write_converted_gguf, write_tiny_gguf
 from tests.model.test_model_numerics import Harness, Seq
 
@@ -270,39 +266,10 @@ def test_lm_head_runs_5bit_and_16bit_output_weights_as_stored(qtype: T) -> None:
 # ---------------------------------------------------------------- models from GGUF files
 
 
-def _load(path: Path, fast: bool) -> DecoderLM:
-    """As engine_parts loads: with the fast kernels, stored weights the native kernels take are never
-    expanded (meta tensors, their data only in `stored`)."""
-    files = resolve_model(path)
-    stored: dict[str, StoredGroups] | None = {} if fast else None
-    model = DecoderLM(
-        model_config_from_hf(load_hf_config_dict(files)), kernels="fast" if fast else "reference"
-    )
-    load_weights(model, iter_weights(files, torch.float32, stored, expand_stored=not fast), stored)
-    return model.eval()
 
 
-def _never(*args: Any) -> torch.Tensor:
-    raise AssertionError("a stored projection was expanded to float32")
 
 
-def _compare_logits(fast: DecoderLM, ref: DecoderLM, vocab: int, atol: float = MODEL_ATOL) -> None:
-    """A 13-token prefill, then 3 greedy (reference) tokens decoded one at a time, through each model:
-    every logit within `atol`."""
-    tokens = torch.randint(0, vocab, (13,), generator=torch.Generator().manual_seed(4)).tolist()
-    harness, seq = Harness(ref), Seq(list(tokens))
-    want = harness.step([(seq, 13)])
-    for _ in range(3):
-        seq.tokens.append(int(want[-1][-1].argmax()))
-        want += harness.step([(seq, 1)])
-    harness, seq = Harness(fast), Seq(tokens[:13])
-    got = harness.step([(seq, 13)])
-    for step in want[:-1]:  # the reference's greedy token after each of its steps
-        seq.tokens.append(int(step[-1].argmax()))
-        got += harness.step([(seq, 1)])
-    for g, w in zip(got, want, strict=True):
-        diff = float((g - w).abs().max())
-        assert diff <= atol, diff
 
 
 @pytest.mark.parametrize(
@@ -325,18 +292,13 @@ def test_a_5bit_gguf_runs_every_projection_on_the_q5_kernel(
     config = tiny_hf_config(arch, **overrides)
     monkeypatch.setattr(make_models, "quantize", _quantize)  # Q5_K too
     path = write_tiny_gguf(tmp_path / "m.gguf", random_state_dict(config, seed=3), config, weight_type=qtype)
-    ref = _load(path, fast=False)
+    ref = stored_models.load(path, fast=False)
     with monkeypatch.context() as m:
-        m.setattr(packing.StreamingPacker, "_dense", _never)  # where a meta part would be expanded
-        fast = _load(path, fast=True)
+        m.setattr(packing.StreamingPacker, "_dense", stored_models.never)  # where a meta part would be expanded
+        fast = stored_models.load(path, fast=True)
     n = 4 * config["num_hidden_layers"]
-    assert f"native int5 ({n} of {n} projections, every row)" in fast.kernels, fast.kernels
-    projections = [m for m in fast.modules() if isinstance(m, FastLinear)]
-    assert len(projections) == n and all(p.every_row and p.packed is None for p in projections)
-    assert all(isinstance(p.parts[0][2], native.Q5Packed) for p in projections)
-    assert not any(name.endswith("proj.weight") for name, _ in fast.named_parameters())
-    assert fast.native_step is not None  # whole 5-bit projections run in the one-call decode step too
-    _compare_logits(fast, ref, config["vocab_size"])
+    stored_models.assert_every_projection_stored(fast, n, "int5", native.Q5Packed)
+    stored_models.compare_logits(fast, ref, config["vocab_size"], MODEL_ATOL)
 
 
 def test_a_q4_k_m_style_mix_names_each_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -349,13 +311,13 @@ def test_a_q4_k_m_style_mix_names_each_kernel(tmp_path: Path, monkeypatch: pytes
         tmp_path / "mix.gguf", random_state_dict(config, seed=4), config, weight_type=T.Q4_0,
         type_overrides={"attn_v": T.Q5_0, "ffn_down": T.Q8_0},
     )  # fmt: skip
-    ref, fast = _load(path, fast=False), _load(path, fast=True)
+    ref, fast = stored_models.load(path, fast=False), stored_models.load(path, fast=True)
     n = 4 * config["num_hidden_layers"]
     assert f"native int4+int5+int8 ({n} of {n} projections, every row)" in fast.kernels, fast.kernels
     qkv = fast.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr]
     assert isinstance(qkv, FastLinear) and len(qkv.parts) == 2  # q/k one 4-bit part, v a 5-bit one
     assert fast.native_step is not None  # the parts run as a chain in the one-call step
-    _compare_logits(fast, ref, config["vocab_size"])
+    stored_models.compare_logits(fast, ref, config["vocab_size"], MODEL_ATOL)
     # an all-decode step through the chain gives the per-op path's bits (hidden states and the KV written)
     step, tokens = fast.native_step, list(range(5, 18))
     calls = []
@@ -430,11 +392,11 @@ def test_an_iq4_nl_gguf_runs_its_projections_on_the_iq4_kernel(
     path = write_tiny_gguf(
         tmp_path / "iq4.gguf", random_state_dict(config, seed=5), config, weight_type=T.IQ4_NL
     )
-    ref, fast = _load(path, fast=False), _load(path, fast=True)
+    ref, fast = stored_models.load(path, fast=False), stored_models.load(path, fast=True)
     n = 4 * config["num_hidden_layers"]
     assert f"native iq4 ({n} of {n} projections, every row)" in fast.kernels, fast.kernels  # their own codes
     assert fast.native_step is not None
-    _compare_logits(fast, ref, config["vocab_size"])
+    stored_models.compare_logits(fast, ref, config["vocab_size"], MODEL_ATOL)
 
 
 def test_mxfp4_experts_run_on_their_own_codes(tmp_path: Path) -> None:
@@ -449,12 +411,12 @@ def test_mxfp4_experts_run_on_their_own_codes(tmp_path: Path) -> None:
     path = write_converted_gguf(
         tmp_path / "moe.gguf", state, hf.config.to_dict(), weight_type=T.Q8_0, type_overrides=mxfp4
     )
-    ref, fast = _load(path, fast=False), _load(path, fast=True)
+    ref, fast = stored_models.load(path, fast=False), stored_models.load(path, fast=True)
     layers = hf.config.num_hidden_layers
     assert f"experts native mxfp4 ({layers} of {layers} MoE layers)" in fast.kernels, fast.kernels
     experts = [m for m in fast.modules() if isinstance(m, Experts)]
     assert len(experts) == layers and all(m.gate_up_proj.numel() == m.down_proj.numel() == 0 for m in experts)
-    _compare_logits(fast, ref, hf.config.vocab_size)
+    stored_models.compare_logits(fast, ref, hf.config.vocab_size, MODEL_ATOL)
 
 
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16], ids=lambda t: t.name)
@@ -466,15 +428,15 @@ def test_a_16bit_gguf_runs_without_a_float32_copy(
     the reference path's within 1e-4 (tests/model/test_model_numerics' ATOL; measured 1e-6)."""
     config = tiny_hf_config("llama")
     path = write_tiny_gguf(tmp_path / "h.gguf", random_state_dict(config, seed=6), config, weight_type=qtype)
-    ref = _load(path, fast=False)
+    ref = stored_models.load(path, fast=False)
     with monkeypatch.context() as m:
-        m.setattr(packing.StreamingPacker, "_dense", _never)
-        fast = _load(path, fast=True)
+        m.setattr(packing.StreamingPacker, "_dense", stored_models.never)
+        fast = stored_models.load(path, fast=True)
     n, kind = 4 * config["num_hidden_layers"], qtype.name.lower()
     assert f"native {kind} ({n} of {n} projections, every row), native {kind} logits" in fast.kernels
     assert not any(name.endswith("proj.weight") for name, _ in fast.named_parameters())
     assert fast.native_step is not None
-    _compare_logits(fast, ref, config["vocab_size"], atol=1e-4)
+    stored_models.compare_logits(fast, ref, config["vocab_size"], 1e-4)
 
 
 def test_a_5bit_phi3_gguf_runs_on_its_split_and_permuted_groups(tmp_path: Path) -> None:
@@ -486,6 +448,6 @@ def test_a_5bit_phi3_gguf_runs_on_its_split_and_permuted_groups(tmp_path: Path) 
     hf = random_hf("phi3", seed=4)
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     path = write_converted_gguf(tmp_path / "phi3.gguf", state, hf.config.to_dict(), weight_type=T.Q5_0)
-    ref, fast = _load(path, fast=False), _load(path, fast=True)
+    ref, fast = stored_models.load(path, fast=False), stored_models.load(path, fast=True)
     assert fast.kernels.startswith("native int5 (8 of 8 projections, every row)"), fast.kernels
-    _compare_logits(fast, ref, hf.config.vocab_size)
+    stored_models.compare_logits(fast, ref, hf.config.vocab_size, MODEL_ATOL)
