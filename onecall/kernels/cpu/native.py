@@ -18,6 +18,7 @@ functions and the structs it reads are declared once, in csrc/kernels.h (native_
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -176,22 +177,38 @@ def _blocked(t: torch.Tensor, n16: int, g: int) -> torch.Tensor:
     return t.view(n16 // 16, 2, 8, g).permute(0, 3, 1, 2).contiguous()
 
 
+def _gemm(
+    kernel: Callable[..., int],
+    x: torch.Tensor,
+    w: Packed,
+    weight: tuple[int, ...],
+    bias: torch.Tensor | None,
+    num_threads: int,
+    tail: tuple[int, ...],
+    refused: str,
+) -> torch.Tensor:
+    """The call every quantized GEMM shares: x (M, K) float32 contiguous -> y (M, N) = x @ W^T (+ bias),
+    kernel(x, M, K, *weight, N, bias, y, num_threads, *tail) (kernels.h's order); -1 is out of memory for
+    the activation buffer, any other non-zero what the kernel `refused`."""
+    m, k = x.shape
+    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
+    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    rc = kernel(x.data_ptr(), m, k, *weight, w.out_features, None if bias is None else bias.data_ptr(),
+                y.data_ptr(), num_threads, *tail)  # fmt: skip
+    if rc == -1:
+        raise MemoryError(f"{getattr(kernel, '__name__', kernel)}: out of memory for the activation buffer")
+    assert rc == 0, f"{getattr(kernel, '__name__', kernel)} refused {refused} (rc {rc})"
+    return y
+
+
 def q4_gemm(
     lib: ctypes.CDLL, x: torch.Tensor, w: Q4Packed, bias: torch.Tensor | None, num_threads: int
 ) -> torch.Tensor:
     """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_q4."""
-    m, k = x.shape
-    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
-    y = torch.empty(m, w.out_features, dtype=torch.float32)
     kernel = lib.onecall_q4a8_gemm if w.act8 else lib.onecall_q4_gemm
-    rc = kernel(
-        x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.out_features,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, q4_scales_mode(w),
-    )  # fmt: skip
-    assert rc != -2, "super-block factors with K % 256 != 0 (pack_q4_super never makes them)"
-    if rc != 0:
-        raise MemoryError(f"{kernel.__name__}: out of memory for the activation buffer")
-    return y
+    weight = (w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr())
+    # -2: super-block factors with K % 256 != 0 (pack_q4_super never makes them)
+    return _gemm(kernel, x, w, weight, bias, num_threads, (q4_scales_mode(w),), "the scales' mode")
 
 
 @dataclass(frozen=True)
@@ -235,17 +252,9 @@ def q5_gemm(
 ) -> torch.Tensor:
     """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_q5; activations
     rounded to int16 steps per group of 32, as the q4 kernel does."""
-    m, k = x.shape
-    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
-    y = torch.empty(m, w.out_features, dtype=torch.float32)
-    rc = lib.onecall_q5_gemm(
-        x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.out_features,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(w.scale.dtype == torch.float16),
-    )  # fmt: skip
-    if rc == -1:
-        raise MemoryError("onecall_q5_gemm: out of memory for the activation buffer")
-    assert rc == 0, f"onecall_q5_gemm refused K {k} (rc {rc})"
-    return y
+    weight = (w.qs.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr())
+    f16 = int(w.scale.dtype == torch.float16)
+    return _gemm(lib.onecall_q5_gemm, x, w, weight, bias, num_threads, (f16,), f"K {w.in_features}")
 
 
 def q5_rows(lib: ctypes.CDLL, w: Q5Packed, ids: torch.Tensor) -> torch.Tensor:
@@ -344,17 +353,9 @@ def kq_gemm(
 ) -> torch.Tensor:
     """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_kq; activations
     rounded to int16 steps per group of 32, as the q4 kernel does."""
-    m, k = x.shape
-    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
-    y = torch.empty(m, w.out_features, dtype=torch.float32)
-    rc = lib.onecall_kq_gemm(
-        x.data_ptr(), m, k, w.qs.data_ptr(), w.scales.data_ptr(), w.supers.data_ptr(), w.out_features,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, w.bits,
-    )  # fmt: skip
-    if rc == -1:
-        raise MemoryError("onecall_kq_gemm: out of memory for the activation buffer")
-    assert rc == 0, f"onecall_kq_gemm refused K {k} or bits {w.bits} (rc {rc})"
-    return y
+    weight = (w.qs.data_ptr(), w.scales.data_ptr(), w.supers.data_ptr())
+    refused = f"K {w.in_features} or bits {w.bits}"
+    return _gemm(lib.onecall_kq_gemm, x, w, weight, bias, num_threads, (w.bits,), refused)
 
 
 def kq_rows(lib: ctypes.CDLL, w: KQPacked, ids: torch.Tensor) -> torch.Tensor:
@@ -401,14 +402,8 @@ def half_gemm(
 ) -> torch.Tensor:
     """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_half: each
     weight widened to float32 exactly, float32 accumulation in order along K."""
-    m, k = x.shape
-    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
-    y = torch.empty(m, w.out_features, dtype=torch.float32)
-    lib.onecall_half_gemm(
-        x.data_ptr(), m, k, w.values.data_ptr(), w.out_features, None if bias is None else bias.data_ptr(),
-        y.data_ptr(), num_threads, int(w.values.dtype == torch.bfloat16),
-    )  # fmt: skip
-    return y
+    tail = (int(w.values.dtype == torch.bfloat16),)
+    return _gemm(lib.onecall_half_gemm, x, w, (w.values.data_ptr(),), bias, num_threads, tail, "its shapes")
 
 
 def half_rows(w: HalfPacked, ids: torch.Tensor) -> torch.Tensor:
@@ -490,17 +485,9 @@ def q8_blocked_gemm(
 ) -> torch.Tensor:
     """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_q8_blocked;
     activations rounded to int16 steps per group of 32, as the q4 kernel does."""
-    m, k = x.shape
-    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
-    y = torch.empty(m, w.out_features, dtype=torch.float32)
-    rc = lib.onecall_q8b_gemm(
-        x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.out_features,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, w.group_size,
-    )  # fmt: skip
-    if rc == -1:
-        raise MemoryError("onecall_q8b_gemm: out of memory for the activation buffer")
-    assert rc == 0, f"onecall_q8b_gemm refused group size {w.group_size} or K {k} (rc {rc})"
-    return y
+    refused = f"group size {w.group_size} or K {w.in_features}"
+    weight = (w.qs.data_ptr(), w.scale.data_ptr())
+    return _gemm(lib.onecall_q8b_gemm, x, w, weight, bias, num_threads, (w.group_size,), refused)
 
 
 @dataclass(frozen=True)
@@ -550,18 +537,10 @@ def iq4_gemm(
 ) -> torch.Tensor:
     """x (M, K) float32 contiguous -> (M, N) float32 = x @ W^T (+ bias), W packed by pack_iq4; activations
     rounded to int16 steps per group of 32, as the q4 kernel does."""
-    m, k = x.shape
-    assert k == w.in_features and x.dtype == torch.float32 and x.is_contiguous()
-    y = torch.empty(m, w.out_features, dtype=torch.float32)
-    rc = lib.onecall_iq4_gemm(
-        x.data_ptr(), m, k, w.qs.data_ptr(), w.scale.data_ptr(), w.out_features,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), num_threads, int(w.scale.dtype == torch.float16),
-        w.codebook_id,
-    )  # fmt: skip
-    if rc == -1:
-        raise MemoryError("onecall_iq4_gemm: out of memory for the activation buffer")
-    assert rc == 0, f"onecall_iq4_gemm refused K {k} (rc {rc})"
-    return y
+    tail = (int(w.scale.dtype == torch.float16), w.codebook_id)
+    weight = (w.qs.data_ptr(), w.scale.data_ptr())
+    refused = f"K {w.in_features} or its codebook"
+    return _gemm(lib.onecall_iq4_gemm, x, w, weight, bias, num_threads, tail, refused)
 
 
 def iq4_rows(lib: ctypes.CDLL, w: IQ4Packed, ids: torch.Tensor) -> torch.Tensor:
